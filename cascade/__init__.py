@@ -1,0 +1,1 @@
+"""Tiered cascade decision router."""

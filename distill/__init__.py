@@ -1,0 +1,1 @@
+"""Offline distillation: teacher labels, fast-tier training, threshold calibration."""
