@@ -1,0 +1,132 @@
+"""The ``cascade`` command: parses arguments, calls the library, prints. No logic of its own.
+
+Errors a user can fix (``CascadeError``, a missing file) are printed as one ``Type: message`` line
+with a non-zero exit; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from cascade.errors import CascadeError
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _read_text(path: Path, what: str) -> str:
+    if not path.is_file():
+        raise CascadeError(f"{what} not found: {path}")
+    return path.read_text(encoding="utf-8")
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    from cascade.questions import parse_request
+    from cascade.readout import HeadTailExcerpt, Scorer
+
+    request = parse_request(_read_text(args.request, "request file"))
+    if args.model is None:
+        from cascade.llama import default_gguf_path
+
+        args.model = default_gguf_path()
+        print(f"no --model given: using the embedded {args.model.name}", file=sys.stderr)
+    excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
+    scorer = Scorer(
+        args.model,
+        n_ctx=args.n_ctx,
+        max_branches=args.max_branches,
+        n_threads=args.threads,
+        n_gpu_layers=args.gpu_layers,
+        template=args.template,
+    )
+    response = scorer.score(
+        request,
+        path="serial" if args.serial else "fanout",
+        permutations=args.permutations,
+        excerpt=excerpt,
+    )
+    print(json.dumps(response.model_dump(mode="json"), indent=2, ensure_ascii=False))
+    return 0
+
+
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "score",
+        help="answer a System One request with a GGUF model's option-letter logits",
+        description=(
+            "Answer every question of a System One request ({state, questions}) with ONE forward "
+            "pass per question and no generated token: the state is prefilled once and shared by "
+            "all questions (fan-out). Prints the System One response JSON."
+        ),
+        epilog=(
+            "example: cascade score --model qwen3.5-4b-q4_k_m.gguf --request req.json "
+            "--permutations 4"
+        ),
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="path of any GGUF model (default: the embedded gemma-3-270m, a small stand-in)",
+    )
+    p.add_argument("--request", type=Path, required=True, help="System One request JSON file")
+    p.add_argument(
+        "--serial",
+        action="store_true",
+        help="snapshot/restore the state per question instead of the fan-out (for comparison)",
+    )
+    p.add_argument(
+        "--permutations",
+        type=int,
+        default=1,
+        metavar="K",
+        help="average over K balanced option orders to cancel position bias (cost: K x branches)",
+    )
+    p.add_argument(
+        "--excerpt",
+        metavar="head_tail:N",
+        help="when the prompt is too long, score the first and last N/2 tokens of the state "
+        "(default: refuse over-long input)",
+    )
+    p.add_argument("--n-ctx", type=int, default=4096, help="context tokens (default 4096)")
+    p.add_argument(
+        "--max-branches", type=int, default=16, help="questions decoded per llama_decode (default 16)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload to a GPU (CUDA build)")
+    p.add_argument(
+        "--template",
+        choices=("auto", "chat", "plain"),
+        default="auto",
+        help="prompt layout: the model's chat template when it has one (auto), or plain",
+    )
+    p.set_defaults(run=_cmd_score)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cascade",
+        description="Tiered cascade decision router: answer typed questions about a state cheaply.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_score(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Command = args.run
+    try:
+        return run(args)
+    except CascadeError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

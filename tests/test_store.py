@@ -1,0 +1,278 @@
+"""Teacher label store: binding to one teacher, idempotent writes, import/export, kill safety."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cascade.errors import CascadeError
+from cascade.questions import parse_request
+from distill.store import (
+    LabelStore,
+    StoreError,
+    StoreMismatchError,
+    Teacher,
+    export_labels,
+    import_labels,
+)
+
+GGUF = Teacher(kind="gguf", model="qwen-4b.gguf", model_sha256="a" * 64, prompt_version="v1")
+QUESTIONS = parse_request({
+    "state": "x",
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Urgent?"},
+        "team": {"type": "choice", "instructions": "Which team?",
+                 "criteria": {"billing": "money", "technical": "bugs", "sales": "deals"}},
+        "severity": {"type": "score", "instructions": "How bad?",
+                     "criteria": ["minor", "degraded", "blocking"]},
+        "digit": {"type": "choice", "instructions": "Which digit?", "criteria": {"1": "", "0": ""}},
+    },
+}).questions
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with LabelStore(tmp_path / "labels.db", GGUF) as opened:
+        yield opened
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_create_then_reopen_keeps_labels_and_teacher(tmp_path: Path) -> None:
+    path = tmp_path / "labels.db"
+    with LabelStore(path, GGUF) as store:
+        store.put_item("e1", {"urgent": {"true": 0.8, "false": 0.2}}, {"urgent": "h1"})
+    with LabelStore(path, GGUF) as store:
+        assert store.labels("urgent") == {"e1": {"true": 0.8, "false": 0.2}}
+        assert store.question_ids() == ["urgent"]
+        assert [label.prompt_hash for label in store.iter_labels()] == ["h1"]
+    with LabelStore.open_existing(path) as store:
+        assert store.teacher == GGUF
+        assert len(store) == 1
+        assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("kind", "external"), ("model", "other.gguf"), ("model_sha256", "b" * 64),
+    ("prompt_version", "v2"),
+])
+def test_store_of_another_teacher_is_refused(tmp_path: Path, field: str, value: str) -> None:
+    LabelStore(tmp_path / "labels.db", GGUF).close()
+    other = Teacher.model_validate({**GGUF.model_dump(), field: value})
+    with pytest.raises(StoreMismatchError, match=f"{field}.*new --store path") as caught:
+        LabelStore(tmp_path / "labels.db", other)
+    assert isinstance(caught.value, CascadeError) and isinstance(caught.value, ValueError)
+
+
+def test_gguf_teacher_needs_sha256_and_prompt_version() -> None:
+    with pytest.raises(ValueError, match="model_sha256"):
+        Teacher(kind="gguf", model="m.gguf", prompt_version="v1")
+    assert Teacher(kind="external", model="gold labels").model_sha256 is None
+
+
+def test_missing_and_foreign_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no label store"):
+        LabelStore.open_existing(tmp_path / "absent.db")
+    (tmp_path / "text.db").write_text("not a database at all, just some text" * 100)
+    sqlite3.connect(tmp_path / "other.db").execute("CREATE TABLE t (x)")
+    for name in ("text.db", "other.db"):
+        with pytest.raises(StoreError, match="not a label store"):
+            LabelStore.open_existing(tmp_path / name)
+        with pytest.raises(StoreError, match="not a label store"):
+            LabelStore(tmp_path / name, GGUF)
+    assert sqlite3.connect(tmp_path / "other.db").execute(
+        "SELECT name FROM sqlite_master").fetchall() == [("t",)], "foreign file left untouched"
+
+
+def test_read_only_store_refuses_writes(tmp_path: Path) -> None:
+    LabelStore(tmp_path / "labels.db", GGUF).close()
+    with LabelStore.open_existing(tmp_path / "labels.db") as store, \
+            pytest.raises(StoreError, match="read-only"):
+        store.put_item("e1", {"urgent": {"true": 1.0, "false": 0.0}})
+
+
+def test_done_items_needs_every_question(store: LabelStore) -> None:
+    store.put_item("e1", {"urgent": {"true": 1.0, "false": 0.0}, "team": {"billing": 1.0}})
+    store.put_item("e2", {"urgent": {"true": 0.0, "false": 1.0}})
+    assert store.done_items(["urgent"]) == {"e1", "e2"}
+    assert store.done_items(["urgent", "team"]) == {"e1"}
+    assert store.done_items(["severity"]) == set()
+    assert store.labels("team") == {"e1": {"billing": 1.0}}
+
+
+def test_identical_reput_is_idempotent_and_a_different_one_refused(store: LabelStore) -> None:
+    labels = {"urgent": {"true": 0.3, "false": 0.7}}
+    store.put_item("e1", labels)
+    store.put_item("e1", labels)
+    assert len(store) == 1
+    with pytest.raises(StoreError, match="different labels"):
+        store.put_item("e1", {"team": {"billing": 1.0}, "urgent": {"true": 0.4, "false": 0.6}})
+    assert store.question_ids() == ["urgent"], "a refused item writes none of its labels"
+
+
+def test_put_item_rejects_non_distributions(store: LabelStore) -> None:
+    for bad in ({"true": 0.7, "false": 0.7}, {"true": float("nan"), "false": 1.0},
+                {"true": -0.5, "false": 1.5}, {}):
+        with pytest.raises(StoreError, match="labels\\['urgent'\\]"):
+            store.put_item("e1", {"urgent": bad})
+    assert len(store) == 0
+
+
+def test_import_hard_and_soft_rows_of_each_type(store: LabelStore, tmp_path: Path) -> None:
+    rows = [
+        {"id": "e1", "question": "urgent", "answer": True},
+        {"id": "e1", "question": "team", "answer": "technical"},
+        {"id": "e1", "question": "severity", "answer": 2},
+        {"id": "e2", "question": "urgent", "probabilities": {"true": 0.25, "false": 0.75}},
+        {"id": "e2", "question": "team",
+         "probabilities": {"billing": 0.2, "technical": 0.2, "sales": 0.6004}},
+        {"id": "e2", "question": "severity", "probabilities": {"0": 0.5, "1": 0.3, "2": 0.2}},
+    ]
+    summary = import_labels(store, write_jsonl(tmp_path / "in.jsonl", rows), QUESTIONS)
+    assert (summary.rows, summary.imported, summary.skipped) == (6, 6, 0)
+    assert store.labels("urgent") == {"e1": {"true": 1.0, "false": 0.0},
+                                      "e2": {"true": 0.25, "false": 0.75}}
+    assert store.labels("severity")["e1"] == {"0": 0.0, "1": 0.0, "2": 1.0}
+    team = store.labels("team")
+    assert team["e1"] == {"billing": 0.0, "technical": 1.0, "sales": 0.0}
+    assert sum(team["e2"].values()) == pytest.approx(1.0, abs=1e-12), "renormalised"
+    assert store.done_items(["urgent", "team", "severity"]) == {"e1", "e2"}
+
+
+@pytest.mark.parametrize("bad_row, message", [
+    ("{not json", "not valid JSON"),
+    ({"id": "e9", "question": "colour", "answer": True}, "unknown question 'colour'"),
+    ({"id": "e9", "question": "urgent", "answer": "yes"}, "true or false"),
+    ({"id": "e9", "question": "team", "answer": "legal"}, "one of \\['billing'"),
+    ({"id": "e9", "question": "severity", "answer": 3}, "level 0..2"),
+    ({"id": "e9", "question": "severity", "answer": True}, "level 0..2"),
+    ({"id": "e9", "question": "urgent", "probabilities": {"yes": 1.0}}, "exactly \\['true'"),
+    ({"id": "e9", "question": "urgent", "probabilities": {"true": 0.9, "false": 0.9}}, "sum"),
+    ({"id": "e9", "question": "urgent", "probabilities": {"true": 2, "false": -1}}, ">= 0"),
+    ({"id": "e9", "question": "urgent", "answer": False,
+      "probabilities": {"true": 0.9, "false": 0.1}}, "not a most probable"),
+    ({"id": "e9", "question": "urgent"}, "needs 'answer' or 'probabilities'"),
+    ({"id": "", "question": "urgent", "answer": True}, "'id'"),
+    ({"id": "e1", "question": "urgent", "answer": False}, "contradicts line 1"),
+])
+def test_bad_row_names_file_and_line(
+    store: LabelStore, tmp_path: Path, bad_row: object, message: str
+) -> None:
+    good = {"id": "e1", "question": "urgent", "answer": True}
+    path = write_jsonl(tmp_path / "in.jsonl", [good, {**good, "id": "e2"}, bad_row])
+    with pytest.raises(StoreError, match=f"in.jsonl:3: .*{message}"):
+        import_labels(store, path, QUESTIONS)
+    assert len(store) == 0, "a file with a bad row writes nothing in stop mode"
+
+
+def test_skip_mode_counts_and_reports_bad_rows(store: LabelStore, tmp_path: Path) -> None:
+    store.put_item("old", {"urgent": {"true": 1.0, "false": 0.0}})
+    rows = [
+        {"id": "e1", "question": "urgent", "answer": True},
+        "[]",
+        {"id": "e1", "question": "team", "answer": "nobody"},
+        "",
+        {"id": "old", "question": "urgent", "answer": False},
+        {"id": "e2", "question": "severity", "answer": 0},
+        {"id": "e2", "question": "severity", "answer": 0},
+    ]
+    summary = import_labels(store, write_jsonl(tmp_path / "in.jsonl", rows), QUESTIONS, "skip")
+    assert (summary.rows, summary.imported, summary.skipped) == (6, 3, 3)
+    assert [line for line, _ in summary.errors] == [2, 3, 5]
+    assert "different labels" in summary.errors[2][1]
+    assert store.labels("urgent")["old"] == {"true": 1.0, "false": 0.0}
+    assert len(store) == 3
+
+
+def test_export_then_import_round_trips(tmp_path: Path) -> None:
+    with LabelStore(tmp_path / "a.db", GGUF) as source:
+        source.put_item("e1", {"urgent": {"true": 0.1, "false": 0.9},
+                               "team": {"billing": 0.2, "technical": 0.5, "sales": 0.3},
+                               "severity": {"0": 0.1, "1": 0.2, "2": 0.7}})
+        source.put_item("e2", {"urgent": {"true": 2 / 3, "false": 1 / 3},
+                               "severity": {"0": 0.4, "1": 0.4, "2": 0.2},
+                               "digit": {"1": 0.3, "0": 0.7}})
+        assert export_labels(source, tmp_path / "out.jsonl") == 6
+        expected = {q: source.labels(q) for q in QUESTIONS}
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert {(r["question"], r["answer"]) for r in rows if r["id"] == "e1"} == {
+        ("urgent", False), ("team", "technical"), ("severity", 2)}
+    with LabelStore(tmp_path / "b.db", Teacher(kind="external", model="copy")) as copy:
+        summary = import_labels(copy, tmp_path / "out.jsonl", QUESTIONS)
+        assert summary.imported == 6
+        for qid, items in expected.items():
+            assert copy.labels(qid).keys() == items.keys()
+            for item, probs in items.items():
+                assert copy.labels(qid)[item] == pytest.approx(probs, rel=1e-12)
+
+
+KILL_SCRIPT = """
+import sys
+from pathlib import Path
+from distill.store import LabelStore, Teacher
+
+path, items, gated = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "gated"
+questions = [f"q{j}" for j in range(8)]
+with LabelStore(path, Teacher(kind="external", model="kill test")) as store:
+    done = store.done_items(questions)
+    for i in range(items):
+        if gated:
+            sys.stdin.readline()
+        item = f"item{i:04d}"
+        if item not in done:
+            store.put_item(item, {q: {"a": 0.25, "b": 0.75} for q in questions})
+            print(item, flush=True)
+print("finished", flush=True)
+"""
+
+
+def run_writer(path: Path, items: int, gated: bool) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(path), str(items), "gated" if gated else "free"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def test_sigkill_mid_run_loses_nothing_committed_and_resumes(tmp_path: Path) -> None:
+    """Only `released` items may start before the kill, so it lands before the run can end."""
+    path, total, released = tmp_path / "labels.db", 200, 120
+    writer = run_writer(path, total, gated=True)
+    assert writer.stdin is not None and writer.stdout is not None
+    writer.stdin.write("go\n" * released)
+    writer.stdin.flush()
+    reported = [writer.stdout.readline().strip() for _ in range(5)]
+    writer.send_signal(signal.SIGKILL)
+    assert writer.wait() == -signal.SIGKILL
+    writer.stdin.close()
+    writer.stdout.close()
+
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    per_item = dict(conn.execute("SELECT item_id, COUNT(*) FROM labels GROUP BY item_id"))
+    conn.close()
+    assert set(per_item.values()) == {8}, "every item is whole or absent"
+    assert set(reported) <= set(per_item), "every reported (committed) item survived"
+    assert len(per_item) <= released < total
+
+    second = run_writer(path, total, gated=False)
+    out, _ = second.communicate()
+    assert second.returncode == 0 and out.splitlines()[-1] == "finished"
+    assert len(out.splitlines()) - 1 == total - len(per_item), "done items were skipped"
+    with LabelStore.open_existing(path) as store:
+        assert len(store) == total * 8
+        assert store.done_items([f"q{j}" for j in range(8)]) == {
+            f"item{i:04d}" for i in range(total)}
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    distinct = "SELECT COUNT(*) FROM (SELECT DISTINCT item_id, question_id FROM labels)"
+    assert conn.execute(distinct).fetchone()[0] == total * 8
