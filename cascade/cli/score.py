@@ -1,33 +1,20 @@
-"""The ``cascade`` command: parses arguments, calls the library, prints. No logic of its own.
-
-Errors a user can fix (``CascadeError``, a missing file) are printed as one ``Type: message`` line
-with a non-zero exit; a traceback means a bug.
-"""
+"""``cascade score``: answer one System One request with a GGUF model's option-letter logits."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cascade.errors import CascadeError
-
-Command = Callable[[argparse.Namespace], int]
-
-
-def _read_text(path: Path, what: str) -> str:
-    if not path.is_file():
-        raise CascadeError(f"{what} not found: {path}")
-    return path.read_text(encoding="utf-8")
+from cascade.cli.common import read_text
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
     from cascade.questions import parse_request
     from cascade.readout import HeadTailExcerpt, Scorer
 
-    request = parse_request(_read_text(args.request, "request file"))
+    request = parse_request(read_text(args.request, "request file"))
     if args.model is None:
         from cascade.llama import default_gguf_path
 
@@ -52,7 +39,7 @@ def _cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_score(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "score",
         help="answer a System One request with a GGUF model's option-letter logits",
@@ -103,30 +90,3 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
         help="prompt layout: the model's chat template when it has one (auto), or plain",
     )
     p.set_defaults(run=_cmd_score)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cascade",
-        description="Tiered cascade decision router: answer typed questions about a state cheaply.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_score(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    run: Command = args.run
-    try:
-        return run(args)
-    except CascadeError as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

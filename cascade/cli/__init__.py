@@ -1,0 +1,47 @@
+"""The ``cascade`` command: parses arguments, calls the library, prints. No logic of its own.
+
+Each subcommand is a module here with ``add_parser(subparsers)``, registered in ``COMMANDS``; the
+modules import the library lazily, so ``cascade --help`` starts fast. Errors a user can fix
+(``CascadeError``) are printed as one ``Type: message`` line with exit status 2; a traceback means
+a bug. This is the top of the stack: it may call ``distill`` (offline work) as well as ``cascade``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from cascade.cli import score
+from cascade.errors import CascadeError
+
+Command = Callable[[argparse.Namespace], int]
+COMMANDS = {"score": score.add_parser}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cascade",
+        description="Tiered cascade decision router: answer typed questions about a state cheaply.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser in COMMANDS.values():
+        add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Command = args.run
+    try:
+        return run(args)
+    except CascadeError as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
