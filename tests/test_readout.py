@@ -1,9 +1,10 @@
 """The logit-readout scorer on the real llama.cpp: gemma-3-270m Q4_K_M and a tiny hybrid qwen35.
 
 PATH_TOLERANCE is the measured spread between decode paths on gemma's quantized kernels (see
-BENCHMARKS.md, `python -m bench.path_agreement`): the largest |dp| seen was about 0.05, so 0.08
-leaves headroom without letting a real mapping error (which moves probabilities by 0.1-0.9)
-through. The tiny qwen35 is float32, where the paths agree to about 1e-6.
+BENCHMARKS.md, `python -m bench.path_agreement`): over 288 real decisions the largest |dp| was
+0.103 and the mean 0.016, so 0.15 leaves headroom; argmax must agree wherever the top two are more
+than 2 x 0.15 apart. The tiny qwen35 is float32, where the paths agree to about 1e-6, so there the
+tolerance is 1e-4 and any mapping or state-copy error shows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from cascade.prompts import PROMPT_VERSION, PromptTemplate
 from cascade.questions import DecisionResponse, parse_request
 from cascade.readout import HeadTailExcerpt, Scorer
 
-PATH_TOLERANCE = 0.08
+PATH_TOLERANCE = 0.15
 F32_TOLERANCE = 1e-4
 
 STATE = (
