@@ -12,11 +12,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from cascade.cli import score
+from cascade.cli import label, roofline, score, train
 from cascade.errors import CascadeError
 
 Command = Callable[[argparse.Namespace], int]
-COMMANDS = {"score": score.add_parser}
+COMMANDS = {"score": score.add_parser, "roofline": roofline.add_parser, "label": label.add_parser,
+            "train": train.add_parser}
 
 
 def build_parser() -> argparse.ArgumentParser:

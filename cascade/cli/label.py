@@ -1,0 +1,154 @@
+"""``cascade label``: teacher labels for a corpus in a resumable store; import and export them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_TEACHER_NAME = "external labels"
+DESCRIPTION = """\
+Label every item of a JSONL corpus with a teacher GGUF model (the logit-readout scorer: one
+prefill per item, all questions read in one decode) into a SQLite label store, the training and
+calibration data of the fast tiers. Each item's labels are committed as soon as they exist: stop
+the run at any time (Ctrl-C, a kill) and run the same command again to continue where it stopped.
+A store belongs to one teacher (model sha256 and prompt version) and refuses any other.
+
+One of three modes:
+  --teacher MODEL.gguf   label the corpus with a GGUF model
+  --import LABELS.jsonl  store labels made elsewhere (gold labels, another machine's export)
+  --export OUT.jsonl     write a store's labels as JSONL rows {id, question, answer, probabilities}
+
+The corpus has one JSON object per line, {"id": "e1", "text": "..."}; the text may also be a
+JSON object or array (a structured state). The questions file is a System One request without
+its state: {"questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}}."""
+EPILOG = """\
+examples:
+  cascade label --questions q.json --corpus emails.jsonl --store labels.sqlite \\
+      --teacher qwen3.5-4b-q4_k_m.gguf --gpu-layers 99 --excerpt head_tail:2048
+  cascade label --questions q.json --store gold.sqlite --import gold.jsonl --teacher-name gold
+  cascade label --store labels.sqlite --export labels.jsonl"""
+
+_MODES = {
+    # mode flag: (flags it needs, flags it refuses)
+    "teacher": (("questions", "corpus"), ("teacher_name",)),
+    "import_path": (("questions",), ("corpus",)),
+    "export_path": ((), ("questions", "corpus", "teacher_name")),
+}
+_FLAGS = {"teacher": "--teacher", "import_path": "--import", "export_path": "--export",
+          "questions": "--questions", "corpus": "--corpus", "teacher_name": "--teacher-name"}
+
+
+def _check_mode(args: argparse.Namespace) -> str:
+    """The mode named, once its companion flags are right; an argparse error otherwise."""
+    mode = next(m for m in _MODES if getattr(args, m) is not None)
+    needs, refuses = _MODES[mode]
+    missing = [_FLAGS[f] for f in needs if getattr(args, f) is None]
+    if missing:
+        args.parser.error(f"{_FLAGS[mode]} needs {' and '.join(missing)}")
+    extra = [_FLAGS[f] for f in refuses if getattr(args, f) is not None]
+    if extra:
+        args.parser.error(f"{', '.join(extra)} cannot be used with {_FLAGS[mode]}")
+    return mode
+
+
+def _cmd_label(args: argparse.Namespace) -> int:
+    mode = _check_mode(args)
+    if mode == "export_path":
+        return _export(args)
+    if mode == "import_path":
+        return _import(args)
+    return _label(args)
+
+
+def _label(args: argparse.Namespace) -> int:
+    from cascade.readout import HeadTailExcerpt
+    from distill.corpus import load_questions
+    from distill.label import label_corpus, open_teacher, teacher_of
+    from distill.store import LabelStore
+
+    questions = load_questions(args.questions)
+    excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
+    scorer = open_teacher(args.teacher, questions, args.permutations, args.n_ctx, args.gpu_layers,
+                          args.threads)
+    try:
+        with LabelStore(args.store, teacher_of(scorer)) as store:
+            summary = label_corpus(scorer, questions, args.corpus, store, args.text_field,
+                                   args.on_error, args.permutations, excerpt=excerpt)
+    finally:
+        scorer.close()
+    for bad in summary.bad_lines:
+        print(f"skipped {bad}", file=sys.stderr)
+    print(f"labelled {summary.labelled} items, {summary.skipped_done} already done, "
+          f"{len(summary.bad_lines)} bad, in {summary.seconds:.1f} s; store: {args.store}")
+    if summary.interrupted:
+        print(f"interrupted: the {summary.labelled} items labelled by this run are committed; run "
+              "the same command again to resume (done items are skipped)", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from distill.corpus import load_questions
+    from distill.store import LabelStore, Teacher, import_labels
+
+    questions = load_questions(args.questions)
+    teacher = Teacher(kind="external", model=args.teacher_name or DEFAULT_TEACHER_NAME)
+    with LabelStore(args.store, teacher) as store:
+        summary = import_labels(store, args.import_path, questions, args.on_error)
+    for line, message in summary.errors:
+        print(f"skipped {args.import_path}:{line}: {message}", file=sys.stderr)
+    print(f"imported {summary.imported} of {summary.rows} rows, {summary.skipped} skipped; "
+          f"store: {args.store}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from distill.store import LabelStore, export_labels
+
+    with LabelStore.open_existing(args.store) as store:
+        count = export_labels(store, args.export_path)
+        teacher = store.teacher.model
+    print(f"exported {count} labels of teacher {teacher!r} from {args.store} to {args.export_path}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "label",
+        help="label a corpus with a teacher model into a resumable store (or import / export)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--teacher", type=Path, metavar="MODEL.gguf",
+                      help="label the corpus with this GGUF model")
+    mode.add_argument("--import", dest="import_path", type=Path, metavar="LABELS.jsonl",
+                      help="store these labels ({id, question, answer | probabilities} rows)")
+    mode.add_argument("--export", dest="export_path", type=Path, metavar="OUT.jsonl",
+                      help="write the store's labels to this JSONL file")
+    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
+                   help="label store (SQLite); created on first use, resumed after")
+    p.add_argument("--questions", type=Path, metavar="Q.json",
+                   help='questions file: {"questions": {id: {type, instructions, criteria}}}')
+    p.add_argument("--corpus", type=Path, metavar="C.jsonl",
+                   help='JSONL corpus, one {"id": ..., "text": ...} object per line')
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="corpus field holding each state (default: text)")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="at a bad line or over-long item: stop with its line number (default), or "
+                   "skip it, go on, and list it at the end")
+    p.add_argument("--teacher-name", metavar="NAME",
+                   help=f"with --import: who made the labels (default: {DEFAULT_TEACHER_NAME!r})")
+    p.add_argument("--permutations", type=int, default=1, metavar="K",
+                   help="average over K balanced option orders to cancel position bias (cost: K x)")
+    p.add_argument("--excerpt", metavar="head_tail:N",
+                   help="label over-long items from their first and last N/2 state tokens "
+                   "(default: an over-long item is a bad item, see --on-error)")
+    p.add_argument("--n-ctx", type=int, default=4096, metavar="N", help="context tokens (default 4096)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: all cores)")
+    p.add_argument("--gpu-layers", type=int, default=0, metavar="N",
+                   help="layers to offload to a GPU (CUDA build; default 0)")
+    p.set_defaults(run=_cmd_label, parser=p)

@@ -1,0 +1,76 @@
+"""``cascade train``: fit the encoder tier on a label store's teacher labels into a model bundle."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DESCRIPTION = """\
+Embed every corpus item the label store has teacher labels for (once: vectors are cached, so a
+retrain re-embeds nothing), split the items by a hash of their id into train / calibration /
+evaluation parts, and fit one softmax head per question on the train part with the teacher's
+probabilities. Writes a bundle folder: manifest.json (tiers, pinned model files, questions,
+thresholds to be calibrated), heads.npz and split.json. A question with too few train labels,
+or a single answer among them, gets no head and starts at the next tier."""
+EPILOG = """\
+example:
+  cascade train --questions q.json --corpus emails.jsonl --store labels.sqlite \\
+      --bundle models/support-v1 --teacher-model qwen3.5-4b-q4_k_m.gguf"""
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from cascade.encoder import Encoder
+    from distill.corpus import load_questions
+    from distill.store import LabelStore
+    from distill.train import default_cache_dir, train_bundle
+
+    questions = load_questions(args.questions)
+    with LabelStore.open_existing(args.store) as store:
+        bundle = train_bundle(
+            questions, args.corpus, store, args.bundle,
+            encoder=Encoder(device=args.device), text_field=args.text_field, C=args.C,
+            cache_dir=args.cache_dir or default_cache_dir(), teacher_model=args.teacher_model,
+        )
+    tier = bundle.manifest.encoder_tier
+    heads = tier.heads if tier is not None else {}
+    rows = [("question", "train n", "held-out n", "agreement", "head")]
+    for qid, info in heads.items():
+        agreement = "-" if info.held_out_agreement is None else f"{info.held_out_agreement:.3f}"
+        rows.append((qid, str(info.train_items), str(info.held_out_items), agreement,
+                     "yes" if info.has_head else f"none: {info.skipped}"))
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
+        print("  ".join([*cells, row[4]]))
+    print(f"bundle: {bundle.directory.resolve()}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="fit the fast encoder tier on teacher labels into a model bundle",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--questions", type=Path, required=True, metavar="Q.json",
+                   help='questions file: {"questions": {id: {type, instructions, criteria}}}')
+    p.add_argument("--corpus", type=Path, required=True, metavar="C.jsonl",
+                   help='the labelled JSONL corpus, one {"id": ..., "text": ...} object per line')
+    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
+                   help="label store holding the teacher's labels (from `cascade label`)")
+    p.add_argument("--bundle", type=Path, required=True, metavar="DIR",
+                   help="bundle folder to write (created; an existing bundle there is replaced)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="corpus field holding each state (default: text)")
+    p.add_argument("--C", type=float, default=1.0, metavar="C",
+                   help="inverse L2 regularisation strength of the heads (default 1.0)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="where the encoder runs (default cpu; cuda needs onnxruntime-gpu)")
+    p.add_argument("--teacher-model", type=Path, metavar="MODEL.gguf",
+                   help="the teacher's GGUF, pinned as the top tier (needed when the store's "
+                   "teacher is a GGUF; its sha256 must match the store's)")
+    p.add_argument("--cache-dir", type=Path, metavar="DIR",
+                   help="embedding cache folder (default: ~/.cache/cascade)")
+    p.set_defaults(run=_cmd_train)

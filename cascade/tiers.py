@@ -1,0 +1,121 @@
+"""One interface for every tier of the cascade: items and questions in, raw distributions out.
+
+A tier answers the questions it can for each item and leaves the rest out (the router starts those
+at the next tier). Tiers return RAW probabilities in each question's ``option_keys()`` order;
+temperatures and thresholds belong to the router, which owns the calibration.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cascade.encoder import Encoder
+from cascade.errors import CascadeError
+from cascade.heads import SoftmaxHead
+from cascade.prompts import render_state
+from cascade.questions import DecisionRequest, Question, State
+from cascade.readout import HeadTailExcerpt, Scorer
+
+
+@dataclass(frozen=True)
+class Item:
+    """A state with the id it has in a corpus (label stores key teacher answers by it)."""
+
+    id: str
+    state: State
+
+
+Asked = Sequence[Sequence[str]]
+"""Per item, the question ids to answer."""
+Answers = list[dict[str, np.ndarray]]
+"""Per item, question id -> probabilities (option_keys order) for the questions answered."""
+
+
+class Tier(ABC):
+    """A way to answer questions; ``name`` matches the bundle's tier name."""
+
+    name: str
+
+    @abstractmethod
+    def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
+        """Distributions for the asked questions this tier can answer; the others are omitted."""
+
+
+class HeadsTier(Tier):
+    """The encoder tier: ONE embedding per state, shared by every question's head."""
+
+    def __init__(self, name: str, encoder: Encoder, heads: Mapping[str, SoftmaxHead]) -> None:
+        self.name = name
+        self.encoder = encoder
+        self.heads = dict(heads)
+
+    def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
+        out: Answers = [{} for _ in items]
+        wanted = [i for i, qids in enumerate(asked) if any(q in self.heads for q in qids)]
+        if not wanted:
+            return out
+        vectors = self.encoder.encode([render_state(items[i].state) for i in wanted])
+        for row, i in enumerate(wanted):
+            for qid in asked[i]:
+                head = self.heads.get(qid)
+                if head is not None:
+                    out[i][qid] = head.predict_proba(vectors[row : row + 1])[0]
+        return out
+
+
+class ReadoutTier(Tier):
+    """A GGUF logit-readout tier: one prefill per state, its asked questions fanned out."""
+
+    def __init__(
+        self,
+        name: str,
+        scorer: Scorer,
+        permutations: int = 1,
+        excerpt: HeadTailExcerpt | None = None,
+    ) -> None:
+        self.name = name
+        self.scorer = scorer
+        self.permutations = permutations
+        self.excerpt = excerpt
+
+    def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
+        out: Answers = [{} for _ in items]
+        for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
+            if not qids:
+                continue
+            request = DecisionRequest(state=item.state, questions={q: questions[q] for q in qids})
+            response = self.scorer.score(
+                request, permutations=self.permutations, excerpt=self.excerpt
+            )
+            for qid, ans in response.answers.items():
+                out[i][qid] = np.asarray(list(ans.probabilities.values()))
+        return out
+
+
+class LabelsTier(Tier):
+    """Teacher answers recorded in a label store, for replaying a cascade on labelled items.
+
+    ``labels`` maps question id -> item id -> probabilities keyed like the answers (the shape of
+    ``distill.store.LabelStore.labels``). A missing label is an error, never a silent gap.
+    """
+
+    def __init__(self, name: str, labels: Mapping[str, Mapping[str, Mapping[str, float]]]) -> None:
+        self.name = name
+        self.labels = labels
+
+    def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
+        out: Answers = [{} for _ in items]
+        for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
+            for qid in qids:
+                row = self.labels.get(qid, {}).get(item.id)
+                if row is None:
+                    raise CascadeError(
+                        f"tier {self.name!r} has no teacher label for item {item.id!r}, question "
+                        f"{qid!r}; label it first (cascade label) or give a GGUF teacher"
+                    )
+                out[i][qid] = np.asarray([row[key] for key in questions[qid].option_keys()])
+        return out

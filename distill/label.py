@@ -1,0 +1,157 @@
+"""Resumable teacher labelling: every corpus item through the logit-readout scorer into a store.
+
+The teacher costs most of a second per item, so a run over a corpus takes hours and will be
+stopped: by Ctrl-C, a reboot, a killed job. Each item's labels are committed in one store
+transaction as soon as they exist, and a run starts by asking the store what is done, so
+running the same command again continues where the last one stopped, and no item is labelled
+twice. Only the questions an item lacks are scored, so adding a question to a finished run
+labels just that question, and never meets a stored label it would contradict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel
+from tqdm import tqdm
+
+from cascade.errors import InputTooLongError, RequestError
+from cascade.prompts import PROMPT_VERSION
+from cascade.questions import DecisionRequest, Question
+from cascade.readout import HeadTailExcerpt, Scorer
+from distill.corpus import BadLine, CorpusItem, OnError, check_on_error, count_items, read_corpus
+from distill.store import LabelStore, StoreMismatchError, Teacher
+
+MAX_BRANCHES = 64
+
+
+class LabelSummary(BaseModel):
+    """What a run did. ``items`` counts valid corpus items; bad lines and over-long items (skip
+    mode) are in ``bad_lines``; ``interrupted`` is True when Ctrl-C stopped the run."""
+
+    items: int = 0
+    labelled: int = 0
+    skipped_done: int = 0
+    bad_lines: list[BadLine] = []
+    seconds: float = 0.0
+    interrupted: bool = False
+
+
+def open_teacher(
+    model_path: str | Path,
+    questions: Mapping[str, Question],
+    permutations: int = 1,
+    n_ctx: int = 4096,
+    n_gpu_layers: int = 0,
+    n_threads: int | None = None,
+) -> Scorer:
+    """A scorer with one branch slot per (question, option order): one decode reads them all."""
+    branches = max(1, min(MAX_BRANCHES, len(questions) * permutations))
+    return Scorer(model_path, n_ctx=n_ctx, max_branches=branches, n_threads=n_threads,
+                  n_gpu_layers=n_gpu_layers)
+
+
+def teacher_of(scorer: Scorer) -> Teacher:
+    """The store identity of a scorer's labels: its model file, pinned by sha256, and prompt."""
+    return Teacher(kind="gguf", model=scorer.model.path.name, model_sha256=scorer.model_sha256,
+                   prompt_version=PROMPT_VERSION)
+
+
+def label_corpus(
+    scorer: Scorer,
+    questions: Mapping[str, Question],
+    corpus_path: Path,
+    store: LabelStore,
+    text_field: str = "text",
+    on_error: OnError = "stop",
+    permutations: int = 1,
+    progress: bool = True,
+    excerpt: HeadTailExcerpt | None = None,
+) -> LabelSummary:
+    """Label every item of the corpus not yet in ``store``, all its questions in one transaction.
+
+    ``store`` must belong to ``teacher_of(scorer)``. Over-long items are scored as an excerpt when
+    ``excerpt`` is given, else they are bad items (raised in stop mode, reported in skip mode).
+    Ctrl-C ends the run cleanly: what was labelled is committed and the summary says
+    ``interrupted``; the same call again resumes.
+    """
+    _check_arguments(scorer, questions, store, on_error, permutations)
+    summary, started = LabelSummary(), time.perf_counter()
+    done = {qid: store.done_items([qid]) for qid in questions}
+    total = count_items(corpus_path)
+    bar = tqdm(total=total, initial=min(len(store.done_items(list(questions))), total),
+               unit="item", desc="labelling", disable=not progress, dynamic_ncols=True)
+
+    def bad(line: BadLine) -> None:
+        summary.bad_lines.append(line)
+        bar.update()
+
+    items = read_corpus(corpus_path, text_field, on_error, bad)
+    try:
+        for item in items:
+            summary.items += 1
+            todo = {qid: q for qid, q in questions.items() if item.id not in done[qid]}
+            if not todo:
+                summary.skipped_done += 1
+                continue
+            failed = _label_item(scorer, store, item, todo, permutations, excerpt, corpus_path)
+            if failed is None:
+                summary.labelled += 1
+                bar.update()
+            elif on_error == "stop":
+                raise InputTooLongError(f"{failed} (--on-error skip / on_error='skip' reports "
+                                        "over-long items and goes on)")
+            else:
+                bad(failed)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    finally:
+        items.close()
+        bar.close()
+        summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _check_arguments(
+    scorer: Scorer,
+    questions: Mapping[str, Question],
+    store: LabelStore,
+    on_error: str,
+    permutations: int,
+) -> None:
+    check_on_error(on_error)
+    if not questions:
+        raise RequestError("questions: is empty; ask at least one question")
+    if isinstance(permutations, bool) or not isinstance(permutations, int) or permutations < 1:
+        raise RequestError(f"permutations must be a whole number >= 1; got {permutations!r}")
+    teacher = teacher_of(scorer)
+    if store.teacher != teacher:
+        raise StoreMismatchError(
+            f"label store {store.path} belongs to teacher {store.teacher}, not to this scorer's "
+            f"{teacher}; open the store with LabelStore(path, teacher_of(scorer)), or use a new "
+            "store path for this teacher's labels"
+        )
+
+
+def _label_item(
+    scorer: Scorer,
+    store: LabelStore,
+    item: CorpusItem,
+    questions: dict[str, Question],
+    permutations: int,
+    excerpt: HeadTailExcerpt | None,
+    corpus_path: Path,
+) -> BadLine | None:
+    """Score one item (fan-out: one prefill, all questions in one decode) and commit its labels."""
+    request = DecisionRequest(state=item.state, questions=questions)
+    try:
+        response = scorer.score(request, path="fanout", permutations=permutations, excerpt=excerpt)
+    except InputTooLongError as exc:
+        return BadLine(path=str(corpus_path), line=item.line, item_id=item.id,
+                       message=f"item {item.id!r} is too long: {exc}")
+    labels = {qid: answer.probabilities for qid, answer in response.answers.items()}
+    hashes = {qid: a.readout.prompt_hash for qid, a in response.answers.items() if a.readout}
+    store.put_item(item.id, labels, hashes)
+    return None

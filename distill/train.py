@@ -1,0 +1,230 @@
+"""Fast-tier training: one softmax head per question on encoder vectors, from the teacher's labels.
+
+Each labelled state is embedded once (through the embedding cache, so retraining with another C
+or another question re-embeds nothing) and every question's head reads that same vector. Heads
+learn the teacher's full distributions, only from the "train" part of the split; the
+"calibration" part gives an honest held-out agreement now and the thresholds later.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cascade.bundle import (
+    HEADS_NAME,
+    SPLIT_NAME,
+    Bundle,
+    BundleFile,
+    EncoderTier,
+    ExternalTier,
+    GgufTier,
+    HeadInfo,
+    Manifest,
+    ModelFile,
+    SplitInfo,
+    TeacherInfo,
+    Tier,
+    file_sha256,
+    write_json_file,
+)
+from cascade.encoder import EmbeddingCache, Encoder
+from cascade.errors import CascadeError
+from cascade.heads import SoftmaxHead, save_heads
+from cascade.prompts import PROMPT_VERSION, render_state
+from cascade.questions import Question
+from distill.corpus import read_corpus
+from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
+from distill.store import LabelStore, Teacher
+
+MIN_TRAIN_LABELS = 10
+ENCODER_TIER, TEACHER_TIER = "encoder", "teacher"
+
+Labels = Mapping[str, Mapping[str, float]]
+"""item id -> the teacher's probabilities for one question."""
+
+
+class TrainError(CascadeError, ValueError):
+    """Training cannot start: no labelled items, labels that do not fit a question, bad C."""
+
+
+def default_cache_dir() -> Path:
+    """Where embeddings are kept between runs: $XDG_CACHE_HOME/cascade, else ~/.cache/cascade."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cascade"
+
+
+def train_bundle(
+    questions: Mapping[str, Question],
+    corpus_path: Path,
+    store: LabelStore,
+    bundle_dir: Path,
+    encoder: Encoder | None = None,
+    text_field: str = "text",
+    fractions: Mapping[str, float] = DEFAULT_FRACTIONS,
+    C: float = 1.0,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+    teacher_model: Path | None = None,
+) -> Bundle:
+    """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
+
+    A question with fewer than MIN_TRAIN_LABELS train labels, or only one answer among them,
+    gets no head; the manifest says why, and the router starts it at the next tier. A GGUF
+    teacher must be given as ``teacher_model`` (the store knows only its name and sha256) so
+    that the bundle can pin the file its top tier runs.
+    """
+    fractions = check_fractions(fractions)
+    _check_arguments(questions, C)
+    top = _top_tier(store.teacher, teacher_model)
+    labels = {qid: store.labels(qid) for qid in questions}
+    texts = _labelled_texts(Path(corpus_path), text_field, labels, store.path)
+    encoder = encoder if encoder is not None else Encoder()
+    cache = EmbeddingCache(Path(cache_dir) if cache_dir else default_cache_dir(), encoder)
+    vectors = dict(zip(texts, cache.encode(list(texts.values()), progress=progress), strict=True))
+    parts = split_ids(texts, fractions, DEFAULT_SALT)
+    fitted = {qid: _fit_question(qid, q, labels[qid], vectors, parts, C) for qid, q in questions.items()}
+    heads = {qid: head for qid, (head, _) in fitted.items() if head is not None}
+    bundle_dir = Path(bundle_dir)
+    save_heads(bundle_dir / HEADS_NAME, heads)
+    tiers = [_encoder_tier(encoder, bundle_dir, {q: info for q, (_, info) in fitted.items()}), top]
+    split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
+                      file=write_json_file(bundle_dir, SPLIT_NAME, parts))
+    training = {"C": C, "min_train_labels": MIN_TRAIN_LABELS, "labelled_items": len(texts),
+                "new_embeddings": cache.misses, "embedding_cache": str(cache.path),
+                "text_field": text_field}
+    manifest = _manifest(questions, bundle_dir, tiers, store.teacher, split, training)
+    return Bundle(manifest, bundle_dir, heads).save()
+
+
+def _manifest(
+    questions: Mapping[str, Question],
+    bundle_dir: Path,
+    tiers: list[Tier],
+    teacher: Teacher,
+    split: SplitInfo,
+    training: dict[str, Any],
+) -> Manifest:
+    """A new bundle's manifest: no threshold yet (every question escalates until calibrated)."""
+    return Manifest(
+        name=bundle_dir.resolve().name,
+        created_at=datetime.now(timezone.utc),
+        questions={qid: question.model_dump(mode="json") for qid, question in questions.items()},
+        tiers=tiers,
+        thresholds={qid: {ENCODER_TIER: None} for qid in questions},
+        temperatures={qid: {ENCODER_TIER: 1.0, TEACHER_TIER: 1.0} for qid in questions},
+        teacher=TeacherInfo.model_validate(teacher.model_dump()),
+        split=split,
+        training=training,
+    )
+
+
+def _check_arguments(questions: Mapping[str, Question], C: float) -> None:
+    if not questions:
+        raise TrainError("questions is empty; give at least one question to train a head for")
+    if isinstance(C, bool) or not isinstance(C, (int, float)) or not (math.isfinite(C) and C > 0):
+        raise TrainError(f"C (inverse regularisation strength) must be a number > 0; got {C!r}")
+
+
+def _top_tier(teacher: Teacher, model: Path | None) -> Tier:
+    """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only."""
+    if teacher.kind == "external":
+        return ExternalTier(name=TEACHER_TIER, labels=teacher.model)
+    if teacher.prompt_version != PROMPT_VERSION:
+        raise TrainError(f"the store's labels were made with prompt version "
+                         f"{teacher.prompt_version!r}; this cascade prompts with {PROMPT_VERSION!r}, "
+                         "so its top tier would answer differently. Relabel with this version")
+    if model is None:
+        raise TrainError(f"the store's teacher is the GGUF {teacher.model!r} (sha256 "
+                         f"{teacher.model_sha256}); give its path (--teacher-model / teacher_model) "
+                         "so the bundle can pin the file its top tier runs")
+    if not Path(model).is_file():
+        raise TrainError(f"teacher_model {model} not found; give the path of {teacher.model!r}")
+    pinned = ModelFile.of(model)
+    if pinned.sha256 != teacher.model_sha256:
+        raise TrainError(f"teacher_model {model} has sha256 {pinned.sha256}, but the store's labels "
+                         f"were made by {teacher.model!r} with sha256 {teacher.model_sha256}; "
+                         "give that file")
+    return GgufTier(name=TEACHER_TIER, model=pinned)
+
+
+def _labelled_texts(
+    corpus: Path, text_field: str, labels: Mapping[str, Labels], store_path: Path
+) -> dict[str, str]:
+    """item id -> state text, for the corpus items the store has a label of for any question."""
+    wanted = set().union(*(set(by_item) for by_item in labels.values()))
+    texts = {item.id: render_state(item.state) for item in read_corpus(corpus, text_field)
+             if item.id in wanted}
+    if not texts:
+        raise TrainError(f"no item of {corpus} has a teacher label in {store_path} for the "
+                         f"questions {sorted(labels)} ({len(wanted)} labelled ids, none in the "
+                         "corpus); label this corpus first, or check --corpus and --store")
+    return texts
+
+
+def _encoder_tier(encoder: Encoder, bundle_dir: Path, heads: dict[str, HeadInfo]) -> EncoderTier:
+    return EncoderTier(
+        name=ENCODER_TIER,
+        model=ModelFile(path=str(encoder.files.model.resolve()), sha256=encoder.sha256),
+        tokenizer=ModelFile(path=str(encoder.files.tokenizer.resolve()),
+                            sha256=file_sha256(encoder.files.tokenizer)),
+        max_length=encoder.max_length,
+        heads_file=BundleFile.of(bundle_dir, HEADS_NAME),
+        heads=heads,
+    )
+
+
+def _fit_question(
+    qid: str,
+    question: Question,
+    labels: Labels,
+    vectors: Mapping[str, np.ndarray],
+    parts: Mapping[str, list[str]],
+    C: float,
+) -> tuple[SoftmaxHead | None, HeadInfo]:
+    """Fit on the train part; agreement with the teacher's argmax on the calibration part."""
+    keys = question.option_keys()
+    train = [item for item in parts["train"] if item in labels]
+    held = [item for item in parts["calibration"] if item in labels]
+    Y = _label_rows(qid, keys, labels, train)
+    info = HeadInfo(option_keys=keys, train_items=len(train), held_out_items=len(held))
+    reason = _why_no_head(Y, keys)
+    if reason is not None:
+        return None, info.model_copy(update={"skipped": reason})
+    head = SoftmaxHead(C=C).fit(_stack(vectors, train), Y)
+    if held:
+        teacher = _label_rows(qid, keys, labels, held).argmax(axis=1)
+        agreement = float((head.predict(_stack(vectors, held)) == teacher).mean())
+        info = info.model_copy(update={"held_out_agreement": agreement})
+    return head, info
+
+
+def _label_rows(qid: str, keys: list[str], labels: Labels, items: list[str]) -> np.ndarray:
+    """(len(items), len(keys)) teacher probabilities, columns in the question's option order."""
+    rows = np.zeros((len(items), len(keys)))
+    for row, item in enumerate(items):
+        probs = labels[item]
+        if sorted(probs) != sorted(keys):
+            raise TrainError(f"the stored label of item {item!r} for question {qid!r} has options "
+                             f"{sorted(probs)}, but the question's are {keys}: the question "
+                             "changed since labelling; relabel into a new store")
+        rows[row] = [probs[key] for key in keys]
+    return rows
+
+
+def _why_no_head(Y: np.ndarray, keys: list[str]) -> str | None:
+    if len(Y) < MIN_TRAIN_LABELS:
+        return f"only {len(Y)} train labels; a head needs at least {MIN_TRAIN_LABELS}"
+    answers = np.unique(Y.argmax(axis=1))
+    if len(answers) < 2:
+        return f"all {len(Y)} train labels answer {keys[int(answers[0])]!r}; a head needs two answers"
+    return None
+
+
+def _stack(vectors: Mapping[str, np.ndarray], items: Iterable[str]) -> np.ndarray:
+    return np.stack([vectors[item] for item in items])

@@ -1,0 +1,168 @@
+"""Bundles: a trained bundle round-trips, and every changed, missing or unknown file is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_train import shared_cache_dir, train, write_training_inputs
+
+from cascade.bundle import (
+    HEADS_NAME,
+    MANIFEST_NAME,
+    SPLIT_NAME,
+    Bundle,
+    BundleError,
+    EncoderTier,
+    file_sha256,
+)
+from cascade.encoder import EmbeddingCache, Encoder
+from cascade.errors import CascadeError
+from cascade.prompts import render_state
+from distill.corpus import read_corpus
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    return Encoder(threads=1)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
+    return write_training_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path], encoder: Encoder) -> Bundle:
+    return train(*inputs, tmp_path_factory.mktemp("bundle"), encoder, shared_cache_dir(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def vectors(
+    inputs: tuple[Path, Path], encoder: Encoder, tmp_path_factory: pytest.TempPathFactory
+) -> np.ndarray:
+    """Every corpus text embedded (from the cache training filled)."""
+    texts = [render_state(item.state) for item in read_corpus(inputs[0])]
+    return EmbeddingCache(shared_cache_dir(tmp_path_factory), encoder).encode(texts)
+
+
+@pytest.fixture
+def copy(trained: Bundle, tmp_path: Path) -> Path:
+    """A copy of the trained bundle that a test may damage."""
+    return Path(shutil.copytree(trained.directory, tmp_path / "bundle"))
+
+
+def edit_manifest(directory: Path, change: Callable[[dict], None]) -> None:
+    data = json.loads((directory / MANIFEST_NAME).read_text())
+    change(data)
+    (directory / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def test_bundle_round_trips(trained: Bundle, vectors: np.ndarray) -> None:
+    loaded = Bundle.load(trained.directory)
+    assert loaded.manifest == trained.manifest
+    assert set(loaded.heads) == set(trained.heads) == {"spam", "topic"}
+    for qid, head in trained.heads.items():
+        np.testing.assert_allclose(loaded.heads[qid].predict_proba(vectors),
+                                   head.predict_proba(vectors), rtol=0, atol=1e-6)
+    assert loaded.split_ids() == trained.split_ids()
+    assert sorted((trained.directory).iterdir()) == [
+        trained.directory / name for name in sorted((HEADS_NAME, MANIFEST_NAME, SPLIT_NAME))
+    ]
+
+
+def test_save_into_another_folder_copies_the_bundle_files(trained: Bundle, tmp_path: Path) -> None:
+    moved = trained.save(tmp_path / "moved")
+    assert Bundle.load(tmp_path / "moved").manifest == trained.manifest
+    assert moved.directory == tmp_path / "moved"
+
+
+def test_loading_runs_no_pickle(trained: Bundle, copy: Path) -> None:
+    with np.load(trained.directory / HEADS_NAME, allow_pickle=False) as archive:
+        assert all(not archive[key].dtype.hasobject for key in archive.files)
+    np.savez(copy / HEADS_NAME, allow_pickle=True, **{"spam/coef": np.array([{"x": 1}], dtype=object)})
+    edit_manifest(copy, lambda m: m["tiers"][0]["heads_file"].update(sha256=file_sha256(copy / HEADS_NAME)))
+    with pytest.raises(BundleError, match=r"cannot read heads file .*allow_pickle=False.*re-train"):
+        Bundle.load(copy)
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _set_heads_hash(m: dict) -> None:
+    m["tiers"][0]["heads_file"]["sha256"] = "0" * 64
+
+
+def _repoint_encoder(m: dict) -> None:
+    m["tiers"][0]["model"]["path"] = m["tiers"][0]["tokenizer"]["path"]
+
+
+def _move_encoder(m: dict) -> None:
+    m["tiers"][0]["model"]["path"] = "/nowhere/model.onnx"
+
+
+CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
+           "it changed after the bundle was saved")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: _flip_last_byte(d / HEADS_NAME), rf"heads file .*heads.npz {CHANGED}; re-train the bundle"),
+    (lambda d: edit_manifest(d, _set_heads_hash), rf"heads file .*heads.npz {CHANGED}"),
+    (lambda d: (d / SPLIT_NAME).unlink(), r"split file .*split.json is missing from the bundle; re-train"),
+    (lambda d: (d / HEADS_NAME).unlink(), r"heads file .*heads.npz is missing from the bundle"),
+    (lambda d: edit_manifest(d, _repoint_encoder),
+     r"tier 'encoder' encoder model .*tokenizer.json has sha256 [0-9a-f]{64}, but the bundle expects "
+     r"[0-9a-f]{64}: it is not the file the bundle was trained with; re-point its 'path' in "
+     r".*manifest.json to the file the bundle was trained with, or re-train the bundle"),
+    (lambda d: edit_manifest(d, _move_encoder),
+     r"tier 'encoder' encoder model /nowhere/model.onnx not found; re-point its 'path'"),
+    (lambda d: edit_manifest(d, lambda m: m.update(schema_version=2)),
+     r"bundle schema 2 is newer than this cascade \(1\); upgrade cascade"),
+    (lambda d: edit_manifest(d, lambda m: m.update(schema_version="1")),
+     r"schema_version '1' is not a bundle schema version \(this cascade reads 1\)"),
+    (lambda d: edit_manifest(d, lambda m: m.update(owner="me")),
+     r"not a valid bundle manifest:\n  owner: Extra inputs are not permitted"),
+    (lambda d: edit_manifest(d, lambda m: m["thresholds"]["spam"].update(teacher=0.9)),
+     r"thresholds\['spam'\]\['teacher'\]: unknown tier; allowed: \['encoder'\]"),
+    (lambda d: edit_manifest(d, lambda m: m["thresholds"]["spam"].update(encoder=1.5)),
+     r"thresholds\['spam'\]\['encoder'\]: invalid value 1.5"),
+    (lambda d: edit_manifest(d, lambda m: m["tiers"].reverse()),
+     r"only the first tier may be an encoder tier"),
+    (lambda d: (d / MANIFEST_NAME).unlink(), r"no bundle at .*: manifest.json not found"),
+])
+def test_damaged_bundles_are_refused(copy: Path, damage: Callable[[Path], None], message: str) -> None:
+    damage(copy)
+    with pytest.raises(BundleError, match=message) as caught:
+        Bundle.load(copy)
+    assert isinstance(caught.value, CascadeError) and isinstance(caught.value, ValueError)
+
+
+def test_heads_file_must_hold_the_heads_the_manifest_names(copy: Path) -> None:
+    def drop_spam_head(m: dict) -> None:
+        m["tiers"][0]["heads"]["spam"]["skipped"] = "dropped by hand"
+
+    edit_manifest(copy, drop_spam_head)
+    with pytest.raises(BundleError, match=r"heads for \['spam', 'topic'\]; the manifest expects \['topic'\]"):
+        Bundle.load(copy)
+
+
+def test_verify_false_skips_the_hash_checks(copy: Path) -> None:
+    edit_manifest(copy, _repoint_encoder)
+    bundle = Bundle.load(copy, verify=False)
+    assert isinstance(bundle.manifest.tiers[0], EncoderTier)
+    assert set(bundle.heads) == {"spam", "topic"}
+
+
+def test_file_sha256_is_the_content_hash(trained: Bundle) -> None:
+    path = trained.directory / HEADS_NAME
+    assert file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert zipfile.is_zipfile(path)

@@ -1,0 +1,281 @@
+"""Resumable teacher labelling on the real llama.cpp with gemma-3-270m, and ``cascade label``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tinymodels import tiny_llama_path
+
+from cascade.cli import main
+from cascade.errors import InputTooLongError
+from cascade.prompts import PROMPT_VERSION
+from cascade.questions import parse_request
+from cascade.readout import HeadTailExcerpt, Scorer
+from distill.corpus import CorpusError
+from distill.label import label_corpus, open_teacher, teacher_of
+from distill.store import LabelStore, StoreMismatchError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS_JSON = {
+    "urgent": {"type": "noul", "instructions": "Does this message convey urgency?"},
+    "team": {"type": "choice", "instructions": "Which team should handle this?",
+             "criteria": {"billing": "Payments and refunds", "technical": "Bugs and outages"}},
+}
+QUESTIONS = parse_request({"state": "x", "questions": QUESTIONS_JSON}).questions
+TEXTS = [
+    "Help! My payouts have been failing for three days.",
+    "Thanks, the new invoice looks right.",
+    "The app crashes when I open settings.",
+    "Please refund the duplicate charge.",
+    "Can you reset my password?",
+    "Our dashboard is down for everyone.",
+]
+
+
+def write_corpus(path: Path, n: int = len(TEXTS), extra: tuple[str, ...] = ()) -> Path:
+    rows = [json.dumps({"id": f"e{i:02d}", "text": TEXTS[i % len(TEXTS)]}) for i in range(n)]
+    path.write_text("\n".join([*rows, *extra]) + "\n")
+    return path
+
+
+def write_questions(path: Path, questions: dict = QUESTIONS_JSON) -> Path:
+    path.write_text(json.dumps({"questions": questions}, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def teacher(gemma_path: Path) -> Iterator[Scorer]:
+    scorer = open_teacher(gemma_path, QUESTIONS, n_ctx=1024, n_threads=1)
+    yield scorer
+    scorer.close()
+
+
+def label(teacher: Scorer, corpus: Path, store_path: Path, questions=QUESTIONS, **kwargs):
+    with LabelStore(store_path, teacher_of(teacher)) as store:
+        return label_corpus(teacher, questions, corpus, store, progress=False, **kwargs)
+
+
+def test_labels_every_question_of_every_item_then_resume_skips_them(
+    teacher: Scorer, tmp_path: Path
+) -> None:
+    corpus, path = write_corpus(tmp_path / "c.jsonl"), tmp_path / "s.sqlite"
+    summary = label(teacher, corpus, path)
+    assert (summary.items, summary.labelled, summary.skipped_done) == (6, 6, 0)
+    assert summary.bad_lines == [] and not summary.interrupted
+    with LabelStore.open_existing(path) as store:
+        assert store.teacher.model_sha256 == teacher.model_sha256
+        assert store.teacher.prompt_version == PROMPT_VERSION
+        assert store.teacher.model == "gemma-3-270m-q4_k_m.gguf"
+        rows = list(store.iter_labels())
+    assert sorted((r.item_id, r.question_id) for r in rows) == sorted(
+        (f"e{i:02d}", q) for i in range(6) for q in QUESTIONS)
+    for row in rows:
+        assert list(row.probabilities) == QUESTIONS[row.question_id].option_keys()
+        assert sum(row.probabilities.values()) == pytest.approx(1.0, abs=1e-9)
+        assert row.prompt_hash is not None and len(row.prompt_hash) == 64
+
+    again = label(teacher, corpus, path)
+    assert (again.items, again.labelled, again.skipped_done) == (6, 0, 6)
+
+
+def test_a_new_question_labels_only_that_question(teacher: Scorer, tmp_path: Path) -> None:
+    corpus, path = write_corpus(tmp_path / "c.jsonl"), tmp_path / "s.sqlite"
+    label(teacher, corpus, path, questions={"urgent": QUESTIONS["urgent"]})
+    with LabelStore.open_existing(path) as store:
+        urgent = store.labels("urgent")
+    assert label(teacher, corpus, path).labelled == 6
+    with LabelStore.open_existing(path) as store:
+        assert store.labels("urgent") == urgent
+        assert len(store.labels("team")) == 6
+
+
+def test_bad_lines_stop_with_their_line_number_or_are_skipped(teacher: Scorer, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", n=3, extra=('{"id": "e00", "text": "dup"}', "{oops"))
+    with pytest.raises(CorpusError, match=r"c.jsonl:4: duplicate id 'e00' \(first on line 1\)"):
+        label(teacher, corpus, tmp_path / "stop.sqlite")
+    with LabelStore.open_existing(tmp_path / "stop.sqlite") as store:
+        assert store.done_items(QUESTIONS) == {"e00", "e01", "e02"}, "items before it are kept"
+
+    summary = label(teacher, corpus, tmp_path / "skip.sqlite", on_error="skip")
+    assert (summary.items, summary.labelled) == (3, 3)
+    assert [(b.line, b.message.split(" (")[0]) for b in summary.bad_lines] == [
+        (4, "duplicate id 'e00'"), (5, "not valid JSON")]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("\n", "is empty: no items to label"),
+    ("id\ttext\ne1\thello\n", r"c.tsv is not a JSONL corpus: line 1 is not JSON"),
+])
+def test_an_empty_or_not_jsonl_corpus_is_refused(teacher: Scorer, tmp_path: Path, text, message) -> None:
+    corpus = tmp_path / "c.tsv"
+    corpus.write_text(text)
+    with pytest.raises(CorpusError, match=message):
+        label(teacher, corpus, tmp_path / "s.sqlite", on_error="skip")
+
+
+def test_over_long_items_need_an_excerpt_policy(teacher: Scorer, tmp_path: Path) -> None:
+    long_item = json.dumps({"id": "long", "text": "The refund is late again. " * 300})
+    corpus = write_corpus(tmp_path / "c.jsonl", n=2, extra=(long_item,))
+    with pytest.raises(InputTooLongError, match=r"c.jsonl:3: item 'long' is too long: .*head_tail"):
+        label(teacher, corpus, tmp_path / "stop.sqlite")
+
+    summary = label(teacher, corpus, tmp_path / "skip.sqlite", on_error="skip")
+    assert summary.labelled == 2
+    assert [(b.line, b.item_id) for b in summary.bad_lines] == [(3, "long")]
+
+    summary = label(teacher, corpus, tmp_path / "cut.sqlite", excerpt=HeadTailExcerpt(256))
+    assert (summary.labelled, summary.bad_lines) == (3, [])
+
+
+def test_a_store_made_with_another_model_is_refused(teacher: Scorer, tmp_path: Path) -> None:
+    corpus, path = write_corpus(tmp_path / "c.jsonl", n=2), tmp_path / "s.sqlite"
+    label(teacher, corpus, path)
+    other = open_teacher(tiny_llama_path(tmp_path), QUESTIONS, n_ctx=1024, n_threads=1)
+    try:
+        with pytest.raises(StoreMismatchError, match="model_sha256"):
+            LabelStore(path, teacher_of(other))
+        with LabelStore(path, teacher_of(teacher)) as store, \
+                pytest.raises(StoreMismatchError, match="not to this scorer's"):
+            label_corpus(other, QUESTIONS, corpus, store, progress=False)
+    finally:
+        other.close()
+
+
+def test_cli_labels_then_resumes(gemma_path: Path, tmp_path: Path, capsys) -> None:
+    corpus, questions = write_corpus(tmp_path / "c.jsonl", n=3), write_questions(tmp_path / "q.json")
+    argv = ["label", "--questions", str(questions), "--corpus", str(corpus), "--store",
+            str(tmp_path / "s.sqlite"), "--teacher", str(gemma_path), "--n-ctx", "1024",
+            "--threads", "1"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("labelled 3 items, 0 already done, 0 bad, in ")
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("labelled 0 items, 3 already done, 0 bad, in ")
+
+
+def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:
+    questions, store = write_questions(tmp_path / "q.json"), str(tmp_path / "gold.sqlite")
+    rows = [{"id": "e1", "question": "urgent", "answer": True},
+            {"id": "e1", "question": "team", "probabilities": {"billing": 0.25, "technical": 0.75}},
+            {"id": "e2", "question": "team", "answer": "billing"},
+            {"id": "e3", "question": "nope", "answer": True}]
+    labels = tmp_path / "gold.jsonl"
+    labels.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["label", "--questions", str(questions), "--store", store, "--import", str(labels)]
+    assert main([*argv, "--on-error", "skip", "--teacher-name", "gold"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("imported 3 of 4 rows, 1 skipped")
+    assert f"skipped {labels}:4: unknown question 'nope'" in err
+
+    exported = tmp_path / "out.jsonl"
+    assert main(["label", "--store", store, "--export", str(exported)]) == 0
+    assert capsys.readouterr().out.startswith(f"exported 3 labels of teacher 'gold' from {store}")
+    back = {(r["id"], r["question"]): r for r in map(json.loads, exported.read_text().splitlines())}
+    assert back[("e1", "urgent")]["probabilities"] == {"true": 1.0, "false": 0.0}
+    assert back[("e1", "team")]["answer"] == "technical"
+    assert back[("e2", "team")]["probabilities"] == {"billing": 1.0, "technical": 0.0}
+
+    assert main([*argv[:-2], "--import", str(exported)]) == 2, "another teacher's store"
+    assert "StoreMismatchError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "one of the arguments --teacher --import --export is required"),
+    (["--teacher", "m.gguf", "--export", "o.jsonl"], "not allowed with argument"),
+    (["--teacher", "m.gguf", "--questions", "q.json"], "--teacher needs --corpus"),
+    (["--export", "o.jsonl", "--corpus", "c.jsonl"], "--corpus cannot be used with --export"),
+    (["--import", "l.jsonl", "--questions", "q.json", "--corpus", "c.jsonl"],
+     "--corpus cannot be used with --import"),
+])
+def test_cli_wants_exactly_one_mode_with_its_inputs(args: list, message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["label", "--store", "s.sqlite", *args])
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_reports_a_bad_questions_file_in_one_line(gemma_path: Path, tmp_path: Path, capsys) -> None:
+    questions = write_questions(tmp_path / "q.json", {"urgent": {"type": "noul"}})
+    argv = ["label", "--questions", str(questions), "--corpus", str(tmp_path / "c.jsonl"),
+            "--store", str(tmp_path / "s.sqlite"), "--teacher", str(gemma_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"RequestError: {questions}:3: questions.urgent.instructions: missing")
+    assert not (tmp_path / "s.sqlite").exists(), "nothing is created before the inputs are valid"
+
+
+def test_cli_help_teaches_by_example(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["label", "--help"])
+    out = capsys.readouterr().out
+    assert "run the same command again" in out and "cascade label --store labels.sqlite --export" in out
+
+
+def start_cli(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "cascade.cli", *argv], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def stored_rows(path: Path) -> int:
+    """Rows committed so far, read through a connection of our own (the writer's is busy)."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            return int(conn.execute("SELECT COUNT(*) FROM labels").fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return 0
+
+
+def wait_for_rows(process: subprocess.Popen, path: Path, rows: int) -> None:
+    while stored_rows(path) < rows:
+        assert process.poll() is None, f"the run ended before {rows} rows: {process.communicate()}"
+        time.sleep(0.05)
+
+
+def test_killed_and_interrupted_runs_resume_without_loss_or_duplicates(
+    gemma_path: Path, tmp_path: Path
+) -> None:
+    n, store = 30, tmp_path / "s.sqlite"
+    argv = ["label", "--questions", str(write_questions(tmp_path / "q.json")),
+            "--corpus", str(write_corpus(tmp_path / "c.jsonl", n=n)), "--store", str(store),
+            "--teacher", str(gemma_path), "--n-ctx", "1024", "--threads", "1"]
+
+    killed = start_cli(argv)
+    wait_for_rows(killed, store, 3 * len(QUESTIONS))
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL
+    killed.communicate()
+    with LabelStore.open_existing(store) as opened:
+        before = {(r.item_id, r.question_id): r.probabilities for r in opened.iter_labels()}
+    items = {item for item, _ in before}
+    assert len(before) == len(items) * len(QUESTIONS), "every item is whole or absent"
+
+    interrupted = start_cli(argv)
+    wait_for_rows(interrupted, store, len(before) + 2 * len(QUESTIONS))
+    interrupted.send_signal(signal.SIGINT)
+    out, err = interrupted.communicate()
+    assert interrupted.returncode == 130
+    assert "run the same command again to resume" in err
+
+    finished = start_cli(argv)
+    out, err = finished.communicate()
+    assert finished.returncode == 0, err
+    assert "already done, 0 bad" in out
+    conn = sqlite3.connect(store)
+    per_item = dict(conn.execute("SELECT item_id, COUNT(*) FROM labels GROUP BY item_id"))
+    conn.close()
+    assert per_item == {f"e{i:02d}": len(QUESTIONS) for i in range(n)}
+    with LabelStore.open_existing(store) as opened:
+        after = {(r.item_id, r.question_id): r.probabilities for r in opened.iter_labels()}
+    assert {key: after[key] for key in before} == before
