@@ -138,6 +138,21 @@ class Readout(BaseModel):
     excerpt: str | None = None
 
 
+class Routing(BaseModel):
+    """Which cascade tier gave an answer, what it cost, and why it stopped there.
+
+    ``threshold`` is the one the answer cleared (or, when ``budget_limited``, failed: the budget
+    could not pay to escalate it); None for the top tier, which answers whatever its confidence.
+    ``cost_ms`` is this answer's share of the predicted cost of every tier it went through.
+    """
+
+    tier: str
+    cost_ms: float
+    threshold: float | None
+    calibrated: bool
+    budget_limited: bool = False
+
+
 class NoulAnswer(BaseModel):
     type: Literal["noul"] = "noul"
     noul: float
@@ -145,6 +160,7 @@ class NoulAnswer(BaseModel):
     confidence: float
     calibrated: bool = False
     readout: Readout | None = None
+    routing: Routing | None = None
 
 
 class ChoiceAnswer(BaseModel):
@@ -154,6 +170,7 @@ class ChoiceAnswer(BaseModel):
     confidence: float
     calibrated: bool = False
     readout: Readout | None = None
+    routing: Routing | None = None
 
 
 class ScoreAnswer(BaseModel):
@@ -165,6 +182,7 @@ class ScoreAnswer(BaseModel):
     confidence: float
     calibrated: bool = False
     readout: Readout | None = None
+    routing: Routing | None = None
 
 
 Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cascade.encoder import Encoder
+from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.heads import SoftmaxHead
 from cascade.prompts import render_state
-from cascade.questions import DecisionRequest, Question, State
+from cascade.questions import DecisionRequest, Question, State, Usage
 from cascade.readout import HeadTailExcerpt, Scorer
 
 
@@ -44,21 +44,39 @@ class Tier(ABC):
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         """Distributions for the asked questions this tier can answer; the others are omitted."""
 
+    def answer_with_usage(
+        self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]
+    ) -> tuple[Answers, list[Usage]]:
+        """``answer`` and, per item, the llama.cpp work it took; tiers without llama.cpp report none."""
+        return self.answer(items, asked, questions), [Usage() for _ in items]
+
 
 class HeadsTier(Tier):
-    """The encoder tier: ONE embedding per state, shared by every question's head."""
+    """The encoder tier: ONE embedding per state, shared by every question's head.
 
-    def __init__(self, name: str, encoder: Encoder, heads: Mapping[str, SoftmaxHead]) -> None:
+    With a ``cache`` (of this encoder), states embedded before (in training, say) are looked up
+    instead of embedded again: replaying a cascade on labelled items then costs no encoder time.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        encoder: Encoder,
+        heads: Mapping[str, SoftmaxHead],
+        cache: EmbeddingCache | None = None,
+    ) -> None:
         self.name = name
         self.encoder = encoder
         self.heads = dict(heads)
+        self.cache = cache
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         out: Answers = [{} for _ in items]
         wanted = [i for i, qids in enumerate(asked) if any(q in self.heads for q in qids)]
         if not wanted:
             return out
-        vectors = self.encoder.encode([render_state(items[i].state) for i in wanted])
+        texts = [render_state(items[i].state) for i in wanted]
+        vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
         for row, i in enumerate(wanted):
             for qid in asked[i]:
                 head = self.heads.get(qid)
@@ -83,7 +101,13 @@ class ReadoutTier(Tier):
         self.excerpt = excerpt
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
+        return self.answer_with_usage(items, asked, questions)[0]
+
+    def answer_with_usage(
+        self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]
+    ) -> tuple[Answers, list[Usage]]:
         out: Answers = [{} for _ in items]
+        usage = [Usage() for _ in items]
         for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
             if not qids:
                 continue
@@ -91,9 +115,10 @@ class ReadoutTier(Tier):
             response = self.scorer.score(
                 request, permutations=self.permutations, excerpt=self.excerpt
             )
+            usage[i] = response.usage
             for qid, ans in response.answers.items():
                 out[i][qid] = np.asarray(list(ans.probabilities.values()))
-        return out
+        return out, usage
 
 
 class LabelsTier(Tier):

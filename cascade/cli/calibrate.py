@@ -1,0 +1,95 @@
+"""``cascade calibrate``: set a bundle's temperatures and thresholds, and write the report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distill.calibration import CalibrationResult
+
+DESCRIPTION = """\
+Run every cheap tier of a bundle on its held-out calibration items (never the items the heads
+were trained on), compare with the teacher's labels, and write into the bundle, per question and
+tier: a temperature (fitted on 30% of the items) and an acceptance threshold (set on the other
+70%). A threshold is certified: with probability >= 1 - delta over the calibration draw, the
+cascade agrees with the teacher on at least the target share of new items from the same
+distribution. Where the target cannot be certified the threshold stays empty (the tier keeps
+nothing) and the table says what is reachable. With --escalation-fraction, each cheap tier
+instead escalates that share of its items and the agreement that follows is reported. Also
+measures each tier's cost, and writes report.html (self-contained) and report.json."""
+EPILOG = """\
+example:
+  cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
+      --target-agreement 0.98 --delta 0.05 --report models/support-v1/report"""
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from cascade.bundle import Bundle
+    from distill.calibration import calibrate_bundle
+    from distill.report import write_report
+    from distill.store import LabelStore
+
+    bundle = Bundle.load(args.bundle)
+    with LabelStore.open_existing(args.store) as store:
+        result = calibrate_bundle(
+            bundle, args.corpus, store, target=args.target_agreement, delta=args.delta,
+            escalation_fraction=args.escalation_fraction, text_field=args.text_field,
+        )
+    path = write_report(result, Bundle.load(args.bundle), args.report)
+    _print_table(result)
+    print(f"report: {path.resolve()}")
+    return 0
+
+
+def _print_table(result: CalibrationResult) -> None:
+    """One row per (question, tier), then what each unreachable target would need."""
+    rows = [("question", "tier", "n", "T", "ECE", "threshold", "kept", "agreement", "bound", "guarantee")]
+    for fit in result.calibrations:
+        threshold = "-" if fit.threshold is None else f"{fit.threshold:.4g}"
+        if result.escalation_fraction is not None:
+            verdict = "budget"
+        else:
+            verdict = "yes" if fit.threshold is not None else "no"
+        rows.append((fit.question, fit.tier, str(fit.n), f"{fit.temperature:.3g}",
+                     f"{fit.ece_before:.3f}->{fit.ece_after:.3f}", threshold, f"{fit.kept_share:.1%}",
+                     f"{fit.agreement:.4f}", f"{fit.lower_bound:.4f}", verdict))
+    for skip in result.skipped:
+        rows.append((skip.question, skip.tier, "-", "-", "-", "-", "0.0%", "-", "-", "skipped"))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    for fit in result.calibrations:
+        if not fit.reachable:
+            print(f"{fit.question} / {fit.tier}: {fit.message}")
+    for skip in result.skipped:
+        print(f"{skip.question} / {skip.tier}: {skip.reason}")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="set a bundle's thresholds for a target agreement with the teacher, and report",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--bundle", type=Path, required=True, metavar="DIR",
+                   help="bundle folder (from `cascade train`); its manifest is rewritten")
+    p.add_argument("--corpus", type=Path, required=True, metavar="C.jsonl",
+                   help="the JSONL corpus the bundle was trained on")
+    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
+                   help="the label store the bundle was trained from (teacher labels)")
+    p.add_argument("--target-agreement", type=float, default=0.98, metavar="P",
+                   help="share of answers that must agree with the teacher, in (0, 1) (default 0.98)")
+    p.add_argument("--delta", type=float, default=0.05, metavar="D",
+                   help="allowed probability that the guarantee fails, in (0, 1) (default 0.05)")
+    p.add_argument("--escalation-fraction", type=float, metavar="F",
+                   help="budget mode: each cheap tier escalates this share of its items, in [0, 1], "
+                   "instead of meeting a target")
+    p.add_argument("--report", type=Path, required=True, metavar="DIR",
+                   help="folder for report.html and report.json (created)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="corpus field holding each state (default: text)")
+    p.set_defaults(run=_cmd_calibrate)

@@ -1,0 +1,479 @@
+"""The calibration report: one self-contained HTML page, and the same figures as JSON.
+
+A report is read long after the run, on another machine, maybe offline and attached to a ticket,
+so the page carries everything: plots are base64 PNGs drawn with matplotlib's Agg renderer (no
+display, no pyplot state), the style is inline, and nothing is fetched. ``report.json`` holds
+the numbers behind every plot, so a figure can be checked or redrawn without the page.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from cascade.bundle import Bundle, GgufTier
+from cascade.costmodel import TEACHER_PARAMS
+from distill.calibration import CalibrationResult, QuestionTier
+
+HTML_NAME, JSON_NAME = "report.html", "report.json"
+_DPI = 110
+_SIZE = (5.2, 3.7)
+
+
+@dataclass(frozen=True)
+class _Figure:
+    """One plot: where it belongs, what it shows, the numbers behind it and its PNG."""
+
+    id: str
+    question: str
+    tier: str | None
+    kind: str
+    title: str
+    data: dict[str, Any]
+    png: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "question": self.question, "tier": self.tier, "kind": self.kind,
+                "title": self.title, "data": self.data}
+
+
+@dataclass(frozen=True)
+class _TeacherCost:
+    """The teacher's estimated seconds per decision, and how they were estimated."""
+
+    params: float
+    tokens_per_state: float
+    seconds_per_decision: float
+    assumption: str
+
+
+def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) -> Path:
+    """Write ``report.html`` and ``report.json`` into ``report_dir``; returns the HTML's path."""
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    teacher = _teacher_cost(result, bundle)
+    figures = _figures(result, _option_keys(bundle), teacher)
+    summary = _summary_rows(result, bundle)
+    data = {
+        "bundle": result.bundle, "name": result.name, "mode": result.mode, "target": result.target,
+        "delta": result.delta, "escalation_fraction": result.escalation_fraction,
+        "tier_target": result.tier_target, "tier_delta": result.tier_delta,
+        "calibration_items": result.items, "temperature_share": result.temperature_share,
+        "guarantee": _guarantee_text(result), "not_promised": _NOT_PROMISED,
+        "cost_assumption": teacher.assumption, "summary": summary,
+        "costs": _cost_rows(result, teacher),
+        "cascades": {qid: c.model_dump() for qid, c in result.cascades.items()},
+        "skipped": [s.model_dump() for s in result.skipped],
+        "figures": [figure.as_json() for figure in figures],
+    }
+    (report_dir / JSON_NAME).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    path = report_dir / HTML_NAME
+    path.write_text(_page(result, bundle, data, figures), encoding="utf-8")
+    return path
+
+
+def _teacher_cost(result: CalibrationResult, bundle: Bundle) -> _TeacherCost:
+    """The roofline of a teacher decision on this machine: 2 x weights x tokens / FLOP/s.
+
+    A GGUF teacher's matmul weights come from its file; an external one is taken to be the 4B
+    decision model (the router's cost model assumes the same). Tokens are the first cheap
+    tier's count per state, which leaves out the prompt's template and question: the teacher's
+    cost, and so the saving shown, are understated.
+    """
+    top = bundle.manifest.tiers[-1]
+    if isinstance(top, GgufTier):
+        from cascade.cost import ModelShape
+
+        params, who = float(ModelShape.from_gguf(Path(top.model.path)).n_params_matmul), top.model.path
+    else:
+        params, who = TEACHER_PARAMS, f"external: taken as a {TEACHER_PARAMS / 1e9:.0f}B model"
+    first = result.costs[result.cheap_tiers[0]]
+    tokens = first.tokens / max(first.states, 1)
+    seconds = 2.0 * params * tokens / result.flops_per_second
+    assumption = (
+        f"Teacher tier {result.teacher_tier!r} ({who}) estimated, not measured: 2 x {params:.3g} weights x "
+        f"{tokens:.1f} tokens per state / {result.flops_per_second:.3g} FLOP/s (this machine's numpy "
+        f"float32 matmul throughput) = {seconds * 1e3:.1f} ms per decision. The tokens are the "
+        f"{first.tier} tier's count per state; the teacher's prompt adds its template and the "
+        "question, so its cost and the saving are understated. Cheap tiers are measured on the "
+        "calibration items on this machine (seconds per state + tokens x seconds per token). A "
+        "question's cascade cost counts each cheap tier that can keep its answer for the share "
+        "of items reaching it, and the teacher for the share escalated, as if it were the only "
+        "question asked."
+    )
+    return _TeacherCost(params, tokens, seconds, assumption)
+
+
+def _tier_seconds(result: CalibrationResult, tier: str) -> float:
+    cost = result.costs[tier]
+    return cost.seconds_per_state + cost.tokens / max(cost.states, 1) * cost.seconds_per_token
+
+
+def _figures(
+    result: CalibrationResult, keys: Mapping[str, list[str]], teacher: _TeacherCost
+) -> list[_Figure]:
+    """Three figures per calibrated (question, tier), then one cost figure per question."""
+    figures: list[_Figure] = []
+    for fit in result.calibrations:
+        for kind, draw in _TIER_FIGURES.items():
+            data, fig = draw(fit, keys[fit.question])
+            figures.append(_figure(fit.question, fit.tier, kind, fig, data))
+    for qid, shares in result.cascades.items():
+        data = _cost_data(result, qid, teacher)
+        figures.append(_figure(qid, None, "cost", _cost_plot(qid, data, shares.answered_by), data))
+    return figures
+
+
+def _figure(question: str, tier: str | None, kind: str, fig: Figure, data: dict[str, Any]) -> _Figure:
+    title = str(fig.axes[0].get_title()) if fig.axes else kind
+    ident = "-".join(part for part in (question, tier, kind) if part)
+    return _Figure(ident, question, tier, kind, title, data, _png(fig))
+
+
+def _png(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    FigureCanvasAgg(fig)
+    fig.savefig(buffer, format="png", dpi=_DPI)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _option_keys(bundle: Bundle) -> dict[str, list[str]]:
+    return {qid: q.option_keys() for qid, q in bundle.manifest.parsed_questions().items()}
+
+
+def _reliability(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figure]:
+    """Mean confidence against agreement per bin, raw and after temperature scaling.
+
+    One marker per non-empty bin, its area growing with the bin's items: with a few dozen
+    items most bins hold a handful, and lines between them would suggest a trend that is noise.
+    """
+    data = {"temperature": fit.temperature, "ece_before": fit.ece_before, "ece_after": fit.ece_after,
+            "n": fit.n_threshold, "before": fit.reliability_before, "after": fit.reliability_after}
+    fig, ax = _axes()
+    ax.plot([0, 1], [0, 1], color="#999", lw=1, ls=":", label="perfect calibration")
+    for curve, color, label in (
+        (fit.reliability_before, "#c0392b", f"raw (ECE {fit.ece_before:.3f})"),
+        (fit.reliability_after, "#2471a3", f"T={fit.temperature:.3g} (ECE {fit.ece_after:.3f})"),
+    ):
+        sizes = 12 + 140 * np.asarray(curve["count"]) / max(fit.n_threshold, 1)
+        ax.scatter(curve["confidence"], curve["accuracy"], s=sizes, color=color, alpha=0.75, label=label,
+                   zorder=3)
+    ax.set(xlim=(0, 1.02), ylim=(0, 1.02), xlabel="confidence (top probability)",
+           ylabel="agreement with the teacher",
+           title=f"{fit.question} / {fit.tier}: reliability ({fit.n_threshold} items)")
+    ax.legend(loc="best", fontsize=8)
+    return data, fig
+
+
+def _coverage(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figure]:
+    """Share kept by the tier against the cascade's agreement, as the threshold falls."""
+    curve = fit.curve
+    data = {"curve": curve, "target": fit.target, "delta": fit.delta, "threshold": fit.threshold,
+            "kept_share": fit.kept_share, "agreement": fit.agreement, "lower_bound": fit.lower_bound,
+            "escalation_rate": 1.0 - fit.kept_share, "reachable": fit.reachable}
+    fig, ax = _axes()
+    kept = [0.0, *curve["kept_share"]]
+    ax.plot(kept, [1.0, *curve["agreement"]], color="#2471a3", lw=1.5, label="empirical agreement")
+    ax.plot(kept, [1.0, *curve["lower_bound"]], color="#2471a3", lw=1, ls="--",
+            label=f"{1 - fit.delta:.1%} lower bound")
+    if fit.target is not None:
+        ax.axhline(fit.target, color="#c0392b", lw=1, label=f"target {fit.target:.4g}")
+    ax.axvline(fit.kept_share, color="#d35400", lw=1, ls=":")
+    ax.scatter([fit.kept_share], [fit.agreement], s=70, color="#d35400", zorder=4, marker="D",
+               label=_chosen_label(fit))
+    floor = min([*curve["lower_bound"], fit.target or 1.0, 1.0])
+    ax.set(xlim=(-0.02, 1.02), ylim=(max(0.0, floor - 0.05), 1.005),
+           xlabel="coverage: share kept by the tier", ylabel="cascade agreement with the teacher",
+           title=f"{fit.question} / {fit.tier}: coverage vs agreement")
+    ax.legend(loc="lower left", fontsize=8)
+    return data, fig
+
+
+def _chosen_label(fit: QuestionTier) -> str:
+    if fit.threshold is None:
+        return "chosen: keep nothing"
+    return f"chosen: t={fit.threshold:.3g}, keeps {fit.kept_share:.0%}"
+
+
+def _confusion(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figure]:
+    """Which answer the tier gave (columns) for each answer of the teacher (rows)."""
+    matrix = np.asarray(fit.confusion)
+    data = {"options": keys, "rows": "teacher", "columns": fit.tier, "matrix": fit.confusion,
+            "n": fit.n}
+    fig, ax = _axes()
+    ax.imshow(matrix, cmap="Blues")
+    k = len(matrix)
+    for (row, col), count in np.ndenumerate(matrix):
+        dark = count > matrix.max() / 2
+        ax.text(col, row, str(count), ha="center", va="center", fontsize=max(6, 12 - k // 2),
+                color="white" if dark else "black")
+    ax.set_xticks(range(k), keys, rotation=30 if k > 4 else 0, fontsize=8)
+    ax.set_yticks(range(k), keys, fontsize=8)
+    ax.set(xlabel=f"{fit.tier} answer", ylabel="teacher answer",
+           title=f"{fit.question} / {fit.tier}: confusion ({fit.n} items)")
+    return data, fig
+
+
+def _cost_data(result: CalibrationResult, qid: str, teacher: _TeacherCost) -> dict[str, Any]:
+    """Expected seconds per decision of the cascade for one question, against the teacher alone."""
+    shares = result.cascades[qid].answered_by
+    keepers = {fit.tier for fit in result.calibrations if fit.question == qid and fit.threshold is not None}
+    reach, tiers = 1.0, {}
+    for name in result.cheap_tiers:
+        seconds = _tier_seconds(result, name) if name in keepers else 0.0
+        tiers[name] = {"reach": reach, "seconds_per_decision": seconds, "expected": reach * seconds}
+        reach -= shares.get(name, 0.0)
+    cascade = sum(row["expected"] for row in tiers.values()) + reach * teacher.seconds_per_decision
+    return {"tiers": tiers, "escalation_rate": reach, "teacher_seconds": teacher.seconds_per_decision,
+            "cascade_seconds": cascade, "ratio": cascade / teacher.seconds_per_decision}
+
+
+def _cost_plot(qid: str, data: dict[str, Any], answered_by: Mapping[str, float]) -> Figure:
+    """The teacher alone against the cascade's expected cost, split by the tier that pays it."""
+    fig, ax = _axes()
+    teacher_ms = data["teacher_seconds"] * 1e3
+    ax.barh(["teacher\nalone"], [teacher_ms], color="#999")
+    left = 0.0
+    colors = iter(["#2471a3", "#5dade2", "#a9cce3"])
+    for name, row in data["tiers"].items():
+        ax.barh(["cascade\n(expected)"], [row["expected"] * 1e3], left=left, color=next(colors, "#ccc"),
+                label=f"{name}: reached by {row['reach']:.0%}")
+        left += row["expected"] * 1e3
+    escalated = data["escalation_rate"] * teacher_ms
+    ax.barh(["cascade\n(expected)"], [escalated], left=left, color="#999", hatch="//",
+            label=f"teacher: escalated {data['escalation_rate']:.0%}")
+    for row, value in ((0, teacher_ms), (1, data["cascade_seconds"] * 1e3)):
+        ax.text(value, row, f" {value:.1f} ms", va="center", fontsize=9)
+    ax.set_xlim(0, teacher_ms * 1.35)
+    ax.set(xlabel="milliseconds per decision on this machine",
+           title=f"{qid}: cost per decision, {data['ratio']:.1%} of the teacher's")
+    ax.legend(loc="upper right", fontsize=8)
+    return fig
+
+
+_TIER_FIGURES: dict[str, Callable[[QuestionTier, list[str]], tuple[dict[str, Any], Figure]]] = {
+    "reliability": _reliability, "coverage": _coverage, "confusion": _confusion,
+}
+
+
+def _axes() -> tuple[Figure, Any]:
+    fig = Figure(figsize=_SIZE, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+_NOT_PROMISED = [
+    "Not a promise about any one item: it bounds the rate of disagreement over many items, and "
+    "any single answer kept by a cheap tier may still differ from the teacher's.",
+    "Not under distribution shift: new kinds of states, another mix of questions, edited "
+    "question wording, another teacher or prompt version all void it. Recalibrate on fresh "
+    "labelled items from the new distribution.",
+    "Not agreement with the truth: it is agreement with the teacher. Where the teacher is "
+    "wrong, a cascade that agrees with it is wrong too.",
+    "Not certain: in up to a share delta of calibration draws the bound fails; the report "
+    "cannot tell whether this draw is one of them.",
+]
+
+
+def _guarantee_text(result: CalibrationResult) -> str:
+    if result.escalation_fraction is not None:
+        return (
+            f"Budget mode: each cheap tier escalates {result.escalation_fraction:.0%} of the "
+            "items it sees (its least confident), whatever that costs in agreement. The agreement "
+            "shown is measured on the threshold part, and its lower bound (Clopper-Pearson at "
+            f"{1 - result.tier_delta:.1%}) treats the threshold as if fixed in advance, which it "
+            "is not. No target is certified in this mode."
+        )
+    split = ""
+    if len(result.cheap_tiers) > 1:
+        split = (f" The {len(result.cheap_tiers)} cheap tiers share the error budget: each is "
+                 f"certified for agreement >= {result.tier_target:.4g} at level "
+                 f"{result.tier_delta:.3g}, and a union bound adds them up.")
+    return (
+        f"With probability at least {1 - result.delta:.0%} (1 - delta) over the draw of the "
+        "calibration items, the cascade's agreement with the teacher on new items from the same "
+        f"distribution is at least {result.target:.4g} (the target), for every question. Each "
+        "threshold is the lowest one a Learn-then-Test procedure (exact binomial tests in a fixed "
+        "order, strict to lax) certifies on the threshold part of the calibration items, which "
+        "neither trained the heads nor fitted the temperature. A tier whose threshold could not "
+        "be certified keeps nothing: the teacher answers, so the guarantee still holds, at full "
+        f"cost.{split}"
+    )
+
+
+def _summary_rows(result: CalibrationResult, bundle: Bundle) -> list[dict[str, Any]]:
+    types = {qid: q.type for qid, q in bundle.manifest.parsed_questions().items()}
+    rows: list[dict[str, Any]] = []
+    for fit in result.calibrations:
+        rows.append({
+            "question": fit.question, "type": types[fit.question], "tier": fit.tier, "n": fit.n,
+            "n_temperature": fit.n_temperature, "n_threshold": fit.n_threshold,
+            "temperature": fit.temperature, "ece_before": fit.ece_before,
+            "ece_after": fit.ece_after, "threshold": fit.threshold, "kept_share": fit.kept_share,
+            "escalation_rate": result.cascades[fit.question].answered_by[result.teacher_tier],
+            "agreement": fit.agreement, "lower_bound": fit.lower_bound,
+            "guarantee": _guarantee_cell(result, fit), "message": fit.message,
+        })
+    for skip in result.skipped:
+        rows.append({"question": skip.question, "type": types[skip.question], "tier": skip.tier,
+                     "guarantee": "escalates all", "message": skip.reason})
+    order = list(types)
+    return sorted(rows, key=lambda row: order.index(row["question"]))
+
+
+def _guarantee_cell(result: CalibrationResult, fit: QuestionTier) -> str:
+    if result.escalation_fraction is not None:
+        return "none (budget mode)"
+    if fit.threshold is None:
+        return "not reachable: keeps nothing"
+    return f"yes: >= {fit.target:.4g} at {1 - fit.delta:.1%}"
+
+
+def _cost_rows(result: CalibrationResult, teacher: _TeacherCost) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = [
+        {"tier": name, "kind": cost.kind, "source": "measured", "states": cost.states,
+         "tokens_per_state": cost.tokens / max(cost.states, 1),
+         "seconds_per_state": cost.seconds_per_state, "seconds_per_token": cost.seconds_per_token,
+         "seconds_per_decision": _tier_seconds(result, name)}
+        for name, cost in result.costs.items()
+    ]
+    rows.append({"tier": result.teacher_tier, "kind": "teacher", "source": "roofline estimate",
+                 "states": None, "tokens_per_state": teacher.tokens_per_state,
+                 "seconds_per_state": 0.0,
+                 "seconds_per_token": teacher.seconds_per_decision / max(teacher.tokens_per_state, 1e-9),
+                 "seconds_per_decision": teacher.seconds_per_decision})
+    return rows
+
+
+def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any], figures: list[_Figure]) -> str:
+    questions = bundle.manifest.parsed_questions()
+    sections = [_question_section(qid, questions[qid].type, questions[qid].instructions, result, figures)
+                for qid in questions if any(f.question == qid for f in figures)]
+    mode = (f"target agreement {result.target:.4g}, delta {result.delta:.3g}"
+            if result.escalation_fraction is None
+            else f"budget mode: escalation fraction {result.escalation_fraction:.3g}")
+    return _TEMPLATE.format(
+        name=_e(result.name), bundle=_e(result.bundle), mode=_e(mode), items=result.items,
+        temperature=f"{result.temperature_share:.0%}", threshold=f"{1 - result.temperature_share:.0%}",
+        tiers=_e(" -> ".join([*result.cheap_tiers, result.teacher_tier])),
+        guarantee=_e(data["guarantee"]),
+        not_promised="".join(f"<li>{_e(text)}</li>" for text in _NOT_PROMISED),
+        summary=_summary_table(data["summary"]), costs=_costs_table(data["costs"]),
+        cost_assumption=_e(data["cost_assumption"]), sections="\n".join(sections),
+    )
+
+
+def _question_section(
+    qid: str, qtype: str, instructions: Any, result: CalibrationResult, figures: list[_Figure]
+) -> str:
+    """Each tier's outcome in words, then every figure of the question in one grid."""
+    parts = [f'<section id="q-{_e(qid)}"><h2>{_e(qid)} <span class="type">{_e(qtype)}</span></h2>',
+             f'<p class="instructions">{_e(str(instructions))}</p>']
+    for fit in (f for f in result.calibrations if f.question == qid):
+        parts.append(f'<p class="message {_status(fit)}"><b>tier {_e(fit.tier)}:</b> {_e(fit.message)}</p>')
+        if fit.temperature_note:
+            parts.append(f'<p class="note">tier {_e(fit.tier)} temperature: '
+                         f'{_e(fit.temperature_note)}</p>')
+    imgs = "".join(_img(f) for f in figures if f.question == qid)
+    parts.append(f'<div class="grid">{imgs}</div></section>')
+    return "\n".join(parts)
+
+
+def _status(fit: QuestionTier) -> str:
+    return "ok" if fit.threshold is not None else "warn"
+
+
+def _img(figure: _Figure) -> str:
+    return (f'<figure><img src="data:image/png;base64,{figure.png}" id="{_e(figure.id)}" '
+            f'alt="{_e(figure.title)}"></figure>')
+
+
+def _summary_table(rows: list[dict[str, Any]]) -> str:
+    head = ("question", "type", "tier", "n (T + threshold)", "T", "ECE before", "ECE after",
+            "threshold", "kept", "escalated", "agreement", "lower bound", "guarantee reached?")
+    body = []
+    for row in rows:
+        if "n" not in row:
+            body.append(f"<tr><td>{_e(row['question'])}</td><td>{_e(row['type'])}</td>"
+                        f"<td>{_e(row['tier'])}</td><td colspan=\"10\" class=\"warn\">"
+                        f"not calibrated: {_e(row['message'])}</td></tr>")
+            continue
+        n = f"{row['n']} ({row['n_temperature']}+{row['n_threshold']})"
+        cells = (row["question"], row["type"], row["tier"], n, f"{row['temperature']:.3g}",
+                 f"{row['ece_before']:.3f}", f"{row['ece_after']:.3f}", _fmt(row["threshold"], ".4g"),
+                 f"{row['kept_share']:.1%}", f"{row['escalation_rate']:.1%}", f"{row['agreement']:.4f}",
+                 f"{row['lower_bound']:.4f}", row["guarantee"])
+        css = "ok" if row["threshold"] is not None else "warn"
+        body.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells[:-1])
+                    + f'<td class="{css}">{_e(cells[-1])}</td></tr>')
+    return _table(head, body)
+
+
+def _costs_table(rows: list[dict[str, Any]]) -> str:
+    head = ("tier", "kind", "source", "states", "tokens / state", "s / state", "s / token", "ms / decision")
+    body = []
+    for row in rows:
+        cells = (row["tier"], row["kind"], row["source"], _fmt(row["states"], "d"),
+                 f"{row['tokens_per_state']:.1f}", f"{row['seconds_per_state']:.3g}",
+                 f"{row['seconds_per_token']:.3g}", f"{row['seconds_per_decision'] * 1e3:.2f}")
+        body.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
+    return _table(head, body)
+
+
+def _table(head: tuple[str, ...], body: list[str]) -> str:
+    header = "".join(f"<th>{_e(h)}</th>" for h in head)
+    return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+_TEMPLATE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Calibration report: {name}</title>
+<style>
+body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; padding: 1.5rem;
+       max-width: 1200px; color: #222; line-height: 1.45; }}
+h1 {{ margin-bottom: 0.2rem; }}
+h2 {{ border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; margin-top: 2rem; }}
+.meta {{ color: #555; margin-top: 0; }}
+.box {{ background: #f5f8fb; border-left: 4px solid #2471a3; padding: 0.6rem 1rem; margin: 1rem 0; }}
+table {{ border-collapse: collapse; width: 100%; font-size: 0.85rem; margin: 0.5rem 0; }}
+th, td {{ border: 1px solid #ddd; padding: 0.25rem 0.45rem; text-align: left; vertical-align: top; }}
+th {{ background: #f0f0f0; }} td:nth-child(n+4) {{ font-variant-numeric: tabular-nums; }}
+.ok {{ color: #1e7b34; }} .warn {{ color: #a04000; }}
+.type {{ font-size: 0.8rem; font-weight: normal; color: #fff; background: #777; border-radius: 3px;
+         padding: 0.05rem 0.4rem; vertical-align: middle; }}
+.instructions {{ font-style: italic; }} .note {{ color: #555; font-size: 0.9rem; }}
+.grid {{ display: grid; grid-template-columns: repeat(2, minmax(0, 1fr)); gap: 0.8rem; }}
+figure {{ margin: 0; }} figure img {{ width: 100%; height: auto; border: 1px solid #eee; }}
+</style></head>
+<body>
+<h1>Calibration report: {name}</h1>
+<p class="meta">Bundle {bundle}<br>Cascade {tiers}; {mode}; {items} calibration items
+({temperature} fit temperatures, {threshold} set thresholds and every figure below).</p>
+<div class="box"><h2>What the guarantee means</h2><p>{guarantee}</p>
+<p>What it does not promise:</p><ul>{not_promised}</ul></div>
+<h2>Summary</h2>
+{summary}
+<h2>Costs</h2>
+{costs}
+<p class="note">{cost_assumption}</p>
+{sections}
+</body></html>
+"""

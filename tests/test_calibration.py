@@ -1,0 +1,267 @@
+"""Calibrating a real bundle: SMS spam and AG News with gold labels standing in for the teacher.
+
+Other test modules build their calibrated bundle with ``write_inputs`` and ``copy_bundle``: a
+calibration rewrites its bundle, so every test calibrates a copy of the module's trained one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_train import GOLD, QUESTIONS, _write_jsonl, gold_rows, shared_cache_dir, train
+from tinymodels import silence_llama_logs, tiny_llama_path
+
+from cascade.bundle import Bundle, GgufTier, Manifest, ModelFile
+from cascade.encoder import Encoder
+from cascade.readout import Scorer
+from distill.calibrate import CalibrationError
+from distill.calibration import (
+    FACTS,
+    CalibrationResult,
+    QuestionTier,
+    calibrate_bundle,
+    in_temperature_part,
+)
+from distill.store import LabelStore, Teacher, import_labels
+
+N_SPAM, N_HAM, N_NEWS, N_RARE = 50, 100, 150, 8
+TARGET = 0.85
+FLOPS = 1e11
+"""A fixed CPU throughput, so that no test spends a second measuring one."""
+
+
+def write_inputs(root: Path, data: Path, flip: set[str] | None = None) -> tuple[Path, Path]:
+    """A 300-item corpus and a store of its gold labels: (corpus, store).
+
+    "rare" has too few labels for a head and "urgent" none. Items in ``flip`` get a wrong label
+    (spam negated, topic moved to the next option), to show which labels a calibration reads.
+    """
+    flip = flip or set()
+    sms, news = gold_rows(data)
+    sms = [r for r in sms if r["label"] == "spam"][:N_SPAM] + [r for r in sms if r["label"] == "ham"][:N_HAM]
+    news = news[:N_NEWS]
+    topics = QUESTIONS["topic"].option_keys()
+    corpus = _write_jsonl(root / "corpus.jsonl", [{"id": r["id"], "text": r["text"]} for r in sms + news])
+    labels = [{"id": r["id"], "question": "spam", "answer": (r["label"] == "spam") != (r["id"] in flip)}
+              for r in sms]
+    labels += [{"id": r["id"], "question": "topic",
+                "answer": topics[(topics.index(r["label_name"]) + (r["id"] in flip)) % len(topics)]}
+               for r in news]
+    labels += [{"id": r["id"], "question": "rare", "answer": True} for r in news[:N_RARE]]
+    with LabelStore(root / "labels.sqlite", GOLD) as store:
+        import_labels(store, _write_jsonl(root / "gold.jsonl", labels), QUESTIONS)
+    return corpus, root / "labels.sqlite"
+
+
+def copy_bundle(bundle: Bundle, directory: Path) -> Bundle:
+    return Bundle(bundle.manifest, bundle.directory).save(directory)
+
+
+def calibrate(bundle: Bundle, corpus: Path, store_path: Path, encoder: Encoder, **kwargs: object
+              ) -> CalibrationResult:
+    with LabelStore.open_existing(store_path) as store:
+        return calibrate_bundle(bundle, corpus, store, progress=False, encoder=encoder,
+                                flops_per_second=FLOPS, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    return Encoder(threads=1)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
+    return write_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path], encoder: Encoder
+            ) -> Bundle:
+    return train(*inputs, tmp_path_factory.mktemp("trained"), encoder, shared_cache_dir(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory, trained: Bundle, inputs: tuple[Path, Path],
+               encoder: Encoder) -> tuple[Bundle, CalibrationResult]:
+    bundle = copy_bundle(trained, tmp_path_factory.mktemp("calibrated"))
+    return bundle, calibrate(bundle, *inputs, encoder, target=TARGET)
+
+
+def fit_of(result: CalibrationResult, question: str, tier: str = "encoder") -> QuestionTier:
+    return next(f for f in result.calibrations if (f.question, f.tier) == (question, tier))
+
+
+def test_thresholds_are_written_and_the_bundle_reloads(calibrated: tuple[Bundle, CalibrationResult]
+                                                       ) -> None:
+    bundle, result = calibrated
+    manifest = Bundle.load(bundle.directory).manifest
+    for qid in ("spam", "topic"):
+        fit = fit_of(result, qid)
+        assert fit.reachable and fit.threshold is not None
+        assert manifest.threshold(qid, "encoder") == fit.threshold
+        assert manifest.temperature(qid, "encoder") == fit.temperature
+        # a fit stopped at a search bound (every temperature-part answer agrees) keeps T = 1
+        assert (fit.temperature_note is None) == (fit.temperature != 1.0)
+        if fit.temperature_note:
+            assert re.fullmatch(r"the fit on \d+ items stopped at the bound T=0.05 \(every answer "
+                                r"agrees with the teacher.*\); T left at 1.0", fit.temperature_note)
+        assert fit.lower_bound >= TARGET and fit.agreement >= fit.lower_bound
+        assert 0 < fit.kept_share <= 1
+        facts = manifest.calibration["questions"][qid]["encoder"]
+        assert set(facts) == set(FACTS)
+        assert facts["threshold"] == fit.threshold and facts["target"] == TARGET
+        assert result.cascades[qid].answered_by == pytest.approx(
+            {"encoder": fit.kept_share, "teacher": 1 - fit.kept_share})
+        assert result.cascades[qid].agreement == pytest.approx(fit.agreement)
+    assert any(f.temperature != 1.0 for f in result.calibrations)
+    assert (manifest.calibration["target"], manifest.calibration["mode"]) == (TARGET, "agreement")
+    cost = manifest.calibration["costs"]["encoder"]
+    assert set(cost) == {"seconds_per_state", "seconds_per_token"}
+    assert min(cost.values()) >= 0 and max(cost.values()) > 0
+    assert manifest.calibration["flops_per_second"] == FLOPS
+
+
+def test_questions_without_a_head_or_labels_stay_uncalibrated(
+    calibrated: tuple[Bundle, CalibrationResult]
+) -> None:
+    bundle, result = calibrated
+    manifest = Bundle.load(bundle.directory).manifest
+    reasons = {s.question: s.reason for s in result.skipped}
+    assert reasons["rare"].startswith("the tier does not answer this question (no head)")
+    assert reasons["urgent"].startswith("no calibration item has a teacher label")
+    assert manifest.threshold("rare", "encoder") is None and manifest.threshold("urgent", "encoder") is None
+    assert manifest.calibration["skipped"]["rare"]["encoder"] == reasons["rare"]
+
+
+def test_only_calibration_items_are_used(
+    calibrated: tuple[Bundle, CalibrationResult], trained: Bundle, encoder: Encoder,
+    shared_data: Path, tmp_path: Path
+) -> None:
+    _, result = calibrated
+    parts = trained.split_ids()
+    for qid, prefix in (("spam", "sms-"), ("topic", "agnews-")):
+        ids = [i for i in parts["calibration"] if i.startswith(prefix)]
+        fit = fit_of(result, qid)
+        assert fit.n == len(ids) and sum(map(sum, fit.confusion)) == len(ids)
+        assert fit.n_temperature == sum(map(in_temperature_part, ids))
+        assert fit.n_threshold == fit.n - fit.n_temperature
+    # wrong labels for every other item, and a corpus of calibration items only: same outcome
+    others = set(parts["train"]) | set(parts["evaluation"])
+    corpus, store = write_inputs(tmp_path, shared_data, flip=others)
+    kept = [row for row in map(json.loads, corpus.read_text().splitlines()) if row["id"] not in others]
+    _write_jsonl(corpus, kept)
+    again = calibrate(copy_bundle(trained, tmp_path / "b"), corpus, store, encoder, target=TARGET)
+    facts = [f.model_dump(exclude={"message"}) for f in again.calibrations]
+    assert facts == [f.model_dump(exclude={"message"}) for f in result.calibrations]
+
+
+def test_an_unreachable_target_says_what_is_reachable(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tmp_path: Path
+) -> None:
+    bundle = copy_bundle(trained, tmp_path / "b")
+    result = calibrate(bundle, *inputs, encoder, target=0.9999)
+    manifest = Bundle.load(bundle.directory).manifest
+    for qid in ("spam", "topic"):
+        fit = fit_of(result, qid)
+        assert (fit.threshold, fit.reachable, fit.kept_share) == (None, False, 0.0)
+        match = re.match(r"target 0.9999 not reachable with (\d+) items: the best certifiable is "
+                         r"(0\.\d+) \(at 95% confidence\); label at least (\d+) items", fit.message)
+        assert match and int(match[1]) == fit.n_threshold and int(match[3]) > fit.n_threshold
+        assert 0.9 < float(match[2]) < 0.9999
+        assert manifest.threshold(qid, "encoder") is None
+        assert manifest.calibration["questions"][qid]["encoder"]["reachable"] is False
+        assert result.cascades[qid].answered_by["teacher"] == 1.0
+
+
+def test_budget_mode_keeps_about_the_requested_share(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tmp_path: Path
+) -> None:
+    bundle = copy_bundle(trained, tmp_path / "b")
+    result = calibrate(bundle, *inputs, encoder, escalation_fraction=0.3)
+    manifest = Bundle.load(bundle.directory).manifest
+    for qid in ("spam", "topic"):
+        fit = fit_of(result, qid)
+        assert (fit.method, fit.target) == ("budget", None)
+        assert abs(fit.kept_share - 0.7) <= 1 / fit.n_threshold
+        assert fit.message.startswith(f"keeps {fit.kept_share:.1%} of {fit.n_threshold} items")
+        assert manifest.threshold(qid, "encoder") == fit.threshold
+    assert (manifest.calibration["mode"], manifest.calibration["escalation_fraction"]) == ("budget", 0.3)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    silence_llama_logs()
+    yield tiny_llama_path(tmp_path_factory.mktemp("tiny"))
+
+
+def test_a_gguf_middle_tier_shares_the_error_budget(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tiny_llama: Path, tmp_path: Path
+) -> None:
+    data = trained.manifest.model_dump()
+    small = GgufTier(name="small", model=ModelFile.of(tiny_llama), n_ctx=1024)
+    data["tiers"] = [data["tiers"][0], small.model_dump(), data["tiers"][1]]
+    bundle = Bundle(Manifest.model_validate(data), trained.directory).save(tmp_path / "b")
+    scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1)
+    try:
+        result = calibrate(bundle, *inputs, encoder, target=TARGET, scorers={"small": scorer})
+    finally:
+        scorer.close()
+    assert result.cheap_tiers == ["encoder", "small"]
+    assert result.tier_target == pytest.approx(1 - (1 - TARGET) / 2)
+    assert result.tier_delta == pytest.approx(0.025)
+    manifest = Bundle.load(bundle.directory).manifest
+    for qid in ("spam", "topic", "rare"):
+        fit = fit_of(result, qid, "small")
+        assert (fit.target, fit.delta) == (result.tier_target, result.tier_delta)
+        assert manifest.threshold(qid, "small") == fit.threshold
+        shares = result.cascades[qid].answered_by
+        assert set(shares) == {"encoder", "small", "teacher"}
+        assert sum(shares.values()) == pytest.approx(1.0)
+    assert fit_of(result, "spam").target == result.tier_target
+    rare = fit_of(result, "rare", "small")
+    assert rare.temperature == 1.0 and rare.temperature_note is not None
+    assert rare.temperature_note.startswith(f"only {rare.n_temperature} items in the temperature part")
+    cost = result.costs["small"]
+    assert cost.kind == "gguf" and cost.states == sum(fit_of(result, q, "small").n
+                                                      for q in ("spam", "topic"))
+    assert cost.tokens > cost.states and cost.seconds_per_token > 0
+    assert set(manifest.calibration["costs"]) == {"encoder", "small"}
+
+
+def test_a_store_of_another_teacher_is_refused(trained: Bundle, inputs: tuple[Path, Path],
+                                               encoder: Encoder, tmp_path: Path) -> None:
+    other = Teacher(kind="external", model="someone else's labels")
+    with LabelStore(tmp_path / "other.sqlite", other):
+        pass
+    with pytest.raises(CalibrationError, match=r"holds labels of the teacher .*someone else's.*calibrate "
+                       r"with the store the bundle was trained from"):
+        calibrate(trained, inputs[0], tmp_path / "other.sqlite", encoder)
+
+
+def test_a_corpus_without_the_calibration_items_is_refused(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tmp_path: Path
+) -> None:
+    train_ids = set(trained.split_ids()["train"])
+    rows = [row for row in map(json.loads, inputs[0].read_text().splitlines()) if row["id"] in train_ids]
+    corpus = _write_jsonl(tmp_path / "train-only.jsonl", rows)
+    with pytest.raises(CalibrationError, match=r"\d+ of the \d+ calibration items are not in corpus "
+                       r".*train-only.jsonl \(for example '.*'\); give the corpus"):
+        calibrate(trained, corpus, inputs[1], encoder)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"target": 1.0}, r"target must be a number in \(0, 1\); got 1.0"),
+    ({"delta": 0}, r"delta must be a number in \(0, 1\); got 0"),
+    ({"escalation_fraction": 1.5}, r"escalation_fraction must be None or a number in \[0, 1\]; got 1.5"),
+])
+def test_bad_arguments_are_refused_before_any_work(
+    kwargs: dict, message: str, trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder
+) -> None:
+    before = (trained.directory / "manifest.json").read_bytes()
+    with pytest.raises(CalibrationError, match=message):
+        calibrate(trained, *inputs, encoder, **kwargs)
+    assert (trained.directory / "manifest.json").read_bytes() == before

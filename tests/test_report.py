@@ -1,0 +1,128 @@
+"""The calibration report (HTML + JSON) and ``cascade calibrate``, on a real calibrated bundle."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_calibration import FLOPS, calibrate, copy_bundle, write_inputs
+from test_train import shared_cache_dir, train
+
+from cascade.bundle import Bundle
+from cascade.cli import build_parser, main
+from cascade.encoder import Encoder
+from distill.calibration import CalibrationResult
+from distill.report import write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+IMG = '<img src="data:image/png;base64,'
+TIER_FIGURES = {"reliability", "coverage", "confusion"}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
+    return write_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path]) -> Bundle:
+    return train(*inputs, tmp_path_factory.mktemp("trained"), Encoder(threads=1),
+                 shared_cache_dir(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def budget(tmp_path_factory: pytest.TempPathFactory, trained: Bundle, inputs: tuple[Path, Path]
+           ) -> tuple[CalibrationResult, Path]:
+    """A budget-mode calibration and its report: (result, report folder)."""
+    bundle = copy_bundle(trained, tmp_path_factory.mktemp("budget"))
+    result = calibrate(bundle, *inputs, Encoder(threads=1), escalation_fraction=0.25)
+    report = tmp_path_factory.mktemp("report")
+    assert write_report(result, Bundle.load(bundle.directory), report) == report / "report.html"
+    return result, report
+
+
+def read(report: Path) -> tuple[str, dict[str, Any]]:
+    return ((report / "report.html").read_text(encoding="utf-8"),
+            json.loads((report / "report.json").read_text(encoding="utf-8")))
+
+
+def test_the_page_is_self_contained_with_one_image_per_figure(budget: tuple[CalibrationResult, Path]
+                                                              ) -> None:
+    page, data = read(budget[1])
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", page)
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    assert page.count(IMG) == len(data["figures"]) > 0
+    for figure in data["figures"]:
+        found = re.search(rf'{re.escape(IMG)}([A-Za-z0-9+/=]+)" id="{re.escape(figure["id"])}"', page)
+        assert found and base64.b64decode(found[1]).startswith(PNG)
+
+
+def test_the_json_has_every_figure_of_every_question(budget: tuple[CalibrationResult, Path]) -> None:
+    result, report = budget
+    _, data = read(report)
+    figures = {(f["question"], f["tier"], f["kind"]): f["data"] for f in data["figures"]}
+    for fit in result.calibrations:
+        assert {kind for q, tier, kind in figures if (q, tier) == (fit.question, fit.tier)} == TIER_FIGURES
+        reliability = figures[fit.question, fit.tier, "reliability"]
+        assert (reliability["ece_before"], reliability["ece_after"]) == (fit.ece_before, fit.ece_after)
+        assert sum(reliability["after"]["count"]) == fit.n_threshold
+        coverage = figures[fit.question, fit.tier, "coverage"]
+        assert coverage["kept_share"] == fit.kept_share
+        assert coverage["escalation_rate"] == pytest.approx(0.25, abs=1 / fit.n_threshold)
+        assert len(coverage["curve"]["kept_share"]) == len(coverage["curve"]["lower_bound"]) > 1
+        confusion = figures[fit.question, fit.tier, "confusion"]
+        assert sum(map(sum, confusion["matrix"])) == fit.n and len(confusion["options"]) == len(fit.confusion)
+        cost = figures[fit.question, None, "cost"]
+        assert cost["escalation_rate"] == pytest.approx(1 - fit.kept_share)
+        assert cost["cascade_seconds"] < cost["teacher_seconds"]
+    assert {row["question"] for row in data["summary"]} == {"spam", "topic", "rare", "urgent"}
+    assert data["mode"] == "budget" and "No target is certified" in data["guarantee"]
+    teacher = next(row for row in data["costs"] if row["kind"] == "teacher")
+    assert teacher["source"] == "roofline estimate"
+    assert f"{FLOPS:.3g} FLOP/s" in data["cost_assumption"]
+
+
+def test_cli_calibrates_prints_a_table_and_writes_the_report(
+    trained: Bundle, inputs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    bundle = copy_bundle(trained, tmp_path / "bundle")
+    corpus, store = inputs
+    code = main(["calibrate", "--bundle", str(bundle.directory), "--corpus", str(corpus), "--store",
+                 str(store), "--target-agreement", "0.85", "--delta", "0.1", "--report",
+                 str(tmp_path / "report")])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert out[0].split() == ["question", "tier", "n", "T", "ECE", "threshold", "kept", "agreement",
+                              "bound", "guarantee"]
+    rows = {line.split()[0]: line.split() for line in out[1:5]}
+    assert rows["spam"][-1] == rows["topic"][-1] == "yes" and rows["rare"][-1] == "skipped"
+    assert out[-1] == f"report: {(tmp_path / 'report' / 'report.html').resolve()}"
+    manifest = Bundle.load(bundle.directory).manifest
+    assert manifest.threshold("spam", "encoder") is not None
+    assert (manifest.calibration["target"], manifest.calibration["delta"]) == (0.85, 0.1)
+    page, data = read(tmp_path / "report")
+    assert "With probability at least 90% (1 - delta) over the draw of the calibration items" in page
+    assert "agreement with the teacher on new items from the same distribution is at least 0.85" in page
+    for limit in ("Not a promise about any one item", "Not under distribution shift",
+                  "Not agreement with the truth"):
+        assert limit in page
+    assert page.count(IMG) == len(data["figures"])
+
+
+def test_cli_reports_a_bad_target(trained: Bundle, inputs: tuple[Path, Path], tmp_path: Path,
+                                  capsys: pytest.CaptureFixture) -> None:
+    code = main(["calibrate", "--bundle", str(trained.directory), "--corpus", str(inputs[0]), "--store",
+                 str(inputs[1]), "--target-agreement", "98", "--report", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "CalibrationError: target must be a number in (0, 1); got 98.0")
+
+
+def test_cli_help_has_an_example(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--help"])
+    assert "example:\n  cascade calibrate --bundle" in capsys.readouterr().out

@@ -1,0 +1,426 @@
+"""The router on a real bundle: encoder heads trained on gold labels, the gold labels as its teacher.
+
+Thresholds, temperatures and tier costs are set by writing manifest copies, so each test says
+exactly what the cascade was told. Measured costs are written too (1 ms per state for the
+encoder, 100 ms per state for the teacher, nothing per token): a budget then buys a countable
+number of escalations and no test depends on this machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_train import shared_cache_dir, train, write_training_inputs
+from tinymodels import tiny_llama_path
+
+from cascade.bundle import Bundle, Manifest, ModelFile
+from cascade.calibration_math import TemperatureError, apply_temperature
+from cascade.cli import main
+from cascade.cost import ModelShape, decision_flops
+from cascade.costmodel import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
+from cascade.encoder import Encoder
+from cascade.errors import RequestError
+from cascade.prompts import PromptTemplate
+from cascade.questions import DecisionRequest, DecisionResponse
+from cascade.router import Budget, Cascade, RouterError
+from cascade.tiers import Item
+from distill.store import LabelStore
+
+ENCODER_MS, TEACHER_MS = 1.0, 100.0
+COSTS = {"encoder": {"seconds_per_state": ENCODER_MS / 1e3, "seconds_per_token": 0.0},
+         "teacher": {"seconds_per_state": TEACHER_MS / 1e3, "seconds_per_token": 0.0}}
+HEADED = ("spam", "topic")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path, Bundle]:
+    """(corpus, store, bundle) of the 600 gold-labelled SMS and AG News items of test_train."""
+    root = tmp_path_factory.mktemp("router")
+    corpus, store = write_training_inputs(root, shared_data)
+    bundle = train(corpus, store, root / "bundle", Encoder(threads=1), shared_cache_dir(tmp_path_factory))
+    return corpus, store, bundle
+
+
+@pytest.fixture(scope="module")
+def labels(trained: tuple[Path, Path, Bundle]) -> dict[str, dict[str, dict[str, float]]]:
+    with LabelStore.open_existing(trained[1]) as store:
+        return {qid: store.labels(qid) for qid in trained[2].manifest.questions}
+
+
+@pytest.fixture(scope="module")
+def texts(trained: tuple[Path, Path, Bundle]) -> dict[str, str]:
+    return {row["id"]: row["text"] for row in map(json.loads, trained[0].open(encoding="utf-8"))}
+
+
+def variant(bundle: Bundle, directory: Path, **fields: Any) -> Path:
+    """A copy of the bundle whose manifest has ``fields`` replaced; by default, calibration facts
+    saying the encoder temperatures of the headed questions were fitted, and measured COSTS."""
+    data = bundle.manifest.model_dump(mode="json")
+    fitted = {qid: {"encoder": {"temperature": 1.0, "temperature_note": None}} for qid in HEADED}
+    data["calibration"] = {"costs": COSTS, "questions": fitted}
+    data.update(fields)
+    Bundle(Manifest.model_validate(data), bundle.directory).save(directory)
+    return directory
+
+
+def thresholds(value: float | None, questions: tuple[str, ...] = HEADED) -> dict[str, dict[str, Any]]:
+    return {qid: {"encoder": value} for qid in questions}
+
+
+@pytest.fixture(scope="module")
+def replay(trained: tuple[Path, Path, Bundle], labels: Mapping,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Load a variant of the bundle with the store's labels answering its top tier (once each),
+    reading the embeddings training cached."""
+    opened: dict[str, Cascade] = {}
+
+    def load(**fields: Any) -> Cascade:
+        key = json.dumps(fields, sort_keys=True)
+        if key not in opened:
+            directory = variant(trained[2], tmp_path_factory.mktemp("variant"), **fields)
+            opened[key] = Cascade.load(directory, labels=labels, cache_dir=shared_cache_dir(tmp_path_factory))
+        return opened[key]
+
+    yield load
+    for cascade in opened.values():
+        cascade.close()
+
+
+def evaluation_items(bundle: Bundle, texts: Mapping[str, str], prefix: str, n: int) -> list[Item]:
+    ids = [i for i in bundle.split_ids()["evaluation"] if i.startswith(prefix)][:n]
+    return [Item(i, texts[i]) for i in ids]
+
+
+def mixed_items(bundle: Bundle, texts: Mapping[str, str], n: int) -> list[Item]:
+    """n SMS and n news items of the evaluation part."""
+    return evaluation_items(bundle, texts, "sms-", n) + evaluation_items(bundle, texts, "agnews-", n)
+
+
+def asked_labelled(items: list[Item], labels: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+    return [[qid for qid in labels if item.id in labels[qid]] for item in items]
+
+
+def probabilities(response: DecisionResponse, qid: str) -> list[float]:
+    return list(response.answers[qid].probabilities.values())
+
+
+def test_threshold_zero_keeps_every_headed_answer_at_the_encoder(
+    replay: Any, trained: tuple, labels: Mapping, texts: Mapping
+) -> None:
+    cascade = replay(thresholds=thresholds(0.0))
+    items = mixed_items(trained[2], texts, 30)
+    asked = asked_labelled(items, labels)
+    assert {"urgent", "rare"} & {q for qids in asked for q in qids}  # questions without a head too
+    for item, qids, response in zip(items, asked, cascade.route(items, asked), strict=True):
+        assert list(response.answers) == qids
+        for qid, answer in response.answers.items():
+            routing = answer.routing
+            if qid in HEADED:
+                assert (routing.tier, routing.threshold, routing.budget_limited) == ("encoder", 0.0, False)
+                assert routing.calibrated and answer.calibrated
+            else:  # no head: starts at the next tier, which answers as the teacher did
+                assert (routing.tier, routing.threshold, routing.calibrated) == ("teacher", None, False)
+                assert answer.probabilities == pytest.approx(labels[qid][item.id])
+        assert response.usage.questions == len(qids)
+
+
+def test_threshold_none_escalates_everything_to_the_teacher(
+    replay: Any, trained: tuple, labels: Mapping, texts: Mapping
+) -> None:
+    cascade = replay()  # a freshly trained bundle: every threshold None
+    items = mixed_items(trained[2], texts, 20)
+    asked = asked_labelled(items, labels)
+    for item, qids, response in zip(items, asked, cascade.route(items, asked), strict=True):
+        for qid, answer in response.answers.items():
+            assert answer.routing.tier == "teacher" and answer.routing.threshold is None
+            assert answer.probabilities == pytest.approx(labels[qid][item.id])
+        headed = [q for q in qids if q in HEADED]
+        # each answer carries its share: the encoder state (if any head ran) and the teacher state
+        total = sum(answer.routing.cost_ms for answer in response.answers.values())
+        assert total == pytest.approx(TEACHER_MS + (ENCODER_MS if headed else 0.0))
+
+
+def test_a_question_without_a_head_never_runs_the_encoder(
+    replay: Any, trained: tuple, labels: Mapping, texts: Mapping
+) -> None:
+    cascade = replay(thresholds=thresholds(0.0))
+    items = [item for item in evaluation_items(trained[2], texts, "sms-", 200)
+             if item.id in labels["urgent"]][:5]
+    assert items
+    for response in cascade.decide_batch(items, questions=["urgent"]):
+        routing = response.answers["urgent"].routing
+        assert routing.tier == "teacher"
+        assert routing.cost_ms == pytest.approx(TEACHER_MS)
+
+
+@pytest.mark.parametrize("calibration", [
+    {"costs": COSTS},  # fresh from training: placeholder temperatures, no calibration facts
+    {"costs": COSTS, "questions": {"spam": {"encoder": {"temperature_note": "only 3 items; T left"}}}},
+])
+def test_answers_are_calibrated_only_where_a_temperature_was_fitted(
+    calibration: dict, replay: Any, spam_items: list[Item]
+) -> None:
+    cascade = replay(thresholds=thresholds(0.0), calibration=calibration)
+    for response in cascade.decide_batch(spam_items[:5], questions=["spam"]):
+        answer = response.answers["spam"]
+        assert answer.routing.tier == "encoder"
+        assert not answer.calibrated and not answer.routing.calibrated
+
+
+def test_cached_embeddings_give_the_answers_fresh_ones_do(
+    replay: Any, trained: tuple, labels: Mapping, texts: Mapping, tmp_path: Path
+) -> None:
+    items = mixed_items(trained[2], texts, 5)
+    cached = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=list(HEADED))
+    directory = variant(trained[2], tmp_path / "b", thresholds=thresholds(0.0))
+    with Cascade.load(directory, labels=labels) as fresh:
+        for a, b in zip(cached, fresh.decide_batch(items, questions=list(HEADED)), strict=True):
+            assert a.answers["spam"].routing == b.answers["spam"].routing
+            for qid in HEADED:
+                assert probabilities(a, qid) == pytest.approx(probabilities(b, qid), abs=1e-6)
+
+
+def test_temperature_scales_confidence_but_never_the_answer(
+    replay: Any, trained: tuple, texts: Mapping
+) -> None:
+    items = evaluation_items(trained[2], texts, "agnews-", 20)
+    plain = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=["topic"])
+    temperatures = {"topic": {"encoder": 2.5}}
+    hot = replay(thresholds=thresholds(0.0), temperatures=temperatures).decide_batch(
+        items, questions=["topic"])
+    for cold, warm in zip(plain, hot, strict=True):
+        assert warm.answers["topic"].choice == cold.answers["topic"].choice
+        expected = apply_temperature(probabilities(cold, "topic"), 2.5)
+        assert probabilities(warm, "topic") == pytest.approx(expected.tolist())
+        assert warm.answers["topic"].confidence < cold.answers["topic"].confidence
+
+
+def test_temperature_keeps_exact_zeros_and_refuses_bad_values() -> None:
+    assert apply_temperature([1.0, 0.0], 0.5).tolist() == [1.0, 0.0]
+    assert apply_temperature([[0.2, 0.8]], 2.0)[0] == pytest.approx([1 / 3, 2 / 3])
+    for bad in (0.0, -1.0, math.inf, math.nan, True):
+        with pytest.raises(TemperatureError, match=r"temperature must be a finite number > 0"):
+            apply_temperature([0.5, 0.5], bad)
+
+
+@pytest.fixture(scope="module")
+def spam_items(trained: tuple, texts: Mapping) -> list[Item]:
+    return evaluation_items(trained[2], texts, "sms-", 40)
+
+
+@pytest.fixture(scope="module")
+def confidences(replay: Any, spam_items: list[Item]) -> list[float]:
+    """The encoder tier's confidence about each spam item (every answer kept there)."""
+    kept = replay(thresholds=thresholds(0.0)).decide_batch(spam_items, questions=["spam"])
+    return [response.answers["spam"].confidence for response in kept]
+
+
+def least_confident(confidences: list[float], k: int) -> set[int]:
+    return set(sorted(range(len(confidences)), key=lambda i: (confidences[i], i))[:k])
+
+
+@pytest.mark.parametrize("k", [0, 3, 11])
+def test_a_budget_for_k_escalations_escalates_the_k_least_confident(
+    k: int, replay: Any, spam_items: list[Item], confidences: list[float]
+) -> None:
+    n = len(spam_items)
+    budget = Budget(ms_per_call=(n * ENCODER_MS + k * TEACHER_MS + TEACHER_MS / 2) / n)
+    responses = replay().decide_batch(spam_items, budget, questions=["spam"])
+    routing = [r.answers["spam"].routing for r in responses]
+    escalated = {i for i, r in enumerate(routing) if r.tier == "teacher"}
+    assert escalated == least_confident(confidences, k)
+    for i, r in enumerate(routing):
+        assert r.budget_limited == (i not in escalated)
+        if i not in escalated:  # kept below its (None) threshold: the encoder's own answer
+            assert r.tier == "encoder" and r.threshold is None
+            assert responses[i].answers["spam"].confidence == pytest.approx(confidences[i])
+    assert sum(r.cost_ms for r in routing) <= budget.ms_per_call * n  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 1.0])
+def test_max_escalation_fraction_escalates_the_least_confident_share(
+    fraction: float, replay: Any, spam_items: list[Item], confidences: list[float]
+) -> None:
+    budget = Budget(max_escalation_fraction=fraction)
+    responses = replay().decide_batch(spam_items, budget, questions=["spam"])
+    escalated = {i for i, r in enumerate(responses) if r.answers["spam"].routing.tier == "teacher"}
+    assert escalated == least_confident(confidences, math.floor(fraction * len(spam_items)))
+    limited = sum(r.answers["spam"].routing.budget_limited for r in responses)
+    assert limited == len(spam_items) - len(escalated)
+
+
+def test_questions_without_a_lower_tier_use_up_the_escalation_share(
+    replay: Any, trained: tuple, labels: Mapping, texts: Mapping
+) -> None:
+    items = [item for item in evaluation_items(trained[2], texts, "sms-", 200)
+             if item.id in labels["urgent"]][:8]
+    responses = replay().decide_batch(items, Budget(max_escalation_fraction=0.5),
+                                      questions=["spam", "urgent"])
+    tiers = [(r.answers["spam"].routing.tier, r.answers["urgent"].routing.tier) for r in responses]
+    assert all(urgent == "teacher" for _, urgent in tiers)  # half the questions: the whole share
+    assert all(spam == "encoder" for spam, _ in tiers)
+    assert all(r.answers["spam"].routing.budget_limited for r in responses)
+
+
+def test_accepted_answers_are_never_budget_limited(replay: Any, spam_items: list[Item]) -> None:
+    responses = replay(thresholds=thresholds(0.0)).decide_batch(
+        spam_items, Budget(max_escalation_fraction=0.0), questions=["spam"])
+    assert not any(r.answers["spam"].routing.budget_limited for r in responses)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"ms_per_call": 0}, r"budget.ms_per_call: must be a finite number of milliseconds > 0.*got 0"),
+    ({"ms_per_call": -5.0}, r"budget.ms_per_call: .*got -5.0"),
+    ({"ms_per_call": math.inf}, r"budget.ms_per_call: .*got inf"),
+    ({"ms_per_call": True}, r"budget.ms_per_call: .*got True"),
+    ({"ms_per_call": "10"}, r"budget.ms_per_call: .*got '10'"),
+    ({"max_escalation_fraction": 1.5}, r"budget.max_escalation_fraction: must be a number in \[0, 1\]"),
+    ({"max_escalation_fraction": -0.1}, r"budget.max_escalation_fraction: .*got -0.1"),
+    ({"max_escalation_fraction": math.nan}, r"budget.max_escalation_fraction: .*got nan"),
+    ({"per_call": 3}, r"budget.per_call: Extra inputs are not permitted"),
+])
+def test_bad_budgets_are_refused(fields: dict, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        Budget(**fields)
+
+
+def test_bad_questions_and_states_are_refused(replay: Any) -> None:
+    cascade = replay()
+    with pytest.raises(RequestError, match=r"questions must name at least one of the bundle's"):
+        cascade.decide("hello", questions=["nope"])
+    with pytest.raises(RequestError, match=r"list of question ids; got the string 'spam'"):
+        cascade.decide("hello", questions="spam")  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=r"items\[0\] \(id 'state'\): state must be non-empty"):
+        cascade.decide("   ")
+
+
+def test_an_external_top_tier_needs_a_teacher(trained: tuple, labels: Mapping, tmp_path: Path,
+                                              gemma_path: Path) -> None:
+    directory = variant(trained[2], tmp_path / "b")
+    with pytest.raises(RouterError, match=r"external tier 'teacher'.*give --teacher PATH.gguf"):
+        Cascade.load(directory)
+    with pytest.raises(RouterError, match=r"teacher .* or labels .*not both"):
+        Cascade.load(directory, teacher=gemma_path, labels=labels)
+    with pytest.raises(RouterError, match=r"teacher model .*missing.gguf not found"):
+        Cascade.load(directory, teacher=tmp_path / "missing.gguf")
+
+
+def test_cost_model_prices_a_state_once_and_its_questions_each(replay: Any, texts: Mapping) -> None:
+    cascade = replay(calibration={"costs": {"encoder": {"seconds_per_state": 0.002,
+                                                        "seconds_per_token": 1e-5},
+                                            "teacher": {"seconds_per_state": 0.05,
+                                                        "seconds_per_token": 1e-3}}})
+    text = next(iter(texts.values()))
+    costs = cascade.costs.batch([Item("x", text)])
+    encoder_tokens = cascade.tiers[0].encoder.token_counts([text])[0]
+    assert costs.seconds("encoder", 0, ["spam"]) == pytest.approx(0.002 + encoder_tokens * 1e-5)
+    assert costs.seconds("encoder", 0, ["spam", "topic"]) == costs.seconds("encoder", 0, ["spam"])
+    # fan-out: the shared prompt (template + state, len / 4 tokens without a tokenizer) once
+    prompt = math.ceil(len(PromptTemplate("plain").render("", "")) / CHARS_PER_TOKEN)
+    prompt += math.ceil(len(text) / CHARS_PER_TOKEN)
+    one = costs.seconds("teacher", 0, ["spam"]) + costs.seconds("teacher", 0, ["topic"])
+    both = costs.seconds("teacher", 0, ["spam", "topic"])
+    assert one - both == pytest.approx(0.05 + prompt * 1e-3)
+    assert costs.seconds("teacher", 0, []) == 0.0
+
+
+def test_roofline_prices_tiers_without_measured_costs(
+    trained: tuple, labels: Mapping, tmp_path: Path
+) -> None:
+    tiny = tiny_llama_path(tmp_path)
+    variant(trained[2], tmp_path / "b", calibration={})
+    with Cascade.load(tmp_path / "b", labels=labels, flops_per_second=1e12) as replayed:
+        assert replayed.costs.cost("teacher") == TierCost(0.0, 2 * TEACHER_PARAMS / 1e12, "roofline")
+        encoder_bytes = replayed.tiers[0].encoder.files.model.stat().st_size
+        assert replayed.costs.cost("encoder") == TierCost(0.0, 2 * encoder_bytes / 1e12, "roofline")
+    with Cascade.load(tmp_path / "b", teacher=tiny, flops_per_second=1e12) as live:
+        per_token = decision_flops(ModelShape.from_gguf(tiny), 1, output_rows=0) / 1e12
+        assert live.costs.cost("teacher") == TierCost(0.0, per_token, "roofline")
+        scorer = live.tiers[-1].scorer
+        costs = live.costs.batch([Item("x", "Hello there")])
+        overhead = len(scorer.model.tokenize(scorer.template.render("", "")))
+        state = len(scorer.model.tokenize("Hello there"))
+        assert costs.seconds("teacher", 0, ["spam"]) > (overhead + state) * per_token
+
+
+def test_a_gguf_teacher_answers_escalations_end_to_end(
+    trained: tuple, texts: Mapping, tmp_path: Path, gemma_path: Path
+) -> None:
+    directory = variant(trained[2], tmp_path / "b")
+    items = [Item(i, texts[i]) for i in list(texts)[:3]]
+    asked = ("spam", "rare")
+    with Cascade.load(directory, teacher=gemma_path, threads=1) as cascade:
+        responses = cascade.decide_batch(items, questions=list(asked))
+        scorer = cascade.tiers[-1].scorer
+        references = [scorer.score(DecisionRequest(
+            state=item.state, questions={q: cascade.questions[q] for q in asked})) for item in items]
+    for response, reference in zip(responses, references, strict=True):
+        assert {a.routing.tier for a in response.answers.values()} == {"teacher"}
+        assert response.usage.prompt_tokens == reference.usage.prompt_tokens > 0
+        assert response.usage.forward_passes == reference.usage.forward_passes >= 1
+        for qid in asked:  # the scorer's own answer, through the tier and a temperature of 1
+            assert probabilities(response, qid) == pytest.approx(probabilities(reference, qid), abs=1e-9)
+
+
+SMALL_MS = 10.0
+
+
+def three_tiers(bundle: Bundle, directory: Path, gemma_path: Path, small_threshold: float | None) -> Path:
+    """The bundle with gemma as a middle GGUF tier "small" between the encoder and the teacher."""
+    encoder, teacher = bundle.manifest.model_dump(mode="json")["tiers"]
+    small = {"kind": "gguf", "name": "small", "model": ModelFile.of(gemma_path).model_dump(), "n_ctx": 2048}
+    costs = {**COSTS, "small": {"seconds_per_state": SMALL_MS / 1e3, "seconds_per_token": 0.0}}
+    return variant(bundle, directory, tiers=[encoder, small, teacher], calibration={"costs": costs},
+                   thresholds={"spam": {"encoder": None, "small": small_threshold}})
+
+
+def test_a_middle_tier_answers_what_it_is_confident_about_or_what_the_budget_leaves_it(
+    trained: tuple, labels: Mapping, spam_items: list[Item], tmp_path: Path, gemma_path: Path
+) -> None:
+    items = spam_items[:3]
+
+    def routing(cascade: Cascade, budget: Budget | None = None) -> list[tuple[str, bool, float]]:
+        responses = cascade.decide_batch(items, budget, questions=["spam"])
+        return [(r.answers["spam"].routing.tier, r.answers["spam"].routing.budget_limited,
+                 round(r.answers["spam"].routing.cost_ms, 6)) for r in responses]
+
+    with Cascade.load(three_tiers(trained[2], tmp_path / "keep", gemma_path, 0.0),
+                      labels=labels, threads=1) as keeping:
+        assert routing(keeping) == [("small", False, ENCODER_MS + SMALL_MS)] * 3
+    with Cascade.load(three_tiers(trained[2], tmp_path / "unsure", gemma_path, None),
+                      labels=labels, threads=1) as unsure:
+        assert routing(unsure) == [("teacher", False, ENCODER_MS + SMALL_MS + TEACHER_MS)] * 3
+        # the budget pays for the middle tier, not the top: the middle tier's answers are kept
+        limited = [("small", True, ENCODER_MS + SMALL_MS)] * 3
+        assert routing(unsure, Budget(max_escalation_fraction=0.0)) == limited
+        assert routing(unsure, Budget(ms_per_call=ENCODER_MS + SMALL_MS + TEACHER_MS / 4)) == limited
+        # pooled over the batch: 3 x 61 ms pays the encoder and small tier for all, the teacher once
+        pooled = routing(unsure, Budget(ms_per_call=ENCODER_MS + SMALL_MS + TEACHER_MS / 2))
+        assert sorted(tier for tier, _, _ in pooled) == ["small", "small", "teacher"]
+
+
+def test_cli_decide_needs_a_teacher_and_resumes(
+    trained: tuple, tmp_path: Path, gemma_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    directory = variant(trained[2], tmp_path / "b", thresholds=thresholds(0.0))
+    corpus = tmp_path / "few.jsonl"
+    corpus.write_text("".join(trained[0].open(encoding="utf-8").readlines()[:3]), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    args = ["decide", "--bundle", str(directory), "--corpus", str(corpus), "--out", str(out)]
+    assert main(args) == 2
+    assert "RouterError" in capsys.readouterr().err and not out.exists()
+    assert main([*args, "--teacher", str(gemma_path), "--batch-size", "2", "--threads", "1"]) == 0
+    rows = [json.loads(line) for line in out.open(encoding="utf-8")]
+    assert [row["id"] for row in rows] == [json.loads(line)["id"] for line in corpus.open()]
+    assert rows[0]["answers"]["spam"]["routing"]["tier"] == "encoder"
+    assert rows[0]["answers"]["urgent"]["routing"]["tier"] == "teacher"
+    with out.open("a", encoding="utf-8") as handle:
+        handle.write('{"id": "cut sh')
+    assert main([*args, "--teacher", str(gemma_path), "--threads", "1"]) == 0
+    assert "decided 0 items (3 already in" in capsys.readouterr().out
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 3
