@@ -77,11 +77,11 @@ class HeadsTier(Tier):
             return out
         texts = [render_state(items[i].state) for i in wanted]
         vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
-        for row, i in enumerate(wanted):
-            for qid in asked[i]:
-                head = self.heads.get(qid)
-                if head is not None:
-                    out[i][qid] = head.predict_proba(vectors[row : row + 1])[0]
+        for qid, head in self.heads.items():
+            rows = [row for row, i in enumerate(wanted) if qid in asked[i]]
+            if rows:
+                for row, probs in zip(rows, head.predict_proba(vectors[rows]), strict=True):
+                    out[wanted[row]][qid] = probs
         return out
 
 

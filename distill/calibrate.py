@@ -26,6 +26,8 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 from scipy.stats import beta
 
+from cascade.calibration_math import TemperatureError
+from cascade.calibration_math import apply_temperature as runtime_temperature
 from cascade.errors import CascadeError
 
 ROW_SUM_TOLERANCE = 1e-4
@@ -102,7 +104,16 @@ def fit_temperature(
 
 
 def apply_temperature(scores: Any, temperature: float, *, kind: ScoreKind = "probs") -> np.ndarray:
-    """``softmax(log p / T)`` (or ``softmax(logits / T)``): rows sum to 1, argmax unchanged."""
+    """``softmax(log p / T)`` (or ``softmax(logits / T)``): rows sum to 1, argmax unchanged.
+
+    Probabilities go through the router's own formula (``cascade.calibration_math``), so that a
+    threshold set here is compared with exactly the numbers the router computes.
+    """
+    if kind == "probs":
+        try:
+            return runtime_temperature(_check_probs(scores), temperature)
+        except TemperatureError as exc:
+            raise CalibrationError(str(exc)) from None
     if not _is_real(temperature) or not temperature > 0 or not math.isfinite(temperature):
         raise CalibrationError(f"temperature must be a finite float > 0; got {temperature!r}")
     return np.asarray(softmax(_log_scores(scores, kind) / temperature, axis=1))
