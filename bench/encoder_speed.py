@@ -1,0 +1,186 @@
+"""Encoder-tier throughput against the raw ONNX Runtime pipeline it wraps, side by side.
+
+The tier embeds a state once and runs one head per question on that vector, so its cost should be
+the encoder's plus almost nothing. The baseline is the bare pipeline with no heads: the same
+tokenizer file and truncation, the same length-sorted batches, ``session.run`` and mean pooling
+(the vector every question would then read, so its decisions per second are states per second
+times questions). Both run in one process on the same texts, taking turns a few texts at a time
+in a rotating order, so that load from other processes on shared cores falls on both alike; a
+round covers all texts, and overheads are medians of per-round time ratios. "batch" embeds 64
+texts per call; "single" makes one call per state, as a server answering one request at a time
+would. Heads are random (2-16 classes): a head's cost does not depend on its weights.
+
+    .venv/bin/python -m bench.encoder_speed --texts 500 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+
+import numpy as np
+import onnxruntime as ort
+from tokenizers import Encoding, Tokenizer
+
+from bench.common import peak_rss_mib, read_rows
+from cascade.encoder import Encoder, EncoderFiles
+from cascade.heads import SoftmaxHead
+
+QUESTIONS = (1, 4, 16)
+MODES = ("batch", "single")
+CHUNK = {"batch": 64, "single": 16}
+"""Texts per turn: a batch-mode turn is one call on 64 texts, a single-mode turn 16 calls."""
+
+
+class RawPipeline:
+    """The baseline: tokenizer, ``session.run`` and mean pooling, with nothing around them."""
+
+    def __init__(self, files: EncoderFiles, max_length: int, batch_size: int, threads: int | None) -> None:
+        self.tokenizer = Tokenizer.from_file(str(files.tokenizer))
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(max_length=max_length)
+        options = ort.SessionOptions()
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(files.model), options, providers=["CPUExecutionProvider"])
+        self.inputs = [node.name for node in self.session.get_inputs()]
+        self.batch_size = batch_size
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Same batches as ``Encoder.encode``: sorted by token count, ``batch_size`` at a time."""
+        encodings = self.tokenizer.encode_batch(list(texts))
+        order = sorted(range(len(encodings)), key=lambda row: len(encodings[row].ids))
+        out = np.empty((len(encodings), self.session.get_outputs()[0].shape[2]), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            out[rows] = self._run([encodings[row] for row in rows])
+        return out
+
+    def _run(self, encodings: list[Encoding]) -> np.ndarray:
+        width = max(len(e.ids) for e in encodings)
+        feeds = {name: np.zeros((len(encodings), width), dtype=np.int64) for name in self.inputs}
+        for row, e in enumerate(encodings):
+            feeds["input_ids"][row, : len(e.ids)] = e.ids
+            feeds["attention_mask"][row, : len(e.ids)] = 1
+        hidden = self.session.run(None, feeds)[0]
+        mask = feeds["attention_mask"][..., None].astype(np.float32)
+        pooled = (hidden * mask).sum(axis=1) / mask.sum(axis=1)
+        return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+
+
+def random_heads(dim: int, count: int, seed: int) -> list[SoftmaxHead]:
+    """Heads as a bundle would load them, with random weights and 2-16 classes each."""
+    rng = np.random.default_rng(seed)
+    heads = []
+    for k in rng.integers(2, 17, size=count):
+        arrays = {"coef": rng.normal(size=(k, dim)), "intercept": rng.normal(size=k),
+                  "C": np.array(1.0), "max_iter": np.array(100)}
+        heads.append(SoftmaxHead.from_arrays(arrays))
+    return heads
+
+
+def tier_pass(encoder: Encoder, heads: list[SoftmaxHead], mode: str, texts: list[str]) -> None:
+    """Every head's distribution for every text, one embedding per text."""
+    for group in [texts] if mode == "batch" else [[text] for text in texts]:
+        vectors = encoder.encode(group)
+        for head in heads:
+            head.predict_proba(vectors)
+
+
+def baseline_pass(raw: RawPipeline, mode: str, texts: list[str]) -> None:
+    for group in [texts] if mode == "batch" else [[text] for text in texts]:
+        raw.embed(group)
+
+
+Clock = Callable[[], float]
+CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
+"""Wall time is what a caller waits; this process's CPU time (all its threads) is what the work
+costs, and moves far less when other processes load the shared cores."""
+
+
+def measure(
+    contenders: Mapping[str, Callable[[list[str]], None]], texts: list[str], chunk: int, rounds: int
+) -> dict[str, dict[str, list[float]]]:
+    """Seconds (per clock) each contender spends on all texts, per round.
+
+    Contenders take turns chunk by chunk, the order rotating at every chunk, so that a burst of
+    load from other processes on the shared cores falls on all of them alike.
+    """
+    names = list(contenders)
+    for name in names:
+        contenders[name](texts[:chunk])
+    seconds: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CLOCKS} for name in names}
+    turn = 0
+    for _ in range(rounds):
+        spent = {name: dict.fromkeys(CLOCKS, 0.0) for name in names}
+        for start in range(0, len(texts), chunk):
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                begin = {c: clock() for c, clock in CLOCKS.items()}
+                contenders[name](texts[start : start + chunk])
+                for c, clock in CLOCKS.items():
+                    spent[name][c] += clock() - begin[c]
+            turn += 1
+        for name in names:
+            for c in CLOCKS:
+                seconds[name][c].append(spent[name][c])
+    return seconds
+
+
+def report(mode: str, seconds: dict[str, dict[str, list[float]]], states: int) -> None:
+    """Decisions per second from median wall time; overheads are medians of per-round ratios."""
+    base = seconds["baseline"]
+    print(f"\n{mode}: {states} states per round in turns of {CHUNK[mode]}, {len(base['wall'])} rounds")
+    print(f"{'questions':>9} {'tier dec/s':>11} {'raw dec/s':>10} {'wall overhead':>14} {'cpu overhead':>13}")
+    for q in QUESTIONS:
+        tier = seconds[f"tier {q}"]
+        over = {c: median_ratio(tier[c], base[c]) - 1 for c in CLOCKS}
+        print(f"{q:>9} {states * q / statistics.median(tier['wall']):>11.1f} "
+              f"{states * q / statistics.median(base['wall']):>10.1f} "
+              f"{over['wall']:>14.1%} {over['cpu']:>13.1%}")
+
+
+def median_ratio(tier: list[float], base: list[float]) -> float:
+    return statistics.median(t / b for t, b in zip(tier, base, strict=True))
+
+
+def check_same_vectors(encoder: Encoder, raw: RawPipeline, texts: list[str]) -> None:
+    """The baseline must compute what the tier computes, or the ratio means nothing."""
+    diff = float(np.abs(encoder.encode(texts) - raw.embed(texts)).max())
+    print(f"max |tier vector - raw vector| on {len(texts)} texts: {diff:.2e}")
+    if diff > 1e-4:
+        raise SystemExit("the raw baseline does not reproduce the encoder's vectors; fix it first")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--texts", type=int, default=500, help="ag_news texts (states) per pass")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
+    parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--batch-size", type=int, default=32, help="texts per session.run")
+    args = parser.parse_args()
+    texts = [row["text"] for row in read_rows("ag_news_test.jsonl", args.texts)]
+    print(f"peak RSS after imports: {peak_rss_mib():.0f} MiB")
+    encoder = Encoder(batch_size=args.batch_size, threads=args.threads)
+    print(f"peak RSS after loading the encoder: {peak_rss_mib():.0f} MiB")
+    raw = RawPipeline(encoder.files, encoder.max_length, encoder.batch_size, args.threads)
+    print(f"peak RSS after loading the raw baseline too: {peak_rss_mib():.0f} MiB")
+    heads = random_heads(encoder.dim, max(QUESTIONS), seed=0)
+    print(f"{encoder.name}, batch_size {encoder.batch_size}, threads {args.threads or 'default'}; "
+          f"heads with {[h.n_classes_ for h in heads]} classes")
+    check_same_vectors(encoder, raw, texts[:128])
+    for mode in MODES if args.mode == "both" else (args.mode,):
+        contenders = {"baseline": partial(baseline_pass, raw, mode)}
+        for q in QUESTIONS:
+            contenders[f"tier {q}"] = partial(tier_pass, encoder, heads[:q], mode)
+        report(mode, measure(contenders, texts, CHUNK[mode], args.rounds), len(texts))
+    print(f"\npeak RSS after the run: {peak_rss_mib():.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
