@@ -201,8 +201,7 @@ def load_questions(path: Path) -> dict[str, Question]:
         return dict(parse_request({"state": _PLACEHOLDER_STATE, "questions": data["questions"]})
                     .questions)
     except RequestError as exc:
-        lines = _question_lines(text, list(data["questions"]))
-        problems = [_locate(path, problem, lines) for problem in str(exc).splitlines()]
+        problems = [_locate(path, text, problem) for problem in str(exc).splitlines()]
         raise RequestError("\n".join(problems)) from None
 
 
@@ -264,13 +263,20 @@ def _key_line(text: str, key: str, nth: int) -> int | str:
     return text.count("\n", 0, found[nth - 1].start()) + 1 if len(found) >= nth else "?"
 
 
-def _question_lines(text: str, question_ids: list[str]) -> dict[str, int]:
-    """Line of each question id, found by walking the (already valid) JSON's top two levels."""
-    start = _walk(text, _skip(text, 0))["questions"][1]
-    if text[start] != "{":
-        return {}
-    return {qid: text.count("\n", 0, pos) + 1 for qid, (pos, _) in _walk(text, start).items()
-            if qid in question_ids}
+def _field_line(text: str, field: str) -> int | None:
+    """Line where the value of a dotted field path (``questions.dept.criteria``) starts in the
+    (already valid) JSON text, walking objects key by key as deep as the path goes through them;
+    None where not even its first key is found."""
+    position, line = _skip(text, 0), None
+    for part in field.split("."):
+        if text[position] != "{":
+            break
+        keys = _walk(text, position)
+        if part not in keys:
+            break
+        position = keys[part][1]
+        line = text.count("\n", 0, position) + 1
+    return line
 
 
 def _walk(text: str, start: int) -> dict[str, tuple[int, int]]:
@@ -294,10 +300,7 @@ def _skip(text: str, i: int) -> int:
     return match.end() if match else i
 
 
-def _locate(path: Path, problem: str, lines: dict[str, int]) -> str:
-    """Prefix one parse_request problem line with the file and the line of its question."""
-    field = problem.split(": ", 1)[0]
-    owners = [qid for qid in lines if field == f"questions.{qid}" or
-              field.startswith(f"questions.{qid}.")]
-    line = lines[max(owners, key=len)] if owners else None
+def _locate(path: Path, text: str, problem: str) -> str:
+    """Prefix one parse_request problem line with the file and the line of its field."""
+    line = _field_line(text, problem.split(": ", 1)[0])
     return f"{path}:{line}: {problem}" if line else f"{path}: {problem}"

@@ -131,13 +131,18 @@ def test_questions_file_errors_name_the_file_line_and_field(tmp_path: Path) -> N
     path = tmp_path / "q.json"
     text = json.dumps({"questions": bad}, indent=2)
     path.write_text(text)
-    line_of = {qid: text[: text.index(f'"{qid}": {{')].count("\n") + 1 for qid in bad}
+    def line_of(qid: str, field: str) -> int:
+        """The line of the offending field's value, inside its own question."""
+        start = text.index(f'"{qid}": {{')
+        return text[: text.index(f'"{field}": ', start)].count("\n") + 1
+
     with pytest.raises(RequestError) as caught:
         load_questions(path)
     lines = str(caught.value).splitlines()
-    assert lines[0].startswith(f"{path}:{line_of['severity']}: questions.severity.criteria: "
-                               "a score question takes 2 to 10 levels")
-    assert lines[1].startswith(f"{path}:{line_of['tone']}: questions.tone.type: unknown type 'tone'")
+    assert lines[0].startswith(f"{path}:{line_of('severity', 'criteria')}: "
+                               "questions.severity.criteria: a score question takes 2 to 10 levels")
+    assert lines[1].startswith(f"{path}:{line_of('tone', 'type')}: questions.tone.type: "
+                               "unknown type 'tone'")
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -148,7 +153,7 @@ def test_questions_file_errors_name_the_file_line_and_field(tmp_path: Path) -> N
     ('{"questions": {}, "model": "m"}', r"q.json:1: unknown field 'model'"),
     ('["a"]', r"q.json: must be a JSON object"),
     ("{}", r"q.json: missing 'questions'"),
-    ('{"questions": {}}', r"q.json: questions: is empty"),
+    ('{"questions": {}}', r"q.json:1: questions: is empty"),
 ])
 def test_questions_file_shape_errors(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "q.json"
