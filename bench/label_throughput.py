@@ -3,7 +3,8 @@ at most 5%).
 
 Labelling = read the JSONL corpus, skip what the store has, score (fan-out), write every item's
 labels in one SQLite transaction (WAL, synchronous=FULL). The baseline scores the same requests in
-a plain loop. Interleaved rounds in one process, each labelling round into a fresh store.
+a plain loop. Interleaved rounds in one process, each labelling round into a fresh store;
+llama.cpp on one thread. Wall time, since the store's fsyncs are part of the cost.
 
     .venv/bin/python -m bench.label_throughput --items 20 --rounds 3
 """
@@ -36,7 +37,7 @@ def main() -> None:
     rows = read_rows("ag_news_test.jsonl", args.items)
     questions = parse_request({"state": "x", "questions": questions_json}).questions
     requests = [parse_request({"state": r["text"], "questions": questions_json}) for r in rows]
-    scorer = open_teacher(default_gguf_path(), questions)
+    scorer = open_teacher(default_gguf_path(), questions, n_threads=1)
     work = Path(tempfile.mkdtemp())
     corpus = work / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": r["id"], "text": r["text"]}) + "\n" for r in rows))

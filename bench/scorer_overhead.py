@@ -3,7 +3,8 @@
 The baseline gets the scorer's own token rows precomputed, so it times only llama.cpp's work: clear
 the memory, decode the shared prefix, copy it to the branches, decode all suffixes in one batch,
 drop the branches. The scorer times everything a caller pays: prompt rendering, tokenisation,
-letter readout over the vocabulary, answer building. Interleaved rounds, medians, one process.
+letter readout over the vocabulary, answer building. Interleaved rounds, medians, one process;
+llama.cpp on one thread and process CPU time, so that neighbours on a shared machine do not count.
 
     .venv/bin/python -m bench.scorer_overhead --rounds 5
 """
@@ -46,7 +47,7 @@ def raw_decode(scorer: Scorer, prefix: list[int], suffixes: list[list[int]]) -> 
     branch = llama_cpp.llama_batch_init(sum(map(len, suffixes)), 0, 1)
     fill(pre, [(0, 0, prefix)], outputs=False)
     fill(branch, [(i + 1, len(prefix), s) for i, s in enumerate(suffixes)], outputs=True)
-    started = time.perf_counter()
+    started = time.process_time()
     llama_cpp.llama_memory_clear(mem, True)
     assert llama_cpp.llama_decode(ctx, pre) == 0
     for seq in range(1, len(suffixes) + 1):
@@ -54,7 +55,7 @@ def raw_decode(scorer: Scorer, prefix: list[int], suffixes: list[list[int]]) -> 
     assert llama_cpp.llama_decode(ctx, branch) == 0
     for seq in range(1, len(suffixes) + 1):
         llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)
-    seconds = time.perf_counter() - started
+    seconds = time.process_time() - started
     llama_cpp.llama_batch_free(pre)
     llama_cpp.llama_batch_free(branch)
     return seconds
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--questions", type=int, nargs="+", default=[1, 8, 16])
     args = parser.parse_args()
-    scorer = Scorer(default_gguf_path(), n_ctx=4096, max_branches=16)
+    scorer = Scorer(default_gguf_path(), n_ctx=4096, max_branches=16, n_threads=1)
     texts = [row["text"] for row in read_rows("ag_news_test.jsonl", 6)]
     print(f"{'N':>3} {'raw decode s':>12} {'scorer s':>9} {'overhead':>9}")
     for n in args.questions:
@@ -78,9 +79,9 @@ def main() -> None:
             for request in requests:
                 prefix, suffixes = raw_rows(scorer, request)
                 raw.append(raw_decode(scorer, prefix, suffixes))
-                started = time.perf_counter()
+                started = time.process_time()
                 scorer.score(request)
-                full.append(time.perf_counter() - started)
+                full.append(time.process_time() - started)
         r, f = statistics.median(raw), statistics.median(full)
         print(f"{n:>3} {r:>12.4f} {f:>9.4f} {100 * (f / r - 1):>8.1f}%")
 
