@@ -1,0 +1,80 @@
+"""``cascade demo``: the whole offline flow, for real, on a generated corpus (or your own data)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DESCRIPTION = """\
+Run every step of the cascade, end to end, on embedded defaults:
+  1. a corpus: support messages generated from parts (seeded), or your --corpus
+  2. teacher labels: the generator's labels imported as an external teacher (a stand-in for a
+     4B teacher: the agreement and shares are real, the teacher is not a 4B), or your --labels
+  3. the encoder tier trained on them
+  4. a bundle with the embedded gemma-3-270m GGUF as a readout tier between encoder and teacher
+  5. thresholds calibrated for the --target agreement with the teacher
+  6. the calibration report (HTML)
+  7. the evaluation items routed through the cascade: per-tier shares, agreement with the
+     teacher, cost against the teacher answering everything alone
+Everything goes into --workdir. A re-run reuses the label store, the embedding cache and, when
+nothing it depends on changed, the calibrated bundle (--force rebuilds it)."""
+EPILOG = """\
+examples:
+  cascade demo
+  cascade demo --items 600 --gemma-items 80 --eval-items 80 --workdir /tmp/demo
+  cascade demo --corpus emails.jsonl --questions q.json --labels labels.jsonl"""
+
+
+_CONFIG_FIELDS = ("workdir", "items", "seed", "gemma_items", "eval_items", "target", "delta",
+                  "threads", "gguf", "corpus", "questions", "labels", "force")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from distill.demo import DemoConfig, format_summary, run_demo
+
+    given = {name: getattr(args, name) for name in _CONFIG_FIELDS if hasattr(args, name)}
+    result = run_demo(DemoConfig(**given))
+    print()
+    steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in result.seconds.items())
+    print(f"time per step: {steps}")
+    print(format_summary(result))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Options left out keep DemoConfig's defaults (stated in the help, checked by the tests), so
+    that ``cascade --help`` need not import the library to know them."""
+    p = sub.add_parser(
+        "demo",
+        help="run the whole flow (corpus, teacher, training, calibration, routing) on defaults",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--workdir", type=Path, metavar="DIR",
+                   help="where every file of the run goes (default runs/demo)")
+    p.add_argument("--items", type=int, metavar="N", help="messages to generate (default 2000)")
+    p.add_argument("--seed", type=int, help="generator seed (default 0)")
+    p.add_argument("--gemma-items", type=int, metavar="N",
+                   help="calibration items, each scored by gemma: its main cost (default 300)")
+    p.add_argument("--eval-items", type=int, metavar="N",
+                   help="evaluation items routed through the cascade (default 200)")
+    p.add_argument("--target", type=float, metavar="P",
+                   help="agreement with the teacher to calibrate for (default 0.9)")
+    p.add_argument("--delta", type=float, metavar="D",
+                   help="the target may be missed with probability at most D (default 0.05)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for the encoder and gemma (default: all cores)")
+    p.add_argument("--gguf", type=Path, metavar="MODEL.gguf",
+                   help="the readout tier's GGUF (default: the embedded gemma-3-270m)")
+    p.add_argument("--corpus", type=Path, metavar="C.jsonl",
+                   help='your own corpus, one {"id": ..., "text": ...} object per line '
+                   "(with --questions and --labels)")
+    p.add_argument("--questions", type=Path, metavar="Q.json",
+                   help='questions file for your corpus: {"questions": {id: question}}')
+    p.add_argument("--labels", type=Path, metavar="LABELS.jsonl",
+                   help="teacher labels of your corpus: {id, question, answer | probabilities} rows")
+    p.add_argument("--force", action="store_true",
+                   help="retrain and recalibrate even when the previous bundle could be reused")
+    p.set_defaults(run=_cmd_demo)
