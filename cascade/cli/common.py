@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from cascade.errors import CascadeError
@@ -12,3 +13,11 @@ def read_text(path: Path, what: str) -> str:
     if not path.is_file():
         raise CascadeError(f"{what} not found: {path}")
     return path.read_text(encoding="utf-8")
+
+
+def add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """The two budget bounds, spelled the same wherever a cascade routes items."""
+    p.add_argument("--budget-ms", type=float, metavar="X",
+                   help="predicted milliseconds per item, pooled over each batch (default: no bound)")
+    p.add_argument("--max-escalation", type=float, metavar="F",
+                   help="most of each batch's questions the top tier may answer, 0..1 (default: no bound)")

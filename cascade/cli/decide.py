@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from cascade.cli.common import add_budget_arguments
 from cascade.errors import CascadeError, RequestError
 
 if TYPE_CHECKING:
@@ -109,10 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='JSONL corpus, one {"id": ..., "text": ...} object per line')
     p.add_argument("--out", type=Path, required=True, metavar="D.jsonl",
                    help="decisions JSONL to write (appended; ids already there are skipped)")
-    p.add_argument("--budget-ms", type=float, metavar="X",
-                   help="predicted milliseconds per item, pooled over each batch (default: no bound)")
-    p.add_argument("--max-escalation", type=float, metavar="F",
-                   help="most of each batch's questions the top tier may answer, 0..1 (default: no bound)")
+    add_budget_arguments(p)
     p.add_argument("--teacher", type=Path, metavar="PATH.gguf",
                    help="GGUF to run as the top tier of a bundle whose teacher is external labels")
     p.add_argument("--text-field", metavar="NAME",

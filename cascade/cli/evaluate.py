@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from cascade.cli.common import add_budget_arguments
+
 DESCRIPTION = """\
 Route the bundle's "evaluation" items (never its train or calibration items) through its tiers,
 answering escalations from the label store instead of running the teacher, and report what the
@@ -55,10 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="label store of the bundle's teacher")
     p.add_argument("--json", type=Path, required=True, metavar="OUT.json",
                    help="where to write the full report")
-    p.add_argument("--budget-ms", type=float, metavar="X",
-                   help="predicted milliseconds per item, pooled over each batch (default: no bound)")
-    p.add_argument("--max-escalation", type=float, metavar="F",
-                   help="most of each batch's questions the top tier may answer, 0..1 (default: no bound)")
+    add_budget_arguments(p)
     p.add_argument("--text-field", metavar="NAME",
                    help="corpus field holding each state (default: the one the bundle was trained on)")
     p.add_argument("--batch-size", type=int, default=256, metavar="N",
