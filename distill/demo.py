@@ -52,7 +52,7 @@ DEFAULT_TARGET = 0.9
 """Not 0.95: with two cheap tiers each is certified at 1 - (1 - target) / 2 and delta / 2, and the
 ~210 threshold items gemma has time to score certify 0.975 only with zero disagreements, so at
 0.95 the encoder keeps ~25% of answers and the cascade saves ~20%; at 0.9 it keeps ~65% and the
-cascade costs 0.42-0.49 of the teacher alone (measured on the default corpus; the ratio moves
+cascade costs 0.41-0.49 of the teacher alone (measured on the default corpus; the ratio moves
 with machine load, which slows gemma's measured cost). 0.98 is unreachable."""
 DEFAULT_DELTA = 0.05
 GEMMA_TIER, OTHER_GGUF_TIER = "gemma", "gguf"
