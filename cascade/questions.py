@@ -153,36 +153,31 @@ class Routing(BaseModel):
     budget_limited: bool = False
 
 
-class NoulAnswer(BaseModel):
+class _AnswerBase(BaseModel):
+    """What every answer carries besides its headline value: the distribution and its provenance."""
+
+    probabilities: dict[str, float]
+    confidence: float
+    calibrated: bool = False
+    readout: Readout | None = None
+    routing: Routing | None = None
+
+
+class NoulAnswer(_AnswerBase):
     type: Literal["noul"] = "noul"
     noul: float
-    probabilities: dict[str, float]
-    confidence: float
-    calibrated: bool = False
-    readout: Readout | None = None
-    routing: Routing | None = None
 
 
-class ChoiceAnswer(BaseModel):
+class ChoiceAnswer(_AnswerBase):
     type: Literal["choice"] = "choice"
     choice: str
-    probabilities: dict[str, float]
-    confidence: float
-    calibrated: bool = False
-    readout: Readout | None = None
-    routing: Routing | None = None
 
 
-class ScoreAnswer(BaseModel):
+class ScoreAnswer(_AnswerBase):
     type: Literal["score"] = "score"
     score: float
     level: int
     legend: Any
-    probabilities: dict[str, float]
-    confidence: float
-    calibrated: bool = False
-    readout: Readout | None = None
-    routing: Routing | None = None
 
 
 Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
