@@ -5,16 +5,17 @@ Gold labels are imported as the teacher (Teacher kind "external"), so the teache
 the truth by construction and agreement is accuracy. Per dataset, N items are sampled (seeded:
 the sample of bench/encoder_quality.py, whose embedding cache they hit), written as a corpus and
 a labels JSONL, imported into a label store and run through the library as a user would run it:
-train_bundle (50/25/25 by id hash), calibrate_bundle (temperature on 30% of the calibration
+train_bundle (50/25/25 by id hash; heads on the embedding with hashed word n-grams beside
+it), calibrate_bundle (temperature on 30% of the calibration
 part, threshold certified on the other 70%) and evaluate_bundle on the evaluation part.
 
 On the same evaluation items come three references: the naive rule (keep when the raw top
 probability is >= the target), the best single threshold chosen in hindsight on those items,
 and the oracle (every right answer plus the wrong ones the target allows). Then variants that
-each move one lever: every one is fitted on the train part, tuned on the train part (cross-
-validation) or the temperature part, and certified with the library's threshold_for_agreement
-on calibration items it was not tuned on, before the evaluation items are looked at, so each
-keeps the guarantee. Last, the main rules run again on random re-splits of the same items: one
+each move one lever: every one is fitted on the train part, tuned (if at all) on the temperature
+part, and certified with the library's threshold_for_agreement on calibration items it was not
+tuned on, before the evaluation items are looked at, so each keeps the guarantee. Last, the
+main rules run again on random re-splits of the same items: one
 evaluation part of ~1000 items is one draw, and the realised agreement on it moves by ~0.004.
 
     .venv/bin/python -m bench.cascade_goals --items 4000
@@ -34,17 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import scipy.sparse as sp
-from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
-from sklearn.model_selection import StratifiedKFold
 
 from bench.common import read_rows
-from bench.encoder_quality import C_GRID, CACHE_DIR, TASKS, Task
+from bench.encoder_quality import CACHE_DIR, TASKS, Task
 from cascade.bundle import Bundle
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.heads import SoftmaxHead
+from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import Question, parse_request
 from cascade.router import Cascade
 from cascade.tiers import Item
@@ -61,7 +60,6 @@ from distill.train import ENCODER_TIER, TEACHER_TIER, train_bundle
 
 TARGET, DELTA = 0.98, 0.05
 GOAL_FACTOR = 1.5
-CV_FOLDS = 3
 MIN_PLATT_ITEMS = 10
 Probs = Callable[[str], np.ndarray]
 """part name -> (n, k) probabilities of a fitted model on that part's items."""
@@ -298,104 +296,37 @@ def _top_logit(probs: np.ndarray) -> np.ndarray:
     return np.log(top / (1 - top))[:, None]
 
 
-def per_class_split(name: str, probs: Probs, parts: Parts) -> Outcome:
-    """Per-class thresholds by a union bound: class k is certified for risk (1 - target) x its
-    predicted share on the temperature part, at level delta / K; risks add, so the cascade keeps
-    the target with probability >= 1 - delta."""
-    T = temperature_on(probs("temperature"), parts.y["temperature"])
-    k_classes = parts.n_classes
-    counts = np.bincount(probs("temperature").argmax(axis=1), minlength=k_classes) + 1
-    alpha = (1 - TARGET) * counts / counts.sum()
-    scaled = apply_temperature(probs("threshold"), T)
-    conf, predicted = scaled.max(axis=1), scaled.argmax(axis=1)
-    correct = correct_on(probs, parts, "threshold")
-    thresholds, risk = np.full(k_classes, math.inf), 0.0
-    for k in range(k_classes):
-        # other classes' items sit above every threshold and agree: they never add risk to class k
-        mine = predicted == k
-        chosen = threshold_for_agreement(np.where(mine, conf, 2.0), np.where(mine, correct, True),
-                                         1 - alpha[k], DELTA / k_classes)
-        if chosen.threshold is not None and chosen.threshold <= 1.0:
-            thresholds[k], risk = chosen.threshold, risk + 1 - chosen.lower_bound
-    evaluated = apply_temperature(probs("evaluation"), T)
-    score = evaluated.max(axis=1)
-    keep = score >= thresholds[evaluated.argmax(axis=1)]
-    return Outcome(name, keep, correct_on(probs, parts, "evaluation"), score, 1 - risk)
-
-
 def head_probs(C: float, parts: Parts) -> Probs:
+    """A head on the embedding alone (the library before n-grams), fitted on the train part."""
     one_hot = np.eye(parts.n_classes)[parts.y["train"]]
     head = SoftmaxHead(C=C, max_iter=5000).fit(parts.emb["train"], one_hot)
     return lambda part: head.predict_proba(parts.emb[part])
 
 
-def ngram_features(parts: Parts) -> dict[str, sp.csr_matrix]:
-    """The embedding beside tf-idf word 1-2 grams, as bench/encoder_quality.py's enc+ngrams, with
-    the vocabulary (n-grams in >= 2 texts) learnt from the train part only."""
-    grams = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True).fit(parts.texts["train"])
-    return {part: sp.hstack([sp.csr_matrix(parts.emb[part]), grams.transform(texts)], format="csr")
-            for part, texts in parts.texts.items()}
-
-
-def ngram_probs(C: float, features: Mapping[str, sp.csr_matrix], y: np.ndarray,
-                rows: np.ndarray | None = None) -> Probs:
-    """Logistic regression on the train part (or its ``rows``). newton-cg: scipy's L-BFGS-B
-    spends ~1 us per variable per iteration, which over these ~70k weights is ~10x slower."""
-    X, y = (features["train"], y) if rows is None else (features["train"][rows], y[rows])
-    model = LogisticRegression(C=C, solver="newton-cg", max_iter=5000).fit(X, y)
-    return lambda part: model.predict_proba(features[part])
-
-
-def pick_on_temperature(fit: Callable[[float, Parts], Probs], parts: Parts,
-                        known: Mapping[float, Probs]) -> tuple[float, Probs]:
-    """(C of the best accuracy on the temperature part, smallest on ties; its fitted model).
-    ``known``: models fitted already, by C."""
-    best: tuple[float, float, Probs] | None = None
-    for C in C_GRID:
-        probs = known[C] if C in known else fit(C, parts)
-        accuracy = float(correct_on(probs, parts, "temperature").mean())
-        if best is None or accuracy > best[0]:
-            best = (accuracy, C, probs)
-    assert best is not None  # C_GRID is not empty
-    return best[1], best[2]
-
-
-def pick_by_cv(features: Mapping[str, sp.csr_matrix], y: np.ndarray) -> float:
-    """C of the best 3-fold cross-validated accuracy on the train part alone, so that the whole
-    calibration part stays unseen and can certify the threshold."""
-    folds = StratifiedKFold(CV_FOLDS, shuffle=True, random_state=0).split(y, y)
-    scores = np.zeros(len(C_GRID))
-    for fit_rows, held_rows in folds:
-        for c, C in enumerate(C_GRID):
-            predicted = ngram_probs(C, features, y, fit_rows)("train")[held_rows].argmax(axis=1)
-            scores[c] += np.mean(predicted == y[held_rows])
-    return float(C_GRID[int(np.argmax(scores))])
+def hashed_probs(C: float, parts: Parts) -> Probs:
+    """The library's head: the embedding with hashed word n-grams beside it, idf from the train part."""
+    grams = NgramFeatures().fit(parts.texts["train"])
+    one_hot = np.eye(parts.n_classes)[parts.y["train"]]
+    features = beside(parts.emb["train"], grams, parts.texts["train"])
+    head = SoftmaxHead(C=C, max_iter=5000).fit(features, one_hot)
+    return lambda part: head.predict_proba(beside(parts.emb[part], grams, parts.texts[part]))
 
 
 def library_probs(run: LibraryRun, parts: Parts) -> Probs:
-    """The bundle's own head, as the router runs it."""
-    head = run.bundle.heads[run.qid]
-    return lambda part: head.predict_proba(parts.emb[part])
+    """The bundle's own head and n-grams, as the router runs them."""
+    head, grams = run.bundle.heads[run.qid], run.bundle.ngrams
+    return lambda part: head.predict_proba(beside(parts.emb[part], grams, parts.texts[part]))
 
 
-def variants(run: LibraryRun, parts: Parts) -> tuple[list[Outcome], dict[str, float]]:
-    """The library rule replayed, then one lever moved at a time; and the C each one used."""
-    library = library_probs(run, parts)
-    c_head, head = pick_on_temperature(head_probs, parts, {1.0: library})
-    features = ngram_features(parts)
-    c_grams = pick_by_cv(features, parts.y["train"])
-    grams = ngram_probs(c_grams, features, parts.y["train"])
-    outcomes = [
-        one_threshold("library: C=1, T, one threshold (replayed)", library, parts),
-        one_threshold("C picked on the temperature part", head, parts),
-        one_threshold("C=1, T=1, all calibration items certify", library, parts, temperature=False),
-        per_class_path("per-class thresholds, one fixed sequence (Platt per class)", library, parts),
-        per_class_split("per-class thresholds, delta and risk split by class", library, parts),
-        one_threshold("enc+ngrams (C by CV on train), T, one threshold", grams, parts),
-        per_class_path("enc+ngrams, per-class fixed sequence", grams, parts),
-        one_threshold("enc+ngrams, T=1, all calibration items certify", grams, parts, temperature=False),
+def variants(run: LibraryRun, parts: Parts) -> list[Outcome]:
+    """The library rule replayed, then one lever moved at a time."""
+    library, plain = library_probs(run, parts), head_probs(1.0, parts)
+    return [
+        one_threshold("library: embedding + n-grams, C=1, T, one threshold (replayed)", library, parts),
+        one_threshold("embedding alone (the library before n-grams), T, one threshold", plain, parts),
+        one_threshold("library heads, T=1, all calibration items certify", library, parts, temperature=False),
+        per_class_path("library heads, per-class thresholds, one fixed sequence", library, parts),
     ]
-    return outcomes, {"head (temperature part)": c_head, "enc+ngrams (CV on train)": c_grams}
 
 
 def resplit(parts: Parts, rng: np.random.Generator) -> Parts:
@@ -417,20 +348,18 @@ def resplit(parts: Parts, rng: np.random.Generator) -> Parts:
                  {part: y[rows] for part, rows in cuts.items()}, parts.n_classes)
 
 
-def resplit_rows(task: Task, parts: Parts, c_grams: float, count: int, seed: int) -> list[list[str]]:
-    """The library rule and enc+ngrams (at the C cross-validated on the first split), with and
-    without temperature, on ``count`` random re-splits of the same items."""
+def resplit_rows(task: Task, parts: Parts, count: int, seed: int) -> list[list[str]]:
+    """The library rule with and without n-grams, with and without temperature, on ``count``
+    random re-splits of the same items."""
     rng = np.random.default_rng(seed)
     runs: dict[str, list[Outcome]] = {}
     for _ in range(count):
         again = resplit(parts, rng)
-        head = head_probs(1.0, again)
-        grams = ngram_probs(c_grams, ngram_features(again), again.y["train"])
-        for outcome in (one_threshold("library rule (C=1, T, one threshold)", head, again),
-                        one_threshold("C=1, T=1, all calibration items certify", head, again, False),
-                        one_threshold(f"enc+ngrams C={c_grams:g}, T, one threshold", grams, again),
-                        one_threshold(f"enc+ngrams C={c_grams:g}, T=1, all calibration", grams, again,
-                                      False)):
+        plain, hashed = head_probs(1.0, again), hashed_probs(1.0, again)
+        for outcome in (one_threshold("library rule (embedding + n-grams, T)", hashed, again),
+                        one_threshold("embedding + n-grams, T=1, all calibration", hashed, again, False),
+                        one_threshold("embedding alone, T", plain, again),
+                        one_threshold("embedding alone, T=1, all calibration", plain, again, False)):
             runs.setdefault(outcome.name, []).append(outcome)
     rows = []
     for name, outcomes in runs.items():
@@ -534,13 +463,12 @@ def main() -> None:
             run = run_library(task, rows, Path(workdir), encoder, flops)
             began = time.perf_counter()
             parts = load_parts(run.bundle, rows, task, cache)
-            outcomes, cs = variants(run, parts)
-            again += resplit_rows(task, parts, cs["enc+ngrams (CV on train)"], args.resplits, args.seed)
+            outcomes = variants(run, parts)
+            again += resplit_rows(task, parts, args.resplits, args.seed)
         summary.append(summary_row(task, run, parts, outcomes[0]))
         table += variant_rows(task, outcomes, run, parts)
         notes += [check_replay(task, run, outcomes[0]),
-                  calibration_line(task, run, parts, outcomes[0], time.perf_counter() - began),
-                  f"{task.name}: C picked " + ", ".join(f"{k} {v:g}" for k, v in cs.items())]
+                  calibration_line(task, run, parts, outcomes[0], time.perf_counter() - began)]
     print(f"\n{markdown(SUMMARY, summary)}\n\n{markdown(VARIANTS, table)}\n\n{markdown(RESPLITS, again)}\n")
     print("\n".join(notes))
     print(f"{cache.misses} texts embedded this run (the rest from the cache; calibrate_bundle "

@@ -36,12 +36,14 @@ from pydantic import (
 from cascade.encoder import EncoderFiles
 from cascade.errors import CascadeError, ModelError
 from cascade.heads import SoftmaxHead, load_heads
+from cascade.ngrams import NgramFeatures
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 HEADS_NAME = "heads.npz"
+NGRAMS_NAME = "ngrams.npz"
 SPLIT_NAME = "split.json"
 
 _QUESTIONS = TypeAdapter(dict[str, Question])
@@ -134,8 +136,16 @@ class HeadInfo(_Strict):
         return self.skipped is None
 
 
+class NgramInfo(_Strict):
+    """Hashed word n-grams the heads read beside the embedding (cascade.ngrams), and their file."""
+
+    n_features: int = Field(ge=1)
+    ngram_range: tuple[int, int]
+    file: BundleFile
+
+
 class EncoderTier(_Strict):
-    """Tier 0: one sentence embedding per state, one softmax head per question."""
+    """Tier 0: one sentence embedding per state (with n-grams beside it), one softmax head per question."""
 
     kind: Literal["encoder"] = "encoder"
     name: str = Field(default="encoder", min_length=1)
@@ -144,6 +154,7 @@ class EncoderTier(_Strict):
     max_length: int = Field(ge=2)
     heads_file: BundleFile
     heads: dict[str, HeadInfo]
+    ngrams: NgramInfo | None = None  # None: the heads read the embedding alone
 
     def files(self) -> EncoderFiles:
         return EncoderFiles(model=Path(self.model.path), tokenizer=Path(self.tokenizer.path))
@@ -250,6 +261,8 @@ class Manifest(_Strict):
     def bundle_files(self) -> Iterator[tuple[str, BundleFile]]:
         if self.encoder_tier is not None:
             yield "heads file", self.encoder_tier.heads_file
+            if self.encoder_tier.ngrams is not None:
+                yield "n-gram features file", self.encoder_tier.ngrams.file
         yield "split file", self.split.file
 
 
@@ -306,6 +319,7 @@ class Bundle:
         self.manifest = manifest
         self.directory = Path(directory)
         self._heads = dict(heads) if heads is not None else None
+        self._ngrams: tuple[NgramFeatures | None] | None = None  # (loaded,) once read
 
     @classmethod
     def load(cls, directory: Path, verify: bool = True) -> Bundle:
@@ -324,6 +338,7 @@ class Bundle:
         for what, inside in self.manifest.bundle_files():
             _check_bundle_file(what, inside, self.directory)
         self._heads = self._load_heads()
+        self._ngrams = (self._load_ngrams(),)
 
     def save(self, directory: Path | None = None) -> Bundle:
         """Write the manifest (atomically) into ``directory``, copying the bundle's own files there.
@@ -348,6 +363,28 @@ class Bundle:
         if self._heads is None:
             self._heads = self._load_heads()
         return self._heads
+
+    @property
+    def ngrams(self) -> NgramFeatures | None:
+        """The encoder tier's n-gram features, or None where its heads read the embedding alone."""
+        if self._ngrams is None:
+            self._ngrams = (self._load_ngrams(),)
+        return self._ngrams[0]
+
+    def _load_ngrams(self) -> NgramFeatures | None:
+        tier = self.manifest.encoder_tier
+        if tier is None or tier.ngrams is None:
+            return None
+        path = self.directory / tier.ngrams.file.name
+        try:
+            features = NgramFeatures.load(path)
+        except ModelError as exc:
+            raise BundleError(f"{exc}; re-train the bundle") from exc
+        if (features.n_features, features.ngram_range) != (tier.ngrams.n_features, tier.ngrams.ngram_range):
+            raise BundleError(f"n-gram features file {path} has {features.n_features} columns and "
+                              f"n-grams {features.ngram_range}; the manifest says "
+                              f"{tier.ngrams.n_features} and {tier.ngrams.ngram_range}; re-train")
+        return features
 
     def split_ids(self) -> dict[str, list[str]]:
         """Item ids per part ("train", "calibration", "evaluation") as written by training."""

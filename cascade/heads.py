@@ -17,9 +17,10 @@ import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+import scipy.sparse as sp
 from scipy.optimize import minimize
 from scipy.special import log_softmax, softmax
 from sklearn.base import BaseEstimator, ClassifierMixin
@@ -29,6 +30,8 @@ from sklearn.utils.validation import check_array, check_is_fitted
 from cascade.errors import ModelError
 
 _ROW_SUM_TOLERANCE = 1e-4
+Matrix: TypeAlias = np.ndarray | sp.csr_matrix
+"""Features: dense, or sparse rows (an embedding with n-grams beside it, cascade.ngrams)."""
 _ARRAY_NAMES = ("coef", "intercept", "C", "max_iter")
 
 
@@ -44,7 +47,7 @@ class SoftmaxHead(ClassifierMixin, BaseEstimator):
         self.C = C
         self.max_iter = max_iter
 
-    def fit(self, X: np.ndarray, Y: np.ndarray, sample_weight: Any = None) -> SoftmaxHead:
+    def fit(self, X: Matrix, Y: np.ndarray, sample_weight: Any = None) -> SoftmaxHead:
         """Fit to ``Y``, an (n, k) array of probability rows (one-hot rows for hard labels)."""
         self._check_params()
         X, Y, weights = _check_fit_data(X, Y, sample_weight)
@@ -68,18 +71,18 @@ class SoftmaxHead(ClassifierMixin, BaseEstimator):
         self.n_iter_ = int(result.nit)
         return self
 
-    def predict_proba(self, X: np.ndarray) -> np.ndarray:
+    def predict_proba(self, X: Matrix) -> np.ndarray:
         """(n, k) class probabilities; rows sum to 1."""
         check_is_fitted(self)
-        X = check_array(X, dtype=np.float64)
+        X = check_array(X, dtype=np.float64, accept_sparse="csr")
         if X.shape[1] != self.n_features_in_:
             raise ValueError(
                 f"X has {X.shape[1]} features, but this head was fitted on "
                 f"{self.n_features_in_}; embed with the encoder the head was trained on"
             )
-        return softmax(X @ self.coef_.T + self.intercept_, axis=1)
+        return softmax(np.asarray(X @ self.coef_.T) + self.intercept_, axis=1)
 
-    def predict(self, X: np.ndarray) -> np.ndarray:
+    def predict(self, X: Matrix) -> np.ndarray:
         """The most probable column index for each row."""
         return np.argmax(self.predict_proba(X), axis=1)
 
@@ -177,9 +180,9 @@ def _is_number(value: Any, kind: type) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
-def _check_fit_data(X: Any, Y: Any, sample_weight: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _check_fit_data(X: Any, Y: Any, sample_weight: Any) -> tuple[Matrix, np.ndarray, np.ndarray]:
     """Validate once at the boundary; the loss function then trusts its inputs."""
-    X = check_array(X, dtype=np.float64)
+    X = check_array(X, dtype=np.float64, accept_sparse="csr")
     if np.ndim(Y) != 2:
         raise ValueError(
             f"Y must be an (n, k) array of probability rows; got shape {np.shape(Y)}. "
@@ -216,12 +219,12 @@ def _unpack(theta: np.ndarray, n_classes: int, n_features: int) -> tuple[np.ndar
 
 
 def _loss_and_gradient(
-    theta: np.ndarray, X: np.ndarray, Y: np.ndarray, weights: np.ndarray
+    theta: np.ndarray, X: Matrix, Y: np.ndarray, weights: np.ndarray
 ) -> tuple[float, np.ndarray]:
     """Weighted soft-label cross-entropy plus 0.5*|W|^2, and its gradient (rows of Y sum to 1)."""
     coef, intercept = _unpack(theta, Y.shape[1], X.shape[1])
-    log_p = log_softmax(X @ coef.T + intercept, axis=1)
+    log_p = log_softmax(np.asarray(X @ coef.T) + intercept, axis=1)
     loss = -np.sum(weights[:, None] * Y * log_p) + 0.5 * np.sum(coef * coef)
     residual = weights[:, None] * (np.exp(log_p) - Y)
-    gradient = np.concatenate([(residual.T @ X + coef).ravel(), residual.sum(axis=0)])
+    gradient = np.concatenate([(np.asarray(X.T @ residual).T + coef).ravel(), residual.sum(axis=0)])
     return float(loss), gradient

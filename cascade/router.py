@@ -28,7 +28,7 @@ from cascade.calibration_math import apply_temperature
 from cascade.costmodel import BatchCost, CostModel
 from cascade.encoder import Device, EmbeddingCache, Encoder
 from cascade.errors import CascadeError, RequestError
-from cascade.questions import Answer, DecisionResponse, Question, Routing, State, Usage
+from cascade.questions import Answer, DecisionResponse, Question, Readout, Routing, State, Usage
 from cascade.readout import Scorer
 from cascade.tiers import HeadsTier, Item, LabelsTier, ReadoutTier, Tier
 
@@ -91,6 +91,7 @@ class _Pick:
     probs: np.ndarray
     threshold: float | None
     calibrated: bool
+    readout: Readout | None = None
     budget_limited: bool = False
 
     @property
@@ -197,7 +198,7 @@ class Cascade:
         run = _Run(items, asked, self.costs.batch(items), len(self.tiers))
         sent = [list(qids) for qids in asked]
         for t in range(len(self.tiers)):
-            self._ask(run, t, sent)
+            self._ask(run, t, [[q for q in qids if self._may_keep(q, t, budget)] for qids in sent])
             if t == 0:
                 run.spent = sum(run.costs.seconds(self.tiers[0].name, i, q)
                                 for i, q in enumerate(run.answered[0]))
@@ -216,26 +217,35 @@ class Cascade:
                                f"{list(self.questions)}; got {list(questions)}")
         return list(dict.fromkeys(questions))
 
+    def _may_keep(self, qid: str, t: int, budget: Budget) -> bool:
+        """Whether tier ``t``'s answer to ``qid`` could be the one returned. Below the top, a
+        threshold of None never accepts; only a budget that stops the escalation keeps such an
+        answer, so without one the tier is not asked at all and the question goes straight up."""
+        top = t == len(self.tiers) - 1
+        bounded = budget.ms_per_call is not None or budget.max_escalation_fraction is not None
+        return top or bounded or self.manifest.threshold(qid, self.tiers[t].name) is not None
+
     def _ask(self, run: _Run, t: int, sent: list[list[str]]) -> None:
         """Ask tier ``t`` the questions sent to it; record its (temperature-scaled) answers."""
         if not any(sent):
             return
         tier, top = self.tiers[t], t == len(self.tiers) - 1
         started = time.perf_counter()
-        answers, usage = tier.answer_with_usage(run.items, sent, self.questions)
+        reply = tier.reply(run.items, sent, self.questions)
         seconds = (time.perf_counter() - started) / sum(1 for qids in sent if qids)
         for i, qids in enumerate(sent):
             if qids:
-                run.usage[i] = _add(run.usage[i], usage[i], seconds)
+                run.usage[i] = _add(run.usage[i], reply.usage[i], seconds)
             for qid in qids:
-                if qid not in answers[i]:
+                if qid not in reply.answers[i]:
                     if top:
                         raise CascadeError(f"the top tier {tier.name!r} did not answer question "
                                            f"{qid!r} about item {run.items[i].id!r}")
                     continue
-                probs = apply_temperature(answers[i][qid], self.manifest.temperature(qid, tier.name))
+                probs = apply_temperature(reply.answers[i][qid], self.manifest.temperature(qid, tier.name))
                 threshold = None if top else self.manifest.threshold(qid, tier.name)
-                run.picks[i][qid] = _Pick(t, probs, threshold, self._fitted(qid, t))
+                readout = reply.readouts[i].get(qid)
+                run.picks[i][qid] = _Pick(t, probs, threshold, self._fitted(qid, t), readout)
                 run.answered[t][i].append(qid)
 
     def _fitted(self, qid: str, t: int) -> bool:
@@ -295,7 +305,8 @@ class Cascade:
             routing = Routing(tier=self.tiers[pick.tier].name, cost_ms=shares[qid],
                               threshold=pick.threshold, calibrated=pick.calibrated,
                               budget_limited=pick.budget_limited)
-            answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated)
+            answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated,
+                                                readout=pick.readout)
             answers[qid] = answer.model_copy(update={"routing": routing})
         return DecisionResponse(answers=answers, usage=run.usage[i])
 
@@ -369,7 +380,7 @@ def _runtime_tier(spec: Any, bundle: Bundle, options: _Options) -> Tier:
         encoder = Encoder(spec.files(), device=options.device, max_length=spec.max_length,
                           threads=options.threads)
         cache = EmbeddingCache(Path(options.cache_dir), encoder) if options.cache_dir else None
-        return HeadsTier(spec.name, encoder, bundle.heads, cache)
+        return HeadsTier(spec.name, encoder, bundle.heads, cache, bundle.ngrams)
     if top and options.labels is not None:
         return LabelsTier(spec.name, options.labels)
     if isinstance(spec, GgufTier):

@@ -16,8 +16,9 @@ import numpy as np
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.heads import SoftmaxHead
+from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import render_state
-from cascade.questions import DecisionRequest, Question, State, Usage
+from cascade.questions import DecisionRequest, Question, Readout, State, Usage
 from cascade.readout import HeadTailExcerpt, Scorer
 
 
@@ -35,6 +36,16 @@ Answers = list[dict[str, np.ndarray]]
 """Per item, question id -> probabilities (option_keys order) for the questions answered."""
 
 
+@dataclass
+class Reply:
+    """A tier's answers with what they took: per item, the llama.cpp work and, from a readout
+    tier, how each answer was read (prompt hash, letter mass), so routed answers keep it."""
+
+    answers: Answers
+    usage: list[Usage]
+    readouts: list[dict[str, Readout]]
+
+
 class Tier(ABC):
     """A way to answer questions; ``name`` matches the bundle's tier name."""
 
@@ -44,15 +55,13 @@ class Tier(ABC):
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         """Distributions for the asked questions this tier can answer; the others are omitted."""
 
-    def answer_with_usage(
-        self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]
-    ) -> tuple[Answers, list[Usage]]:
-        """``answer`` and, per item, the llama.cpp work it took; tiers without llama.cpp report none."""
-        return self.answer(items, asked, questions), [Usage() for _ in items]
+    def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
+        """``answer`` with its usage and readouts; tiers without llama.cpp report none."""
+        return Reply(self.answer(items, asked, questions), [Usage() for _ in items], [{} for _ in items])
 
 
 class HeadsTier(Tier):
-    """The encoder tier: ONE embedding per state, shared by every question's head.
+    """The encoder tier: ONE embedding per state (with its n-grams), shared by every question's head.
 
     With a ``cache`` (of this encoder), states embedded before (in training, say) are looked up
     instead of embedded again: replaying a cascade on labelled items then costs no encoder time.
@@ -64,11 +73,13 @@ class HeadsTier(Tier):
         encoder: Encoder,
         heads: Mapping[str, SoftmaxHead],
         cache: EmbeddingCache | None = None,
+        ngrams: NgramFeatures | None = None,
     ) -> None:
         self.name = name
         self.encoder = encoder
         self.heads = dict(heads)
         self.cache = cache
+        self.ngrams = ngrams
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         out: Answers = [{} for _ in items]
@@ -77,10 +88,11 @@ class HeadsTier(Tier):
             return out
         texts = [render_state(items[i].state) for i in wanted]
         vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
+        features = beside(vectors, self.ngrams, texts)
         for qid, head in self.heads.items():
             rows = [row for row, i in enumerate(wanted) if qid in asked[i]]
             if rows:
-                for row, probs in zip(rows, head.predict_proba(vectors[rows]), strict=True):
+                for row, probs in zip(rows, head.predict_proba(features[rows]), strict=True):
                     out[wanted[row]][qid] = probs
         return out
 
@@ -101,13 +113,10 @@ class ReadoutTier(Tier):
         self.excerpt = excerpt
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
-        return self.answer_with_usage(items, asked, questions)[0]
+        return self.reply(items, asked, questions).answers
 
-    def answer_with_usage(
-        self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]
-    ) -> tuple[Answers, list[Usage]]:
-        out: Answers = [{} for _ in items]
-        usage = [Usage() for _ in items]
+    def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
+        out = Reply([{} for _ in items], [Usage() for _ in items], [{} for _ in items])
         for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
             if not qids:
                 continue
@@ -115,10 +124,12 @@ class ReadoutTier(Tier):
             response = self.scorer.score(
                 request, permutations=self.permutations, excerpt=self.excerpt
             )
-            usage[i] = response.usage
+            out.usage[i] = response.usage
             for qid, ans in response.answers.items():
-                out[i][qid] = np.asarray(list(ans.probabilities.values()))
-        return out, usage
+                out.answers[i][qid] = np.asarray(list(ans.probabilities.values()))
+                if ans.readout is not None:
+                    out.readouts[i][qid] = ans.readout
+        return out
 
 
 class LabelsTier(Tier):

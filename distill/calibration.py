@@ -383,7 +383,7 @@ def _score_tier(
     tier runs one state at a time. One warm-up state first keeps first-call setup out.
     """
     if isinstance(spec, EncoderTier):
-        tier: Tier = HeadsTier(spec.name, _encoder(spec, encoder), bundle.heads)
+        tier: Tier = HeadsTier(spec.name, _encoder(spec, encoder), bundle.heads, ngrams=bundle.ngrams)
         answered = [qid for qid in questions if qid in bundle.heads]
     elif scorer is not None:
         tier = ReadoutTier(spec.name, scorer, permutations=spec.permutations)

@@ -1,7 +1,8 @@
 """Fast-tier training: one softmax head per question on encoder vectors, from the teacher's labels.
 
 Each labelled state is embedded once (through the embedding cache, so retraining with another C
-or another question re-embeds nothing) and every question's head reads that same vector. Heads
+or another question re-embeds nothing) and every question's head reads that same vector, with
+the state's hashed word n-grams beside it unless ``ngrams=False`` (cascade.ngrams). Heads
 learn the teacher's full distributions, only from the "train" part of the split; the
 "calibration" part gives an honest held-out agreement now and the thresholds later.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 
 from cascade.bundle import (
     HEADS_NAME,
+    NGRAMS_NAME,
     SPLIT_NAME,
     Bundle,
     BundleFile,
@@ -28,6 +30,7 @@ from cascade.bundle import (
     HeadInfo,
     Manifest,
     ModelFile,
+    NgramInfo,
     SplitInfo,
     TeacherInfo,
     Tier,
@@ -36,7 +39,8 @@ from cascade.bundle import (
 )
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
-from cascade.heads import SoftmaxHead, save_heads
+from cascade.heads import Matrix, SoftmaxHead, save_heads
+from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import PROMPT_VERSION, render_state
 from cascade.questions import Question
 from distill.corpus import read_corpus
@@ -71,6 +75,7 @@ def train_bundle(
     cache_dir: Path | None = None,
     progress: bool = True,
     teacher_model: Path | None = None,
+    ngrams: bool = True,
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
 
@@ -88,14 +93,20 @@ def train_bundle(
     cache = EmbeddingCache(Path(cache_dir) if cache_dir else default_cache_dir(), encoder)
     vectors = dict(zip(texts, cache.encode(list(texts.values()), progress=progress), strict=True))
     parts = split_ids(texts, fractions, DEFAULT_SALT)
-    fitted = {qid: _fit_question(qid, q, labels[qid], vectors, parts, C) for qid, q in questions.items()}
+    grams = NgramFeatures().fit([texts[i] for i in parts["train"]]) if ngrams and parts["train"] else None
+
+    def features(items: list[str]) -> Matrix:
+        return beside(np.stack([vectors[i] for i in items]), grams, [texts[i] for i in items])
+
+    fitted = {qid: _fit_question(qid, q, labels[qid], features, parts, C) for qid, q in questions.items()}
     heads = {qid: head for qid, (head, _) in fitted.items() if head is not None}
     bundle_dir = Path(bundle_dir)
     save_heads(bundle_dir / HEADS_NAME, heads)
-    tiers = [_encoder_tier(encoder, bundle_dir, {q: info for q, (_, info) in fitted.items()}), top]
+    infos = {q: info for q, (_, info) in fitted.items()}
+    tiers = [_encoder_tier(encoder, bundle_dir, infos, _save_ngrams(grams, bundle_dir)), top]
     split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
                       file=write_json_file(bundle_dir, SPLIT_NAME, parts))
-    training = {"C": C, "min_train_labels": MIN_TRAIN_LABELS, "labelled_items": len(texts),
+    training = {"C": C, "ngrams": ngrams, "min_train_labels": MIN_TRAIN_LABELS, "labelled_items": len(texts),
                 "new_embeddings": cache.misses, "embedding_cache": str(cache.path),
                 "text_field": text_field}
     manifest = _manifest(questions, bundle_dir, tiers, store.teacher, split, training)
@@ -167,7 +178,17 @@ def _labelled_texts(
     return texts
 
 
-def _encoder_tier(encoder: Encoder, bundle_dir: Path, heads: dict[str, HeadInfo]) -> EncoderTier:
+def _save_ngrams(grams: NgramFeatures | None, bundle_dir: Path) -> NgramInfo | None:
+    if grams is None:
+        return None
+    grams.save(bundle_dir / NGRAMS_NAME)
+    return NgramInfo(n_features=grams.n_features, ngram_range=grams.ngram_range,
+                     file=BundleFile.of(bundle_dir, NGRAMS_NAME))
+
+
+def _encoder_tier(
+    encoder: Encoder, bundle_dir: Path, heads: dict[str, HeadInfo], ngrams: NgramInfo | None
+) -> EncoderTier:
     return EncoderTier(
         name=ENCODER_TIER,
         model=ModelFile(path=str(encoder.files.model.resolve()), sha256=encoder.sha256),
@@ -176,6 +197,7 @@ def _encoder_tier(encoder: Encoder, bundle_dir: Path, heads: dict[str, HeadInfo]
         max_length=encoder.max_length,
         heads_file=BundleFile.of(bundle_dir, HEADS_NAME),
         heads=heads,
+        ngrams=ngrams,
     )
 
 
@@ -183,7 +205,7 @@ def _fit_question(
     qid: str,
     question: Question,
     labels: Labels,
-    vectors: Mapping[str, np.ndarray],
+    features: Callable[[list[str]], Matrix],
     parts: Mapping[str, list[str]],
     C: float,
 ) -> tuple[SoftmaxHead | None, HeadInfo]:
@@ -196,10 +218,10 @@ def _fit_question(
     reason = _why_no_head(Y, keys)
     if reason is not None:
         return None, info.model_copy(update={"skipped": reason})
-    head = SoftmaxHead(C=C).fit(_stack(vectors, train), Y)
+    head = SoftmaxHead(C=C).fit(features(train), Y)
     if held:
         teacher = _label_rows(qid, keys, labels, held).argmax(axis=1)
-        agreement = float((head.predict(_stack(vectors, held)) == teacher).mean())
+        agreement = float((head.predict(features(held)) == teacher).mean())
         info = info.model_copy(update={"held_out_agreement": agreement})
     return head, info
 
@@ -225,6 +247,3 @@ def _why_no_head(Y: np.ndarray, keys: list[str]) -> str | None:
         return f"all {len(Y)} train labels answer {keys[int(answers[0])]!r}; a head needs two answers"
     return None
 
-
-def _stack(vectors: Mapping[str, np.ndarray], items: Iterable[str]) -> np.ndarray:
-    return np.stack([vectors[item] for item in items])

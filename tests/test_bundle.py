@@ -16,6 +16,7 @@ from test_train import shared_cache_dir, train, write_training_inputs
 from cascade.bundle import (
     HEADS_NAME,
     MANIFEST_NAME,
+    NGRAMS_NAME,
     SPLIT_NAME,
     Bundle,
     BundleError,
@@ -24,6 +25,8 @@ from cascade.bundle import (
 )
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
+from cascade.heads import Matrix
+from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import render_state
 from distill.corpus import read_corpus
 
@@ -44,12 +47,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path],
 
 
 @pytest.fixture(scope="module")
-def vectors(
-    inputs: tuple[Path, Path], encoder: Encoder, tmp_path_factory: pytest.TempPathFactory
-) -> np.ndarray:
-    """Every corpus text embedded (from the cache training filled)."""
+def features(
+    inputs: tuple[Path, Path], encoder: Encoder, trained: Bundle, tmp_path_factory: pytest.TempPathFactory
+) -> Matrix:
+    """What the heads read of every corpus text: its embedding (from the cache training filled)
+    with its n-grams beside it."""
     texts = [render_state(item.state) for item in read_corpus(inputs[0])]
-    return EmbeddingCache(shared_cache_dir(tmp_path_factory), encoder).encode(texts)
+    vectors = EmbeddingCache(shared_cache_dir(tmp_path_factory), encoder).encode(texts)
+    return beside(vectors, trained.ngrams, texts)
 
 
 @pytest.fixture
@@ -64,16 +69,16 @@ def edit_manifest(directory: Path, change: Callable[[dict], None]) -> None:
     (directory / MANIFEST_NAME).write_text(json.dumps(data))
 
 
-def test_bundle_round_trips(trained: Bundle, vectors: np.ndarray) -> None:
+def test_bundle_round_trips(trained: Bundle, features: Matrix) -> None:
     loaded = Bundle.load(trained.directory)
     assert loaded.manifest == trained.manifest
     assert set(loaded.heads) == set(trained.heads) == {"spam", "topic"}
     for qid, head in trained.heads.items():
-        np.testing.assert_allclose(loaded.heads[qid].predict_proba(vectors),
-                                   head.predict_proba(vectors), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(loaded.heads[qid].predict_proba(features),
+                                   head.predict_proba(features), rtol=0, atol=1e-6)
     assert loaded.split_ids() == trained.split_ids()
     assert sorted((trained.directory).iterdir()) == [
-        trained.directory / name for name in sorted((HEADS_NAME, MANIFEST_NAME, SPLIT_NAME))
+        trained.directory / name for name in sorted((HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME))
     ]
 
 
@@ -106,6 +111,13 @@ def _repoint_encoder(m: dict) -> None:
     m["tiers"][0]["model"]["path"] = m["tiers"][0]["tokenizer"]["path"]
 
 
+def _rewrite_ngrams(directory: Path, features: NgramFeatures) -> None:
+    """Replace the n-gram file with another fitted one and re-pin it, as a careless edit would."""
+    features.save(directory / NGRAMS_NAME)
+    digest = file_sha256(directory / NGRAMS_NAME)
+    edit_manifest(directory, lambda m: m["tiers"][0]["ngrams"]["file"].update(sha256=digest))
+
+
 def _move_encoder(m: dict) -> None:
     m["tiers"][0]["model"]["path"] = "/nowhere/model.onnx"
 
@@ -119,6 +131,10 @@ CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
     (lambda d: edit_manifest(d, _set_heads_hash), rf"heads file .*heads.npz {CHANGED}"),
     (lambda d: (d / SPLIT_NAME).unlink(), r"split file .*split.json is missing from the bundle; re-train"),
     (lambda d: (d / HEADS_NAME).unlink(), r"heads file .*heads.npz is missing from the bundle"),
+    (lambda d: _flip_last_byte(d / NGRAMS_NAME), rf"n-gram features file .*ngrams.npz {CHANGED}"),
+    (lambda d: (d / NGRAMS_NAME).unlink(), r"n-gram features file .*ngrams.npz is missing from the bundle"),
+    (lambda d: _rewrite_ngrams(d, NgramFeatures(n_features=8).fit(["a b"])),
+     r"n-gram features file .*ngrams.npz has 8 columns and n-grams \(1, 2\); the manifest says 65536"),
     (lambda d: edit_manifest(d, _repoint_encoder),
      r"tier 'encoder' encoder model .*tokenizer.json has sha256 [0-9a-f]{64}, but the bundle expects "
      r"[0-9a-f]{64}: it is not the file the bundle was trained with; re-point its 'path' in "

@@ -14,6 +14,7 @@ from test_train import GOLD, shared_cache_dir
 from cascade.bundle import Bundle
 from cascade.cli import main
 from cascade.encoder import Encoder
+from cascade.ngrams import beside
 from cascade.router import Budget
 from distill.evaluate import Evaluation, EvaluationError, evaluate_bundle
 from distill.store import LabelStore, Teacher
@@ -50,8 +51,9 @@ def test_a_report_counts_evaluation_items_only_and_agrees_with_the_heads(
         qid: len(ids) for qid, ids in by_question.items() if ids}
     keys = bundle.manifest.parsed_questions()["spam"].option_keys()
     ids = by_question["spam"]
-    vectors = Encoder(threads=1).encode([texts[i] for i in ids])  # not the cache the replay read
-    heads = bundle.heads["spam"].predict(vectors)
+    states = [texts[i] for i in ids]
+    vectors = Encoder(threads=1).encode(states)  # not the cache the replay read
+    heads = bundle.heads["spam"].predict(beside(vectors, bundle.ngrams, states))
     gold = [int(np.argmax([labels["spam"][i][k] for k in keys])) for i in ids]
     assert report.questions["spam"].agreement == pytest.approx(np.mean(heads == np.asarray(gold)))
     for qid, question in report.questions.items():

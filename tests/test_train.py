@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cascade.bundle import Bundle, ExternalTier, GgufTier, file_sha256
+from cascade.bundle import NGRAMS_NAME, Bundle, ExternalTier, GgufTier, file_sha256
 from cascade.cli import build_parser, main
 from cascade.encoder import EmbeddingCache, Encoder
+from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import parse_request
 from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
@@ -119,7 +120,8 @@ def test_heads_beat_the_majority_answer_on_evaluation_items(
     items = [i for i in bundle.split_ids()["evaluation"] if i in gold[qid]]
     keys = QUESTIONS[qid].option_keys()
     truth = np.array([keys.index(gold[qid][i][1]) for i in items])
-    X = EmbeddingCache(cache_dir, encoder).encode([gold[qid][i][0] for i in items])
+    texts = [gold[qid][i][0] for i in items]
+    X = beside(EmbeddingCache(cache_dir, encoder).encode(texts), bundle.ngrams, texts)
     accuracy = (bundle.heads[qid].predict(X) == truth).mean()
     majority = np.bincount(truth).max() / len(truth)
     assert len(items) >= 50
@@ -167,6 +169,26 @@ def test_retraining_embeds_nothing_new(
     assert again.manifest.training["C"] == 0.5
     assert len(EmbeddingCache(cache_dir, encoder)) >= N_SPAM + N_HAM + N_NEWS
     assert again.split_ids() == bundle.split_ids()
+
+
+def test_ngrams_are_learnt_from_the_train_part_only(
+    bundle: Bundle, inputs: tuple[Path, Path], encoder: Encoder
+) -> None:
+    texts = {r["id"]: r["text"].strip() for r in _rows(inputs[0])}
+    expected = NgramFeatures().fit([texts[i] for i in bundle.split_ids()["train"]])
+    assert bundle.ngrams is not None and bundle.manifest.training["ngrams"] is True
+    np.testing.assert_array_equal(bundle.ngrams.idf_, expected.idf_)
+    widths = {head.n_features_in_ for head in bundle.heads.values()}
+    assert widths == {encoder.dim + bundle.ngrams.n_features}
+
+
+def test_without_ngrams_the_heads_read_the_embedding_alone(
+    inputs: tuple[Path, Path], encoder: Encoder, cache_dir: Path, tmp_path: Path
+) -> None:
+    plain = train(*inputs, tmp_path / "plain", encoder, cache_dir, ngrams=False)
+    assert plain.ngrams is None and not (plain.directory / NGRAMS_NAME).exists()
+    assert {head.n_features_in_ for head in plain.heads.values()} == {encoder.dim}
+    assert Bundle.load(plain.directory).ngrams is None
 
 
 @pytest.fixture

@@ -9,9 +9,11 @@ DESCRIPTION = """\
 Embed every corpus item the label store has teacher labels for (once: vectors are cached, so a
 retrain re-embeds nothing), split the items by a hash of their id into train / calibration /
 evaluation parts, and fit one softmax head per question on the train part with the teacher's
-probabilities. Writes a bundle folder: manifest.json (tiers, pinned model files, questions,
-thresholds to be calibrated), heads.npz and split.json. A question with too few train labels,
-or a single answer among them, gets no head and starts at the next tier."""
+probabilities; each head reads the item's embedding with its hashed word 1-2 grams beside it
+(--no-ngrams: the embedding alone). Writes a bundle folder: manifest.json (tiers, pinned model
+files, questions, thresholds to be calibrated), heads.npz, ngrams.npz and split.json. A question
+with too few train labels, or a single answer among them, gets no head and starts at the next
+tier."""
 EPILOG = """\
 example:
   cascade train --questions q.json --corpus emails.jsonl --store labels.sqlite \\
@@ -30,6 +32,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             questions, args.corpus, store, args.bundle,
             encoder=Encoder(device=args.device), text_field=args.text_field, C=args.C,
             cache_dir=args.cache_dir or default_cache_dir(), teacher_model=args.teacher_model,
+            ngrams=args.ngrams,
         )
     tier = bundle.manifest.encoder_tier
     heads = tier.heads if tier is not None else {}
@@ -66,6 +69,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="corpus field holding each state (default: text)")
     p.add_argument("--C", type=float, default=1.0, metavar="C",
                    help="inverse L2 regularisation strength of the heads (default 1.0)")
+    p.add_argument("--no-ngrams", dest="ngrams", action="store_false",
+                   help="heads read the sentence embedding alone, without the hashed word 1-2 grams "
+                   "beside it (by default they read both: on the benchmark sets the fast tier then "
+                   "keeps more at the same certified agreement; see BENCHMARKS.md)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                    help="where the encoder runs (default cpu; cuda needs onnxruntime-gpu)")
     p.add_argument("--teacher-model", type=Path, metavar="MODEL.gguf",
