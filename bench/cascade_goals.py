@@ -6,8 +6,9 @@ the truth by construction and agreement is accuracy. Per dataset, N items are sa
 the sample of bench/encoder_quality.py, whose embedding cache they hit), written as a corpus and
 a labels JSONL, imported into a label store and run through the library as a user would run it:
 train_bundle (50/25/25 by id hash; heads on the embedding with hashed word n-grams beside
-it), calibrate_bundle (temperature on 30% of the calibration
-part, threshold certified on the other 70%) and evaluate_bundle on the evaluation part.
+it), calibrate_bundle (threshold on the raw top probability, certified on every calibration
+item; temperature on 30% of them, for reported probabilities only) and evaluate_bundle on the
+evaluation part.
 
 On the same evaluation items come three references: the naive rule (keep when the raw top
 probability is >= the target), the best single threshold chosen in hindsight on those items,
@@ -15,8 +16,8 @@ and the oracle (every right answer plus the wrong ones the target allows). Then 
 each move one lever: every one is fitted on the train part, tuned (if at all) on the temperature
 part, and certified with the library's threshold_for_agreement on calibration items it was not
 tuned on, before the evaluation items are looked at, so each keeps the guarantee. Last, the
-main rules run again on random re-splits of the same items: one
-evaluation part of ~1000 items is one draw, and the realised agreement on it moves by ~0.004.
+main rules run again on random re-splits of the same items: one evaluation part of ~1000 items
+is one draw, and the realised agreement on it moves by ~0.004.
 
     .venv/bin/python -m bench.cascade_goals --items 4000
 """
@@ -248,9 +249,10 @@ def certify(name: str, score: Probs, probs: Probs, parts: Parts, on: str) -> Out
 
 
 def one_threshold(name: str, probs: Probs, parts: Parts, temperature: bool = True) -> Outcome:
-    """The library's rule: top probability after a temperature fitted on the temperature part,
-    certified on the threshold part; without temperature, certified on the whole calibration part
-    (T = 1 is fixed in advance, so no item is spent on fitting it)."""
+    """Without temperature, the library's rule: the raw top probability, certified on the whole
+    calibration part (the score is fixed in advance, so every item certifies). With it, the
+    previous rule: the top probability after a temperature fitted on the temperature part,
+    certified on the other 70%."""
     T = temperature_on(probs("temperature"), parts.y["temperature"]) if temperature else 1.0
     return certify(name, lambda part: apply_temperature(probs(part), T).max(axis=1), probs, parts,
                    "threshold" if temperature else "calibration")
@@ -322,9 +324,11 @@ def variants(run: LibraryRun, parts: Parts) -> list[Outcome]:
     """The library rule replayed, then one lever moved at a time."""
     library, plain = library_probs(run, parts), head_probs(1.0, parts)
     return [
-        one_threshold("library: embedding + n-grams, C=1, T, one threshold (replayed)", library, parts),
-        one_threshold("embedding alone (the library before n-grams), T, one threshold", plain, parts),
-        one_threshold("library heads, T=1, all calibration items certify", library, parts, temperature=False),
+        one_threshold("library: embedding + n-grams, raw top prob, all calibration items certify "
+                      "(replayed)", library, parts, temperature=False),
+        one_threshold("embedding alone (no n-grams), same rule", plain, parts, temperature=False),
+        one_threshold("library heads, T on 30%, threshold on the other 70% (the previous rule)",
+                      library, parts),
         per_class_path("library heads, per-class thresholds, one fixed sequence", library, parts),
     ]
 
@@ -356,10 +360,10 @@ def resplit_rows(task: Task, parts: Parts, count: int, seed: int) -> list[list[s
     for _ in range(count):
         again = resplit(parts, rng)
         plain, hashed = head_probs(1.0, again), hashed_probs(1.0, again)
-        for outcome in (one_threshold("library rule (embedding + n-grams, T)", hashed, again),
-                        one_threshold("embedding + n-grams, T=1, all calibration", hashed, again, False),
-                        one_threshold("embedding alone, T", plain, again),
-                        one_threshold("embedding alone, T=1, all calibration", plain, again, False)):
+        for outcome in (one_threshold("library rule (n-grams, raw, all calibration)", hashed, again, False),
+                        one_threshold("n-grams, T on 30%, threshold on 70%", hashed, again),
+                        one_threshold("embedding alone, raw, all calibration", plain, again, False),
+                        one_threshold("embedding alone, T on 30%, threshold on 70%", plain, again)):
             runs.setdefault(outcome.name, []).append(outcome)
     rows = []
     for name, outcomes in runs.items():
@@ -422,10 +426,10 @@ def check_replay(task: Task, run: LibraryRun, replay: Outcome) -> str:
 
 
 def calibration_line(task: Task, run: LibraryRun, parts: Parts, replay: Outcome, seconds: float) -> str:
-    """What calibration decided and saw on its threshold part, and the head's plain accuracy."""
+    """What calibration decided and saw on its calibration items, and the head's plain accuracy."""
     (fit,) = run.calibration.calibrations
     return (f"{task.name}: T={fit.temperature:.3f}, threshold {fit.threshold}; on its "
-            f"{fit.n_threshold} threshold items it keeps {fit.kept_share:.1%} at agreement "
+            f"{fit.n_threshold} calibration items it keeps {fit.kept_share:.1%} at agreement "
             f"{fit.agreement:.4f} (lower bound {fit.lower_bound:.4f}); head accuracy on the "
             f"evaluation items {replay.correct.mean():.4f}; encoder on every item costs "
             f"{cost_ratio(replace(replay, keep=np.ones_like(replay.keep)), run, parts):.4f} of the "

@@ -1,14 +1,15 @@
 """Encoder-tier throughput against the raw ONNX Runtime pipeline it wraps, side by side.
 
-The tier embeds a state once and runs one head per question on that vector, so its cost should be
-the encoder's plus almost nothing. The baseline is the bare pipeline with no heads: the same
-tokenizer file and truncation, the same length-sorted batches, ``session.run`` and mean pooling
-(the vector every question would then read, so its decisions per second are states per second
-times questions). Both run in one process on the same texts, taking turns a few texts at a time
-in a rotating order, so that load from other processes on shared cores falls on both alike; a
-round covers all texts, and overheads are medians of per-round time ratios. "batch" embeds 64
-texts per call; "single" makes one call per state, as a server answering one request at a time
-would. Heads are random (2-16 classes): a head's cost does not depend on its weights.
+The tier embeds a state once, hashes its word n-grams (cascade.ngrams; off with --no-ngrams)
+and runs one head per question on both, so its cost should be the encoder's plus almost nothing.
+The baseline is the bare pipeline with no heads: the same tokenizer file and truncation, the same
+length-sorted batches, ``session.run`` and mean pooling (the vector every question would then
+read, so its decisions per second are states per second times questions). Both run in one
+process on the same texts, taking turns a few texts at a time in a rotating order, so that load
+from other processes on shared cores falls on both alike; a round covers all texts, and
+overheads are medians of per-round time ratios. "batch" embeds 64 texts per call; "single" makes
+one call per state, as a server answering one request at a time would. Heads are random (2-16
+classes): a head's cost does not depend on its weights.
 
     .venv/bin/python -m bench.encoder_speed --texts 500 --rounds 3
 """
@@ -28,6 +29,7 @@ from tokenizers import Encoding, Tokenizer
 from bench.common import peak_rss_mib, read_rows
 from cascade.encoder import Encoder, EncoderFiles
 from cascade.heads import SoftmaxHead
+from cascade.ngrams import NgramFeatures, beside
 
 QUESTIONS = (1, 4, 16)
 MODES = ("batch", "single")
@@ -82,12 +84,13 @@ def random_heads(dim: int, count: int, seed: int) -> list[SoftmaxHead]:
     return heads
 
 
-def tier_pass(encoder: Encoder, heads: list[SoftmaxHead], mode: str, texts: list[str]) -> None:
-    """Every head's distribution for every text, one embedding per text."""
+def tier_pass(encoder: Encoder, ngrams: NgramFeatures | None, heads: list[SoftmaxHead], mode: str,
+              texts: list[str]) -> None:
+    """Every head's distribution for every text, one embedding (and n-gram row) per text."""
     for group in [texts] if mode == "batch" else [[text] for text in texts]:
-        vectors = encoder.encode(group)
+        features = beside(encoder.encode(group), ngrams, group)
         for head in heads:
-            head.predict_proba(vectors)
+            head.predict_proba(features)
 
 
 def baseline_pass(raw: RawPipeline, mode: str, texts: list[str]) -> None:
@@ -163,6 +166,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     parser.add_argument("--batch-size", type=int, default=32, help="texts per session.run")
+    parser.add_argument("--no-ngrams", dest="ngrams", action="store_false",
+                        help="heads read the embedding alone (as bundles trained with --no-ngrams)")
     args = parser.parse_args()
     texts = [row["text"] for row in read_rows("ag_news_test.jsonl", args.texts)]
     print(f"peak RSS after imports: {peak_rss_mib():.0f} MiB")
@@ -170,14 +175,16 @@ def main() -> None:
     print(f"peak RSS after loading the encoder: {peak_rss_mib():.0f} MiB")
     raw = RawPipeline(encoder.files, encoder.max_length, encoder.batch_size, args.threads)
     print(f"peak RSS after loading the raw baseline too: {peak_rss_mib():.0f} MiB")
-    heads = random_heads(encoder.dim, max(QUESTIONS), seed=0)
+    ngrams = NgramFeatures().fit(texts) if args.ngrams else None
+    width = encoder.dim + (ngrams.n_features if ngrams is not None else 0)
+    heads = random_heads(width, max(QUESTIONS), seed=0)
     print(f"{encoder.name}, batch_size {encoder.batch_size}, threads {args.threads or 'default'}; "
-          f"heads with {[h.n_classes_ for h in heads]} classes")
+          f"heads on {width} features with {[h.n_classes_ for h in heads]} classes")
     check_same_vectors(encoder, raw, texts[:128])
     for mode in MODES if args.mode == "both" else (args.mode,):
         contenders = {"baseline": partial(baseline_pass, raw, mode)}
         for q in QUESTIONS:
-            contenders[f"tier {q}"] = partial(tier_pass, encoder, heads[:q], mode)
+            contenders[f"tier {q}"] = partial(tier_pass, encoder, ngrams, heads[:q], mode)
         report(mode, measure(contenders, texts, CHUNK[mode], args.rounds), len(texts))
     print(f"\npeak RSS after the run: {peak_rss_mib():.0f} MiB")
 

@@ -212,7 +212,8 @@ class Manifest(_Strict):
     prompt_version: str = PROMPT_VERSION
     questions: dict[str, dict[str, Any]] = Field(min_length=1)
     tiers: list[Tier] = Field(min_length=1)
-    thresholds: dict[str, dict[str, float | None]] = {}  # question -> tier -> None: never accept
+    # question -> tier -> lowest RAW top probability kept (None: never accept)
+    thresholds: dict[str, dict[str, float | None]] = {}
     temperatures: dict[str, dict[str, float]] = {}  # question -> tier -> T (absent: 1.0)
     calibration: dict[str, Any] = {}
     training: dict[str, Any] = {}

@@ -143,12 +143,15 @@ class Routing(BaseModel):
 
     ``threshold`` is the one the answer cleared (or, when ``budget_limited``, failed: the budget
     could not pay to escalate it); None for the top tier, which answers whatever its confidence.
+    It is compared with ``raw_confidence``, the tier's top probability before temperature scaling
+    (the answer's ``confidence`` is after it): thresholds are certified on raw scores.
     ``cost_ms`` is this answer's share of the predicted cost of every tier it went through.
     """
 
     tier: str
     cost_ms: float
     threshold: float | None
+    raw_confidence: float
     calibrated: bool
     budget_limited: bool = False
 

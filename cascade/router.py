@@ -88,6 +88,7 @@ class _Pick:
     """The current answer to one question about one state, from the highest tier asked so far."""
 
     tier: int
+    raw: np.ndarray
     probs: np.ndarray
     threshold: float | None
     calibrated: bool
@@ -96,11 +97,13 @@ class _Pick:
 
     @property
     def confidence(self) -> float:
+        """Calibrated: what orders escalations across questions under a budget."""
         return float(self.probs.max())
 
     @property
     def accepted(self) -> bool:
-        return self.threshold is not None and self.confidence >= self.threshold
+        """Thresholds are certified on the tier's raw top probability (distill.calibration)."""
+        return self.threshold is not None and float(self.raw.max()) >= self.threshold
 
 
 @dataclass
@@ -242,10 +245,11 @@ class Cascade:
                         raise CascadeError(f"the top tier {tier.name!r} did not answer question "
                                            f"{qid!r} about item {run.items[i].id!r}")
                     continue
-                probs = apply_temperature(reply.answers[i][qid], self.manifest.temperature(qid, tier.name))
+                raw = reply.answers[i][qid]
+                probs = apply_temperature(raw, self.manifest.temperature(qid, tier.name))
                 threshold = None if top else self.manifest.threshold(qid, tier.name)
                 readout = reply.readouts[i].get(qid)
-                run.picks[i][qid] = _Pick(t, probs, threshold, self._fitted(qid, t), readout)
+                run.picks[i][qid] = _Pick(t, raw, probs, threshold, self._fitted(qid, t), readout)
                 run.answered[t][i].append(qid)
 
     def _fitted(self, qid: str, t: int) -> bool:
@@ -303,7 +307,8 @@ class Cascade:
         for qid in run.asked[i]:
             pick = run.picks[i][qid]
             routing = Routing(tier=self.tiers[pick.tier].name, cost_ms=shares[qid],
-                              threshold=pick.threshold, calibrated=pick.calibrated,
+                              threshold=pick.threshold, raw_confidence=float(pick.raw.max()),
+                              calibrated=pick.calibrated,
                               budget_limited=pick.budget_limited)
             answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated,
                                                 readout=pick.readout)

@@ -1,12 +1,13 @@
 """Calibrating a bundle: temperatures, acceptance thresholds and tier costs from held-out items.
 
 Only the bundle's "calibration" part is used: the heads never saw it, so what the tiers do on it
-is what they will do on new items. Each question's calibration items are split again, by a
-hash of their id, into a temperature part (30%) and a threshold part (70%). The temperature is
-fitted on the first; the threshold, its guarantee and every reported figure come from the
-second. Fitting the score and certifying a threshold on the same items would spend part of
-the finite-sample guarantee on the fit: the certificate assumes the score was fixed before the
-items it is tested on were drawn.
+is what they will do on new items. Thresholds are on each tier's RAW top probability, a score
+fixed before any calibration item was drawn, so every calibration item certifies them: the
+finite-sample certificate assumes exactly that, and a score fitted on the same items would
+spend part of it. The temperature only rescales the probabilities answers report (and orders
+escalations under a budget); it never moves which answers are kept. It is fitted on a part of
+the calibration items picked by a hash of their id (30%), and its reliability diagrams are
+drawn on the rest.
 
 With several cheap tiers (the encoder tier and GGUF middle tiers), the error budget
 ``1 - target`` and ``delta`` are split evenly across them: each tier is certified to disagree
@@ -88,12 +89,14 @@ class TierCost(BaseModel):
 class QuestionTier(BaseModel):
     """One question calibrated on one cheap tier, with the figures a report draws.
 
-    ``agreement`` is the cascade agreement on the threshold part (escalated items count as
-    agreeing: the teacher answers them); ``agreement_kept`` the agreement on kept items only
-    (None when nothing is kept). ``target`` and ``delta`` are this tier's share of the budget.
-    ECEs, reliability curves and the coverage curve are on the threshold part (the items the
-    temperature was not fitted on); ``confusion[i][j]`` counts items the teacher answered option
-    i and the tier option j, over all n items (temperature does not move an argmax).
+    The threshold is on the tier's RAW top probability and is certified on all n items
+    (``n_threshold``): the temperature never moves which answers are kept, so no item has to be
+    set aside from the certificate for it. ``agreement`` is the cascade agreement on those items
+    (escalated items count as agreeing: the teacher answers them); ``agreement_kept`` the agreement
+    on kept items only (None when nothing is kept). ``target`` and ``delta`` are this tier's share
+    of the budget. The coverage curve is over all n items; ECEs and reliability curves over the
+    ``n - n_temperature`` items the temperature was not fitted on. ``confusion[i][j]`` counts items
+    the teacher answered option i and the tier option j (temperature does not move an argmax).
     """
 
     question: str
@@ -522,7 +525,8 @@ def _calibrate(
     delta: float,
     escalation_fraction: float | None,
 ) -> _Fit | Skipped:
-    """Temperature on one part, threshold and figures on the other; Skipped when impossible."""
+    """Temperature on one part, its reliability on the other; the raw-confidence threshold and
+    coverage on all items. Skipped when impossible."""
     if not labels:
         return Skipped(question=qid, tier=tier, reason="no calibration item has a teacher label for "
                        "this question; label some, retrain and calibrate again")
@@ -533,26 +537,26 @@ def _calibrate(
     held = [i for i in ids if not in_temperature_part(i)]
     if not held:
         return Skipped(question=qid, tier=tier, reason=f"none of its {len(ids)} calibration items "
-                       "fell in the threshold part; label more items")
+                       "fell outside the temperature part; label more items")
     fitting = [i for i in ids if in_temperature_part(i)]
     temperature, note = _temperature(probs, labels, fitting)
-    raw, teacher = _stack(probs, held), _labels(labels, held)
-    calibrated = apply_temperature(raw, temperature)
-    confidence, correct = confidence_and_agreement(calibrated, teacher)
+    confidence, correct = confidence_and_agreement(_stack(probs, ids), _labels(labels, ids))
     if escalation_fraction is None:
         chosen = threshold_for_agreement(confidence, correct, target, delta)
     else:
         chosen = threshold_for_budget(confidence, correct, escalation_fraction, delta)
-    before, after = reliability_curve(raw, teacher), reliability_curve(calibrated, teacher)
+    raw, teacher = _stack(probs, held), _labels(labels, held)
+    before = reliability_curve(raw, teacher)
+    after = reliability_curve(apply_temperature(raw, temperature), teacher)
     result = QuestionTier(
-        question=qid, tier=tier, n=len(ids), n_temperature=len(fitting), n_threshold=len(held),
+        question=qid, tier=tier, n=len(ids), n_temperature=len(fitting), n_threshold=len(ids),
         temperature=temperature, temperature_note=note,
         ece_before=before["ece"], ece_after=after["ece"], **_threshold_facts(chosen),
         reliability_before=before, reliability_after=after,
         curve=_coverage_curve(confidence, correct, delta),
         confusion=_confusion(_stack(probs, ids), _labels(labels, ids)),
     )
-    return _Fit(result, {i: (float(c), bool(a)) for i, c, a in zip(held, confidence, correct, strict=True)})
+    return _Fit(result, {i: (float(c), bool(a)) for i, c, a in zip(ids, confidence, correct, strict=True)})
 
 
 def _stack(probs: Mapping[str, np.ndarray], ids: list[str]) -> np.ndarray:
@@ -568,8 +572,8 @@ def _temperature(
 ) -> tuple[float, str | None]:
     """T fitted on the items ``ids``, or 1.0 with the reason when they cannot pin it down.
 
-    Any fixed T keeps the guarantee (the threshold part certifies whatever score it is given);
-    a T at a search bound would only squash the confidences into ties and waste coverage.
+    T never touches the guarantee (thresholds are on raw confidences); a T at a search bound
+    would only squash the probabilities answers report into ties.
     """
     if len(ids) < MIN_TEMPERATURE_ITEMS:
         return 1.0, (f"only {len(ids)} items in the temperature part (fewer than "

@@ -157,20 +157,21 @@ def _reliability(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Fi
     One marker per non-empty bin, its area growing with the bin's items: with a few dozen
     items most bins hold a handful, and lines between them would suggest a trend that is noise.
     """
+    n = fit.n - fit.n_temperature  # the items the temperature was not fitted on
     data = {"temperature": fit.temperature, "ece_before": fit.ece_before, "ece_after": fit.ece_after,
-            "n": fit.n_threshold, "before": fit.reliability_before, "after": fit.reliability_after}
+            "n": n, "before": fit.reliability_before, "after": fit.reliability_after}
     fig, ax = _axes()
     ax.plot([0, 1], [0, 1], color="#999", lw=1, ls=":", label="perfect calibration")
     for curve, color, label in (
         (fit.reliability_before, "#c0392b", f"raw (ECE {fit.ece_before:.3f})"),
         (fit.reliability_after, "#2471a3", f"T={fit.temperature:.3g} (ECE {fit.ece_after:.3f})"),
     ):
-        sizes = 12 + 140 * np.asarray(curve["count"]) / max(fit.n_threshold, 1)
+        sizes = 12 + 140 * np.asarray(curve["count"]) / max(n, 1)
         ax.scatter(curve["confidence"], curve["accuracy"], s=sizes, color=color, alpha=0.75, label=label,
                    zorder=3)
     ax.set(xlim=(0, 1.02), ylim=(0, 1.02), xlabel="confidence (top probability)",
            ylabel="agreement with the teacher",
-           title=f"{fit.question} / {fit.tier}: reliability ({fit.n_threshold} items)")
+           title=f"{fit.question} / {fit.tier}: reliability ({n} items not used to fit T)")
     ax.legend(loc="best", fontsize=8)
     return data, fig
 
@@ -193,7 +194,8 @@ def _coverage(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figur
                label=_chosen_label(fit))
     floor = min([*curve["lower_bound"], fit.target or 1.0, 1.0])
     ax.set(xlim=(-0.02, 1.02), ylim=(max(0.0, floor - 0.05), 1.005),
-           xlabel="coverage: share kept by the tier", ylabel="cascade agreement with the teacher",
+           xlabel="coverage: share kept by the tier (threshold on the raw top probability)",
+           ylabel="cascade agreement with the teacher",
            title=f"{fit.question} / {fit.tier}: coverage vs agreement")
     ax.legend(loc="lower left", fontsize=8)
     return data, fig
@@ -289,7 +291,7 @@ def _guarantee_text(result: CalibrationResult) -> str:
         return (
             f"Budget mode: each cheap tier escalates {result.escalation_fraction:.0%} of the "
             "items it sees (its least confident), whatever that costs in agreement. The agreement "
-            "shown is measured on the threshold part, and its lower bound (Clopper-Pearson at "
+            "shown is measured on the calibration items, and its lower bound (Clopper-Pearson at "
             f"{1 - result.tier_delta:.1%}) treats the threshold as if fixed in advance, which it "
             "is not. No target is certified in this mode."
         )
@@ -303,8 +305,9 @@ def _guarantee_text(result: CalibrationResult) -> str:
         "calibration items, the cascade's agreement with the teacher on new items from the same "
         f"distribution is at least {result.target:.4g} (the target), for every question. Each "
         "threshold is the lowest one a Learn-then-Test procedure (exact binomial tests in a fixed "
-        "order, strict to lax) certifies on the threshold part of the calibration items, which "
-        "neither trained the heads nor fitted the temperature. A tier whose threshold could not "
+        "order, strict to lax) certifies on the tier's raw top probability over all calibration "
+        "items, which never trained the heads; the temperature rescales reported probabilities "
+        "only and never moves which answers are kept. A tier whose threshold could not "
         "be certified keeps nothing: the teacher answers, so the guarantee still holds, at full "
         f"cost.{split}"
     )
@@ -398,7 +401,7 @@ def _img(figure: _Figure) -> str:
 
 
 def _summary_table(rows: list[dict[str, Any]]) -> str:
-    head = ("question", "type", "tier", "n (T + threshold)", "T", "ECE before", "ECE after",
+    head = ("question", "type", "tier", "n (of which T fitted on)", "T", "ECE before", "ECE after",
             "threshold", "kept", "escalated", "agreement", "lower bound", "guarantee reached?")
     body = []
     for row in rows:
@@ -407,7 +410,7 @@ def _summary_table(rows: list[dict[str, Any]]) -> str:
                         f"<td>{_e(row['tier'])}</td><td colspan=\"10\" class=\"warn\">"
                         f"not calibrated: {_e(row['message'])}</td></tr>")
             continue
-        n = f"{row['n']} ({row['n_temperature']}+{row['n_threshold']})"
+        n = f"{row['n']} ({row['n_temperature']})"
         cells = (row["question"], row["type"], row["tier"], n, f"{row['temperature']:.3g}",
                  f"{row['ece_before']:.3f}", f"{row['ece_after']:.3f}", _fmt(row["threshold"], ".4g"),
                  f"{row['kept_share']:.1%}", f"{row['escalation_rate']:.1%}", f"{row['agreement']:.4f}",

@@ -69,7 +69,7 @@ def test_the_json_has_every_figure_of_every_question(budget: tuple[CalibrationRe
         assert {kind for q, tier, kind in figures if (q, tier) == (fit.question, fit.tier)} == TIER_FIGURES
         reliability = figures[fit.question, fit.tier, "reliability"]
         assert (reliability["ece_before"], reliability["ece_after"]) == (fit.ece_before, fit.ece_after)
-        assert sum(reliability["after"]["count"]) == fit.n_threshold
+        assert sum(reliability["after"]["count"]) == fit.n - fit.n_temperature
         coverage = figures[fit.question, fit.tier, "coverage"]
         assert coverage["kept_share"] == fit.kept_share
         assert coverage["escalation_rate"] == pytest.approx(0.25, abs=1 / fit.n_threshold)

@@ -202,6 +202,27 @@ def test_temperature_scales_confidence_but_never_the_answer(
         expected = apply_temperature(probabilities(cold, "topic"), 2.5)
         assert probabilities(warm, "topic") == pytest.approx(expected.tolist())
         assert warm.answers["topic"].confidence < cold.answers["topic"].confidence
+        assert warm.answers["topic"].routing.raw_confidence == pytest.approx(cold.answers["topic"].confidence)
+
+
+def test_thresholds_are_compared_with_the_raw_confidence(
+    replay: Any, trained: tuple, texts: Mapping
+) -> None:
+    """Calibration certifies thresholds on raw scores; a temperature must not move what is kept."""
+    items = evaluation_items(trained[2], texts, "agnews-", 20)
+    plain = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=["topic"])
+    raw = [r.answers["topic"].confidence for r in plain]
+    threshold = sorted(raw)[len(raw) // 2]
+    hot = replay(thresholds={"topic": {"encoder": threshold}}, temperatures={"topic": {"encoder": 3.0}})
+    kept = []
+    for confidence, response in zip(raw, hot.decide_batch(items, questions=["topic"]), strict=True):
+        answer = response.answers["topic"]
+        assert answer.routing.tier == ("encoder" if confidence >= threshold else "teacher")
+        if answer.routing.tier == "encoder":
+            assert answer.routing.raw_confidence == pytest.approx(confidence)
+            kept.append(answer)
+    # kept although the reported (flattened) confidence is below the threshold
+    assert len(kept) >= 10 and any(answer.confidence < threshold for answer in kept)
 
 
 def test_temperature_keeps_exact_zeros_and_refuses_bad_values() -> None:

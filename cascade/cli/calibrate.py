@@ -12,12 +12,13 @@ if TYPE_CHECKING:
 DESCRIPTION = """\
 Run every cheap tier of a bundle on its held-out calibration items (never the items the heads
 were trained on), compare with the teacher's labels, and write into the bundle, per question and
-tier: a temperature (fitted on 30% of the items) and an acceptance threshold (set on the other
-70%). A threshold is certified: with probability >= 1 - delta over the calibration draw, the
-cascade agrees with the teacher on at least the target share of new items from the same
-distribution. Where the target cannot be certified the threshold stays empty (the tier keeps
-nothing) and the table says what is reachable. With --escalation-fraction, each cheap tier
-instead escalates that share of its items and the agreement that follows is reported. Also
+tier: an acceptance threshold on the tier's raw top probability, set on all of the items, and a
+temperature (fitted on 30% of them) that rescales the probabilities answers report without
+moving which answers are kept. A threshold is certified: with probability >= 1 - delta over the
+calibration draw, the cascade agrees with the teacher on at least the target share of new items
+from the same distribution. Where the target cannot be certified the threshold stays empty (the
+tier keeps nothing) and the table says what is reachable. With --escalation-fraction, each cheap
+tier instead escalates that share of its items and the agreement that follows is reported. Also
 measures each tier's cost, and writes report.html (self-contained) and report.json."""
 EPILOG = """\
 example:
