@@ -1,7 +1,8 @@
 """Encoder-tier throughput against the raw ONNX Runtime pipeline it wraps, side by side.
 
 The tier embeds a state once, hashes its word n-grams (cascade.ngrams; off with --no-ngrams)
-and runs one head per question on both, so its cost should be the encoder's plus almost nothing.
+and runs every question's head on both in one product (HeadStack, as HeadsTier does), so its
+cost should be the encoder's plus almost nothing.
 The baseline is the bare pipeline with no heads: the same tokenizer file and truncation, the same
 length-sorted batches, ``session.run`` and mean pooling (the vector every question would then
 read, so its decisions per second are states per second times questions). Both run in one
@@ -28,7 +29,7 @@ from tokenizers import Encoding, Tokenizer
 
 from bench.common import peak_rss_mib, read_rows
 from cascade.encoder import Encoder, EncoderFiles
-from cascade.heads import SoftmaxHead
+from cascade.heads import HeadStack, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
 
 QUESTIONS = (1, 4, 16)
@@ -84,13 +85,12 @@ def random_heads(dim: int, count: int, seed: int) -> list[SoftmaxHead]:
     return heads
 
 
-def tier_pass(encoder: Encoder, ngrams: NgramFeatures | None, heads: list[SoftmaxHead], mode: str,
+def tier_pass(encoder: Encoder, ngrams: NgramFeatures | None, heads: HeadStack, mode: str,
               texts: list[str]) -> None:
-    """Every head's distribution for every text, one embedding (and n-gram row) per text."""
+    """Every head's distribution for every text, one embedding (and n-gram row) per text, as
+    HeadsTier computes them."""
     for group in [texts] if mode == "batch" else [[text] for text in texts]:
-        features = beside(encoder.encode(group), ngrams, group)
-        for head in heads:
-            head.predict_proba(features)
+        heads.predict_proba(beside(encoder.encode(group), ngrams, group))
 
 
 def baseline_pass(raw: RawPipeline, mode: str, texts: list[str]) -> None:
@@ -184,7 +184,8 @@ def main() -> None:
     for mode in MODES if args.mode == "both" else (args.mode,):
         contenders = {"baseline": partial(baseline_pass, raw, mode)}
         for q in QUESTIONS:
-            contenders[f"tier {q}"] = partial(tier_pass, encoder, ngrams, heads[:q], mode)
+            stack = HeadStack({str(n): head for n, head in enumerate(heads[:q])})
+            contenders[f"tier {q}"] = partial(tier_pass, encoder, ngrams, stack, mode)
         report(mode, measure(contenders, texts, CHUNK[mode], args.rounds), len(texts))
     print(f"\npeak RSS after the run: {peak_rss_mib():.0f} MiB")
 

@@ -15,6 +15,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +60,8 @@ class NgramFeatures(TransformerMixin, BaseEstimator):
         counts = self._counts(texts)
         if counts.shape[0] == 0:
             return counts
-        counts.data = 1.0 + np.log(counts.data)
-        return normalize(counts @ sp.diags(self.idf_), norm="l2", copy=False).tocsr()
+        counts.data = (1.0 + np.log(counts.data)) * self.idf_[counts.indices]
+        return normalize(counts, norm="l2", copy=False)
 
     def save(self, path: Path) -> None:
         """Write the fitted state as plain arrays, atomically."""
@@ -98,11 +99,16 @@ class NgramFeatures(TransformerMixin, BaseEstimator):
             raise TypeError("NgramFeatures takes a sequence of texts, not one string")
         if not texts:
             return sp.csr_matrix((0, self.n_features), dtype=np.float64)
-        hashing = HashingVectorizer(n_features=self.n_features, ngram_range=self.ngram_range,
-                                    alternate_sign=False, norm=None, dtype=np.float64)
-        counts: sp.csr_matrix = hashing.transform(list(texts))
+        counts: sp.csr_matrix = _hasher(self.n_features, tuple(self.ngram_range)).transform(list(texts))
         counts.sum_duplicates()
         return counts
+
+
+@lru_cache(maxsize=8)
+def _hasher(n_features: int, ngram_range: tuple[int, int]) -> HashingVectorizer:
+    """Stateless, so one per setting serves every call (building one costs more than hashing a text)."""
+    return HashingVectorizer(n_features=n_features, ngram_range=ngram_range, alternate_sign=False,
+                             norm=None, dtype=np.float64)
 
 
 def beside(embeddings: np.ndarray, ngrams: NgramFeatures | None, texts: Sequence[str]) -> Matrix:

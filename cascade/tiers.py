@@ -15,7 +15,7 @@ import numpy as np
 
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
-from cascade.heads import SoftmaxHead
+from cascade.heads import HeadStack, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import render_state
 from cascade.questions import DecisionRequest, Question, Readout, State, Usage
@@ -78,6 +78,7 @@ class HeadsTier(Tier):
         self.name = name
         self.encoder = encoder
         self.heads = dict(heads)
+        self.stack = HeadStack(self.heads)
         self.cache = cache
         self.ngrams = ngrams
 
@@ -88,12 +89,11 @@ class HeadsTier(Tier):
             return out
         texts = [render_state(items[i].state) for i in wanted]
         vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
-        features = beside(vectors, self.ngrams, texts)
-        for qid, head in self.heads.items():
-            rows = [row for row, i in enumerate(wanted) if qid in asked[i]]
-            if rows:
-                for row, probs in zip(rows, head.predict_proba(features[rows]), strict=True):
-                    out[wanted[row]][qid] = probs
+        answers = self.stack.predict_proba(beside(vectors, self.ngrams, texts))
+        for row, i in enumerate(wanted):
+            for qid in asked[i]:
+                if qid in answers:
+                    out[i][qid] = answers[qid][row]
         return out
 
 

@@ -5,13 +5,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.linear_model import LogisticRegression
 
 from cascade.encoder import Encoder
 from cascade.errors import ModelError
-from cascade.heads import SoftmaxHead, load_heads, save_heads
+from cascade.heads import HeadStack, SoftmaxHead, load_heads, save_heads
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 N_SPAM, N_HAM, N_TRAIN = 150, 250, 280
@@ -194,3 +195,23 @@ def test_inconsistent_arrays_are_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelError, match="intercept shape"):
         load_heads(path)
+
+
+def test_a_stack_answers_what_each_head_answers(sms: tuple[np.ndarray, np.ndarray]) -> None:
+    X, y = sms
+    rng = np.random.default_rng(1)
+    heads = {"spam": SoftmaxHead().fit(X, np.eye(2)[y]),
+             "tone": SoftmaxHead().fit(X, rng.dirichlet(np.ones(3), size=len(X)))}
+    stacked = HeadStack(heads).predict_proba(X[:7])
+    assert list(stacked) == ["spam", "tone"]
+    for qid, head in heads.items():
+        np.testing.assert_allclose(stacked[qid], head.predict_proba(X[:7]), rtol=0, atol=1e-12)
+    sparse = HeadStack(heads).predict_proba(sp.csr_matrix(X[:7]))
+    np.testing.assert_allclose(sparse["tone"], stacked["tone"], rtol=0, atol=1e-12)
+
+
+def test_a_stack_refuses_heads_of_different_widths(sms: tuple[np.ndarray, np.ndarray]) -> None:
+    X, y = sms
+    narrow = SoftmaxHead().fit(X[:, :5], np.eye(2)[y])
+    with pytest.raises(ValueError, match=r"heads read \[5, \d+\] features; a stack needs one width"):
+        HeadStack({"a": narrow, "b": SoftmaxHead().fit(X, np.eye(2)[y])})

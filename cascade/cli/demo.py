@@ -61,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-items", type=int, metavar="N",
                    help="evaluation items routed through the cascade (default 200)")
     p.add_argument("--target", type=float, metavar="P",
-                   help="agreement with the teacher to calibrate for (default 0.9)")
+                   help="agreement with the teacher to calibrate for (default 0.95)")
     p.add_argument("--delta", type=float, metavar="D",
                    help="the target may be missed with probability at most D (default 0.05)")
     p.add_argument("--threads", type=int, metavar="N",
