@@ -143,8 +143,9 @@ class HeadStack:
         if len(widths) > 1:
             raise ValueError(f"heads read {sorted(widths)} features; a stack needs one width")
         self.questions = list(heads)
-        self.weights = np.ascontiguousarray(np.hstack([head.coef_.T for head in heads.values()]))
-        self.intercept = np.concatenate([head.intercept_ for head in heads.values()])
+        columns = [head.coef_.T for head in heads.values()]
+        self.weights = np.ascontiguousarray(np.hstack(columns)) if columns else np.zeros((0, 0))
+        self.intercept = np.concatenate([head.intercept_ for head in heads.values()] or [np.zeros(0)])
         self.bounds = np.cumsum([0, *(head.n_classes_ for head in heads.values())])
 
     def predict_proba(self, X: Matrix) -> dict[str, np.ndarray]:

@@ -215,3 +215,7 @@ def test_a_stack_refuses_heads_of_different_widths(sms: tuple[np.ndarray, np.nda
     narrow = SoftmaxHead().fit(X[:, :5], np.eye(2)[y])
     with pytest.raises(ValueError, match=r"heads read \[5, \d+\] features; a stack needs one width"):
         HeadStack({"a": narrow, "b": SoftmaxHead().fit(X, np.eye(2)[y])})
+
+
+def test_an_empty_stack_answers_nothing() -> None:
+    assert HeadStack({}).questions == [] and HeadStack({}).bounds.tolist() == [0]
