@@ -194,7 +194,7 @@ def _coverage(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figur
                label=_chosen_label(fit))
     floor = min([*curve["lower_bound"], fit.target or 1.0, 1.0])
     ax.set(xlim=(-0.02, 1.02), ylim=(max(0.0, floor - 0.05), 1.005),
-           xlabel="coverage: share kept by the tier (threshold on the raw top probability)",
+           xlabel="coverage: share kept (threshold on the raw top probability)",
            ylabel="cascade agreement with the teacher",
            title=f"{fit.question} / {fit.tier}: coverage vs agreement")
     ax.legend(loc="lower left", fontsize=8)
@@ -366,7 +366,7 @@ def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any], figur
             else f"budget mode: escalation fraction {result.escalation_fraction:.3g}")
     return _TEMPLATE.format(
         name=_e(result.name), bundle=_e(result.bundle), mode=_e(mode), items=result.items,
-        temperature=f"{result.temperature_share:.0%}", threshold=f"{1 - result.temperature_share:.0%}",
+        temperature=f"{result.temperature_share:.0%}", rest=f"{1 - result.temperature_share:.0%}",
         tiers=_e(" -> ".join([*result.cheap_tiers, result.teacher_tier])),
         guarantee=_e(data["guarantee"]),
         not_promised="".join(f"<li>{_e(text)}</li>" for text in _NOT_PROMISED),
@@ -469,7 +469,8 @@ figure {{ margin: 0; }} figure img {{ width: 100%; height: auto; border: 1px sol
 <body>
 <h1>Calibration report: {name}</h1>
 <p class="meta">Bundle {bundle}<br>Cascade {tiers}; {mode}; {items} calibration items
-({temperature} fit temperatures, {threshold} set thresholds and every figure below).</p>
+(all of them certify the thresholds, on each tier's raw top probability; {temperature} of them fit
+the temperatures, whose reliability diagrams are drawn on the other {rest}).</p>
 <div class="box"><h2>What the guarantee means</h2><p>{guarantee}</p>
 <p>What it does not promise:</p><ul>{not_promised}</ul></div>
 <h2>Summary</h2>
