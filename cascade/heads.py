@@ -163,6 +163,11 @@ def save_heads(path: Path, heads: Mapping[str, SoftmaxHead]) -> None:
             raise ValueError(f"question id must be non-empty and without '/'; got {question_id!r}")
         for name, array in head.to_arrays().items():
             arrays[f"{question_id}/{name}"] = array
+    save_arrays(path, arrays)
+
+
+def save_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Plain arrays into one ``.npz`` (no pickle), atomically: a crash leaves the old file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:

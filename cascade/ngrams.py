@@ -11,8 +11,6 @@ The fitted state is one array, saved as ``.npz`` without pickle.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from functools import lru_cache
@@ -26,7 +24,7 @@ from sklearn.preprocessing import normalize
 from sklearn.utils.validation import check_is_fitted
 
 from cascade.errors import ModelError
-from cascade.heads import Matrix
+from cascade.heads import Matrix, save_arrays
 
 DEFAULT_FEATURES = 2**16
 DEFAULT_NGRAMS = (1, 2)
@@ -66,16 +64,7 @@ class NgramFeatures(TransformerMixin, BaseEstimator):
     def save(self, path: Path) -> None:
         """Write the fitted state as plain arrays, atomically."""
         check_is_fitted(self)
-        arrays = {"idf": self.idf_, "ngram_range": np.asarray(self.ngram_range, dtype=np.int64)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(handle, "wb") as out:
-                np.savez(out, allow_pickle=False, **arrays)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        save_arrays(path, {"idf": self.idf_, "ngram_range": np.asarray(self.ngram_range, dtype=np.int64)})
 
     @classmethod
     def load(cls, path: Path) -> NgramFeatures:
