@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    parser.add_argument("--batch-size", type=int, default=32, help="texts per session.run")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="texts per session.run (default 8, the Encoder's)")
     parser.add_argument("--no-ngrams", dest="ngrams", action="store_false",
                         help="heads read the embedding alone (as bundles trained with --no-ngrams)")
     args = parser.parse_args()
