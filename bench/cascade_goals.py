@@ -43,7 +43,7 @@ from bench.encoder_quality import CACHE_DIR, TASKS, Task
 from cascade.bundle import Bundle
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import EmbeddingCache, Encoder
-from cascade.heads import SoftmaxHead
+from cascade.heads import Matrix, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import Question, parse_request
 from cascade.router import Cascade
@@ -298,20 +298,23 @@ def _top_logit(probs: np.ndarray) -> np.ndarray:
     return np.log(top / (1 - top))[:, None]
 
 
-def head_probs(C: float, parts: Parts) -> Probs:
-    """A head on the embedding alone (the library before n-grams), fitted on the train part."""
+def fit_head(features: Mapping[str, Matrix], parts: Parts, C: float) -> Probs:
+    """A head fitted on the train part's ``features``, read on any part's."""
     one_hot = np.eye(parts.n_classes)[parts.y["train"]]
-    head = SoftmaxHead(C=C, max_iter=5000).fit(parts.emb["train"], one_hot)
-    return lambda part: head.predict_proba(parts.emb[part])
+    head = SoftmaxHead(C=C, max_iter=5000).fit(features["train"], one_hot)
+    return lambda part: head.predict_proba(features[part])
+
+
+def head_probs(C: float, parts: Parts) -> Probs:
+    """A head on the embedding alone (the library before n-grams)."""
+    return fit_head(parts.emb, parts, C)
 
 
 def hashed_probs(C: float, parts: Parts) -> Probs:
     """The library's head: the embedding with hashed word n-grams beside it, idf from the train part."""
     grams = NgramFeatures().fit(parts.texts["train"])
-    one_hot = np.eye(parts.n_classes)[parts.y["train"]]
-    features = beside(parts.emb["train"], grams, parts.texts["train"])
-    head = SoftmaxHead(C=C, max_iter=5000).fit(features, one_hot)
-    return lambda part: head.predict_proba(beside(parts.emb[part], grams, parts.texts[part]))
+    return fit_head({part: beside(parts.emb[part], grams, texts) for part, texts in parts.texts.items()},
+                    parts, C)
 
 
 def library_probs(run: LibraryRun, parts: Parts) -> Probs:

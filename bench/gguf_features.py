@@ -21,7 +21,6 @@ import hashlib
 import sqlite3
 import tempfile
 import time
-from collections.abc import Mapping
 from contextlib import closing
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from bench.cascade_goals import (
     Outcome,
     Parts,
     Probs,
+    fit_head,
     library_probs,
     load_parts,
     markdown,
@@ -50,7 +50,6 @@ from bench.encoder_quality import CACHE_DIR, TASKS
 from cascade.bundle import file_sha256
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import EmbeddingCache, Encoder
-from cascade.heads import Matrix, SoftmaxHead
 from cascade.llama import default_gguf_path
 from cascade.ngrams import NgramFeatures, beside
 
@@ -93,17 +92,11 @@ class GemmaVectors:
         return np.asarray(self.llm.embed(cut, normalize=False, truncate=True))
 
 
-def head_on(features: Mapping[str, Matrix], parts: Parts, C: float) -> Probs:
-    one_hot = np.eye(parts.n_classes)[parts.y["train"]]
-    head = SoftmaxHead(C=C, max_iter=5000).fit(features["train"], one_hot)
-    return lambda part: head.predict_proba(features[part])
-
-
 def rules(parts: Parts, gemma: dict[str, np.ndarray], library: Probs) -> list[Outcome]:
     grams = NgramFeatures().fit(parts.texts["train"])
     both = {part: sp.hstack([beside(parts.emb[part], grams, parts.texts[part]), sp.csr_matrix(vectors)],
                             format="csr") for part, vectors in gemma.items()}
-    gemma_alone, combined = head_on(gemma, parts, GEMMA_C), head_on(both, parts, 1.0)
+    gemma_alone, combined = fit_head(gemma, parts, GEMMA_C), fit_head(both, parts, 1.0)
     return [
         one_threshold("library (MiniLM + n-grams), raw, all calibration", library, parts, False),
         one_threshold("gemma-3-270m vectors alone", gemma_alone, parts, False),

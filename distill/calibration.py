@@ -540,7 +540,8 @@ def _calibrate(
                        "fell outside the temperature part; label more items")
     fitting = [i for i in ids if in_temperature_part(i)]
     temperature, note = _temperature(probs, labels, fitting)
-    confidence, correct = confidence_and_agreement(_stack(probs, ids), _labels(labels, ids))
+    every, teacher_every = _stack(probs, ids), _labels(labels, ids)
+    confidence, correct = confidence_and_agreement(every, teacher_every)
     if escalation_fraction is None:
         chosen = threshold_for_agreement(confidence, correct, target, delta)
     else:
@@ -554,7 +555,7 @@ def _calibrate(
         ece_before=before["ece"], ece_after=after["ece"], **_threshold_facts(chosen),
         reliability_before=before, reliability_after=after,
         curve=_coverage_curve(confidence, correct, delta),
-        confusion=_confusion(_stack(probs, ids), _labels(labels, ids)),
+        confusion=_confusion(every, teacher_every),
     )
     return _Fit(result, {i: (float(c), bool(a)) for i, c, a in zip(ids, confidence, correct, strict=True)})
 

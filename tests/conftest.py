@@ -28,6 +28,14 @@ def gemma_scorer(gemma_path: Path) -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
+def encoder() -> object:
+    """The default MiniLM encoder on one thread (tests share two cores), loaded once."""
+    from cascade.encoder import Encoder
+
+    return Encoder(threads=1)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"labelled datasets not found at {SHARED_DATA} (../shared/data beside the repo)")

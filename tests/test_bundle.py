@@ -32,11 +32,6 @@ from distill.corpus import read_corpus
 
 
 @pytest.fixture(scope="module")
-def encoder() -> Encoder:
-    return Encoder(threads=1)
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
     return write_training_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
 

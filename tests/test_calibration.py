@@ -69,11 +69,6 @@ def calibrate(bundle: Bundle, corpus: Path, store_path: Path, encoder: Encoder, 
 
 
 @pytest.fixture(scope="module")
-def encoder() -> Encoder:
-    return Encoder(threads=1)
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
     return write_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
 

@@ -29,17 +29,17 @@ def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path]) -> Bundle:
-    return train(*inputs, tmp_path_factory.mktemp("trained"), Encoder(threads=1),
-                 shared_cache_dir(tmp_path_factory))
+def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path], encoder: Encoder
+            ) -> Bundle:
+    return train(*inputs, tmp_path_factory.mktemp("trained"), encoder, shared_cache_dir(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")
-def budget(tmp_path_factory: pytest.TempPathFactory, trained: Bundle, inputs: tuple[Path, Path]
-           ) -> tuple[CalibrationResult, Path]:
+def budget(tmp_path_factory: pytest.TempPathFactory, trained: Bundle, inputs: tuple[Path, Path],
+           encoder: Encoder) -> tuple[CalibrationResult, Path]:
     """A budget-mode calibration and its report: (result, report folder)."""
     bundle = copy_bundle(trained, tmp_path_factory.mktemp("budget"))
-    result = calibrate(bundle, *inputs, Encoder(threads=1), escalation_fraction=0.25)
+    result = calibrate(bundle, *inputs, encoder, escalation_fraction=0.25)
     report = tmp_path_factory.mktemp("report")
     assert write_report(result, Bundle.load(bundle.directory), report) == report / "report.html"
     return result, report

@@ -38,11 +38,12 @@ HEADED = ("spam", "topic")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path, Bundle]:
+def trained(tmp_path_factory: pytest.TempPathFactory, shared_data: Path, encoder: Encoder
+            ) -> tuple[Path, Path, Bundle]:
     """(corpus, store, bundle) of the 600 gold-labelled SMS and AG News items of test_train."""
     root = tmp_path_factory.mktemp("router")
     corpus, store = write_training_inputs(root, shared_data)
-    bundle = train(corpus, store, root / "bundle", Encoder(threads=1), shared_cache_dir(tmp_path_factory))
+    bundle = train(corpus, store, root / "bundle", encoder, shared_cache_dir(tmp_path_factory))
     return corpus, store, bundle
 
 

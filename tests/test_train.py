@@ -88,11 +88,6 @@ def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple
 
 
 @pytest.fixture(scope="module")
-def encoder() -> Encoder:
-    return Encoder(threads=1)
-
-
-@pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_cache_dir(tmp_path_factory)
 
