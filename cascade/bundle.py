@@ -10,13 +10,11 @@ thresholds calibrated for one model say nothing about another.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -35,8 +33,10 @@ from pydantic import (
 
 from cascade.encoder import EncoderFiles
 from cascade.errors import CascadeError, ModelError
+from cascade.hashing import file_sha256
 from cascade.heads import SoftmaxHead, load_heads
 from cascade.ngrams import NgramFeatures
+from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
 
@@ -47,32 +47,10 @@ NGRAMS_NAME = "ngrams.npz"
 SPLIT_NAME = "split.json"
 
 _QUESTIONS = TypeAdapter(dict[str, Question])
-_HASHES: dict[tuple[str, int, int], str] = {}
-_RACY_SECONDS = 2.0
 
 
 class BundleError(CascadeError, ValueError):
     """A bundle cannot be loaded as it is: missing or changed files, or an unknown schema."""
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, cached in-process by (path, size, mtime): a 2.5 GB GGUF takes seconds.
-
-    A file modified within the last ``_RACY_SECONDS`` is not cached: a second write in the same
-    mtime tick (coarse on many file systems) would otherwise keep its old hash, as in racy git.
-    """
-    resolved = Path(path).resolve()
-    stat = resolved.stat()
-    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
-    if key in _HASHES:
-        return _HASHES[key]
-    digest = hashlib.sha256()
-    with resolved.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    if time.time() - stat.st_mtime > _RACY_SECONDS:
-        _HASHES[key] = digest.hexdigest()
-    return digest.hexdigest()
 
 
 class _Strict(BaseModel):
@@ -169,6 +147,11 @@ class GgufTier(_Strict):
     n_ctx: int = Field(default=4096, ge=1)
     permutations: int = Field(default=1, ge=1)
     template: Literal["auto", "chat", "plain"] = "auto"
+    placement: Placement = Placement()  # where it runs by default; Cascade.load may override it
+
+    def default_placement(self) -> Placement:
+        """The bundle's placement for this tier, with its certified context size."""
+        return self.placement.over(Placement(n_ctx=self.n_ctx))
 
 
 class ExternalTier(_Strict):

@@ -18,6 +18,7 @@ import llama_cpp
 import numpy as np
 
 from cascade.errors import ModelError
+from cascade.placement import ExtraBuffers, check_gpu_layers, system_info, use_extra_buffers
 
 _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
 _BACKEND_READY = False
@@ -48,14 +49,20 @@ def default_gguf_path() -> Path:
 class LlamaModel:
     """A loaded GGUF model and its vocabulary."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0,
+                 extra_buffers: ExtraBuffers | None = None) -> None:
+        """``extra_buffers``: llama.cpp's extra weight buffer types (cascade.placement)."""
         self.path = Path(path)
         self._model = None
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}; pass the path of a .gguf file")
+        check_gpu_layers(n_gpu_layers)
         _init_backend()
+        self.extra_buffers, self.extra_buffers_reason = use_extra_buffers(extra_buffers, system_info())
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = self.extra_buffers
+        self.gpu_layers = n_gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise ModelError(
@@ -65,6 +72,7 @@ class LlamaModel:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self._model)
+        self.n_layer: int = llama_cpp.llama_model_n_layer(self._model)
 
     def close(self) -> None:
         if self._model:
@@ -166,6 +174,7 @@ class LlamaContext:
         params.n_outputs_max = config.n_seq_max
         params.kv_unified = True
         threads = config.n_threads or os.cpu_count() or 1
+        self.threads = threads
         params.n_threads = threads
         params.n_threads_batch = threads
         self._ctx = llama_cpp.llama_init_from_model(model.handle, params)

@@ -146,6 +146,12 @@ class Routing(BaseModel):
     It is compared with ``raw_confidence``, the tier's top probability before temperature scaling
     (the answer's ``confidence`` is after it): thresholds are certified on raw scores.
     ``cost_ms`` is this answer's share of the predicted cost of every tier it went through.
+    ``input_cut`` says how the answering tier shortened the state (e.g. the encoder's token
+    limit), None when it read it whole. ``certified`` is False when the cascade escalates to
+    a teacher other than the one its thresholds were certified against (accepted explicitly):
+    its agreement target then says nothing about these answers. ``over_budget`` is True when the
+    budget could not pay for this answer and it was given anyway: no lower tier had an answer to
+    keep in its place (no head for the question, say), so it went up regardless.
     """
 
     tier: str
@@ -154,6 +160,9 @@ class Routing(BaseModel):
     raw_confidence: float
     calibrated: bool
     budget_limited: bool = False
+    input_cut: str | None = None
+    certified: bool = True
+    over_budget: bool = False
 
 
 class _AnswerBase(BaseModel):
@@ -362,13 +371,30 @@ class DecisionRequest(BaseModel):
         return value
 
 
+class TierUsage(BaseModel):
+    """One tier's part of a routed call about one state: the seconds the router predicted when it
+    chose what to ask (what a budget was charged) beside the seconds the tier took, so that the
+    prediction can be checked against what was spent."""
+
+    predicted_seconds: float = 0.0
+    seconds: float = 0.0
+
+
 class Usage(BaseModel):
-    """What a call cost: prefill is the cost, so tokens and passes are counted, not answers."""
+    """What a call cost: prefill is the cost, so tokens and passes are counted, not answers.
+
+    ``ran_on`` maps each model (a tier's name when routed, the GGUF's file name from a scorer)
+    to where it ran: device, GPU layers, threads, ONNX Runtime provider, and any setting the
+    machine changed from what was asked, so that nothing about the device is silent. ``tiers``
+    (routed calls only) holds each tier's predicted and measured seconds for the state.
+    """
 
     questions: int = 0
     prompt_tokens: int = 0  # tokens run through a model
     forward_passes: int = 0  # llama_decode calls
     seconds: float = 0.0
+    ran_on: dict[str, str] = {}
+    tiers: dict[str, TierUsage] = {}
 
 
 class DecisionResponse(BaseModel):

@@ -15,7 +15,6 @@ Nothing falls back from one path to another: the caller names the path.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,8 +25,10 @@ from typing import Literal
 import numpy as np
 
 from cascade.errors import InputTooLongError, ModelError, RequestError
+from cascade.hashing import file_sha256
 from cascade.llama import ContextConfig, LlamaContext, LlamaModel
 from cascade.orders import Order, balanced_orders, unpermute
+from cascade.placement import ExtraBuffers, Placement, say_once
 from cascade.prompts import (
     PROMPT_VERSION,
     PromptTemplate,
@@ -98,18 +99,35 @@ class Scorer:
         n_gpu_layers: int = 0,
         template: Literal["auto", "chat", "plain"] = "auto",
         chat_template: str | None = None,
+        extra_buffers: ExtraBuffers | None = None,
     ) -> None:
-        """``chat_template`` (Jinja text) replaces the one in the GGUF, e.g. for a file without one."""
+        """``chat_template`` (Jinja text) replaces the one in the GGUF, e.g. for a file without one.
+
+        ``n_gpu_layers`` and ``extra_buffers`` place the model (cascade.placement): GPU layers on a
+        build without GPU offload are refused, never run on the CPU in silence. An ``n_ctx`` beyond
+        the model's trained context is lowered to it, said once and recorded in :attr:`ran_on`.
+        """
         if max_branches < 1:
             raise RequestError(f"max_branches must be at least 1; got {max_branches}")
-        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers)
+        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers, extra_buffers=extra_buffers)
+        self.n_ctx_note = ""
         if n_ctx > self.model.n_ctx_train > 0:
+            self.n_ctx_note = f"n_ctx {self.model.n_ctx_train}, the model's trained context ({n_ctx} asked)"
+            say_once(f"{self.model.path.name}: {self.n_ctx_note}")
             n_ctx = self.model.n_ctx_train
         self.template = self._choose_template(template, chat_template)
         self.ctx = LlamaContext(
             self.model, ContextConfig(n_ctx=n_ctx, n_seq_max=max_branches + 1, n_threads=n_threads)
         )
         self.letter_ids = self._letter_ids()
+
+    @classmethod
+    def placed(cls, model_path: str | Path, place: Placement, max_branches: int = 16,
+               template: Literal["auto", "chat", "plain"] = "auto") -> Scorer:
+        """A scorer where ``place`` says (fields left None: CPU, all cores, 4096 tokens)."""
+        return cls(model_path, n_ctx=place.n_ctx or 4096, max_branches=max_branches,
+                   n_threads=place.threads, n_gpu_layers=place.gpu_layers or 0, template=template,
+                   extra_buffers=place.extra_buffers)
 
     def _choose_template(self, template: str, override: str | None) -> PromptTemplate:
         chat = override or self.model.meta("tokenizer.chat_template")
@@ -150,13 +168,23 @@ class Scorer:
             raise ModelError(f"{self.model.path.name} maps two option letters to one token")
         return np.asarray(ids, dtype=np.int64)
 
-    @cached_property
+    @property
     def model_sha256(self) -> str:
-        digest = hashlib.sha256()
-        with self.model.path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(block)
-        return digest.hexdigest()
+        """The model file's sha256, hashed once per process (cascade.hashing), not per answer."""
+        return file_sha256(self.model.path)
+
+    @cached_property
+    def ran_on(self) -> str:
+        """Where this scorer runs, as each answer's usage records it."""
+        model = self.model
+        if model.gpu_layers:
+            place = f"gpu: {min(model.gpu_layers, model.n_layer + 1)} of {model.n_layer + 1} layers offloaded"
+        else:
+            place = "cpu"
+        buffers = "on" if model.extra_buffers else "off"
+        parts = [place, f"{self.ctx.threads} thread{'s' if self.ctx.threads != 1 else ''}",
+                 f"extra buffers {buffers} ({model.extra_buffers_reason})"]
+        return ", ".join(parts + ([self.n_ctx_note] if self.n_ctx_note else []))
 
     def close(self) -> None:
         self.ctx.close()
@@ -183,6 +211,7 @@ class Scorer:
             prompt_tokens=self.ctx.decoded_tokens - tokens,
             forward_passes=self.ctx.decode_calls - calls,
             seconds=time.perf_counter() - started,
+            ran_on={self.model.path.name: self.ran_on},
         )
         return DecisionResponse(answers=answers, usage=usage)
 
@@ -304,6 +333,7 @@ class Scorer:
             probs = np.mean([readings.probabilities[i] for i in picked], axis=0)
             readout = Readout(
                 model=self.model.path.name,
+                model_sha256=self.model_sha256,
                 prompt_version=PROMPT_VERSION,
                 prompt_hash=prompt_hash([branches[i].text for i in picked]),
                 letter_mass=float(np.mean([readings.letter_mass[i] for i in picked])),

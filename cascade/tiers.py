@@ -38,12 +38,19 @@ Answers = list[dict[str, np.ndarray]]
 
 @dataclass
 class Reply:
-    """A tier's answers with what they took: per item, the llama.cpp work and, from a readout
-    tier, how each answer was read (prompt hash, letter mass), so routed answers keep it."""
+    """A tier's answers with what they took: per item, the llama.cpp work, from a readout tier how
+    each answer was read (prompt hash, letter mass), and how the tier shortened the item's state
+    (None: read whole), so routed answers keep all of it."""
 
     answers: Answers
     usage: list[Usage]
     readouts: list[dict[str, Readout]]
+    cuts: list[str | None]
+
+    @classmethod
+    def empty(cls, n: int) -> Reply:
+        return cls([{} for _ in range(n)], [Usage() for _ in range(n)], [{} for _ in range(n)],
+                   [None] * n)
 
 
 class Tier(ABC):
@@ -51,13 +58,20 @@ class Tier(ABC):
 
     name: str
 
+    @property
+    def ran_on(self) -> str:
+        """Where this tier computes its answers, as every answer's usage records it."""
+        return "no model: recorded answers"
+
     @abstractmethod
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         """Distributions for the asked questions this tier can answer; the others are omitted."""
 
     def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
         """``answer`` with its usage and readouts; tiers without llama.cpp report none."""
-        return Reply(self.answer(items, asked, questions), [Usage() for _ in items], [{} for _ in items])
+        reply = Reply.empty(len(items))
+        reply.answers = self.answer(items, asked, questions)
+        return reply
 
 
 class HeadsTier(Tier):
@@ -82,18 +96,26 @@ class HeadsTier(Tier):
         self.cache = cache
         self.ngrams = ngrams
 
+    @property
+    def ran_on(self) -> str:
+        return self.encoder.ran_on
+
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
-        out: Answers = [{} for _ in items]
+        return self.reply(items, asked, questions).answers
+
+    def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
+        out = Reply.empty(len(items))
         wanted = [i for i, qids in enumerate(asked) if any(q in self.heads for q in qids)]
         if not wanted:
             return out
         texts = [render_state(items[i].state) for i in wanted]
         vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
         answers = self.stack.predict_proba(beside(vectors, self.ngrams, texts))
-        for row, i in enumerate(wanted):
+        for row, (i, cut) in enumerate(zip(wanted, self.encoder.cuts(texts), strict=True)):
+            out.cuts[i] = cut
             for qid in asked[i]:
                 if qid in answers:
-                    out[i][qid] = answers[qid][row]
+                    out.answers[i][qid] = answers[qid][row]
         return out
 
 
@@ -115,8 +137,12 @@ class ReadoutTier(Tier):
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         return self.reply(items, asked, questions).answers
 
+    @property
+    def ran_on(self) -> str:
+        return self.scorer.ran_on
+
     def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
-        out = Reply([{} for _ in items], [Usage() for _ in items], [{} for _ in items])
+        out = Reply.empty(len(items))
         for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
             if not qids:
                 continue
@@ -129,6 +155,7 @@ class ReadoutTier(Tier):
                 out.answers[i][qid] = np.asarray(list(ans.probabilities.values()))
                 if ans.readout is not None:
                     out.readouts[i][qid] = ans.readout
+                    out.cuts[i] = ans.readout.excerpt
         return out
 
 

@@ -32,6 +32,7 @@ from cascade.bundle import Bundle, BundleError, GgufTier, Manifest, ModelFile, f
 from cascade.encoder import Encoder
 from cascade.errors import CascadeError
 from cascade.llama import default_gguf_path
+from cascade.placement import ExtraBuffers, Placement
 from cascade.readout import Scorer
 from distill.calibration import CalibrationResult, calibrate_bundle
 from distill.corpus import count_items, load_questions
@@ -82,7 +83,10 @@ class DemoConfig:
     eval_items: int = DEFAULT_EVAL_ITEMS
     target: float = DEFAULT_TARGET
     delta: float = DEFAULT_DELTA
+    family_wise: bool = False
     threads: int | None = None
+    gpu_layers: int = 0
+    extra_buffers: ExtraBuffers | None = None
     gguf: Path | None = None
     corpus: Path | None = None
     questions: Path | None = None
@@ -202,11 +206,13 @@ def _calibrate(run: _Run, bundle: Bundle, encoder: Encoder, tier: str, gguf: Pat
     run.say(f"[5/7] calibrating thresholds for {config.target:.0%} agreement with the teacher at "
             f"{1 - config.delta:.0%} confidence on {items} calibration items (each scored by {tier})")
     scorer = Scorer(gguf, n_ctx=GEMMA_N_CTX, max_branches=len(bundle.manifest.questions),
-                    n_threads=config.threads or os.cpu_count())
+                    n_threads=config.threads or os.cpu_count(), n_gpu_layers=config.gpu_layers,
+                    extra_buffers=config.extra_buffers)
     try:
         with run.timed("calibrate"):
             return calibrate_bundle(bundle, run.inputs.corpus, run.store, target=config.target,
-                                    delta=config.delta, progress=config.progress, encoder=encoder,
+                                    delta=config.delta, family_wise=config.family_wise,
+                                    progress=config.progress, encoder=encoder,
                                     scorers={tier: scorer})
     finally:
         scorer.close()
@@ -233,7 +239,11 @@ def _evaluate(run: _Run) -> Evaluation:
     items = len(Bundle.load(run.bundle_dir, verify=False).split_ids()["evaluation"])
     run.say(f"[7/7] routing the {items} evaluation items through the cascade: the encoder answers "
             "what it is sure of, the GGUF tier what it escalates, the teacher's recorded labels the rest")
-    return evaluate_bundle(run.bundle_dir, run.inputs.corpus, run.store, progress=run.config.progress)
+    config = run.config
+    place = Placement(gpu_layers=config.gpu_layers, threads=config.threads,
+                      extra_buffers=config.extra_buffers)
+    return evaluate_bundle(run.bundle_dir, run.inputs.corpus, run.store, progress=config.progress,
+                           placement=place)
 
 
 def _check_config(config: DemoConfig) -> None:
@@ -323,7 +333,7 @@ def _fingerprint(run: _Run, encoder: Encoder, gguf: Path) -> str:
         "questions": file_sha256(inputs.questions), "teacher": inputs.teacher.model_dump(),
         "encoder": encoder.sha256, "max_length": encoder.max_length, "gguf": file_sha256(gguf),
         "n_ctx": GEMMA_N_CTX, "fractions": dict(run.fractions), "target": config.target,
-        "delta": config.delta,
+        "delta": config.delta, "family_wise": config.family_wise,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 

@@ -10,7 +10,7 @@ answers), so a replay runs no teacher and agrees with it on every escalated ques
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,11 @@ from tqdm import tqdm
 from cascade.bundle import Bundle, Manifest
 from cascade.encoder import Device
 from cascade.errors import CascadeError
+from cascade.placement import Placements
 from cascade.questions import Answer, DecisionResponse, Routing
 from cascade.router import Budget, Cascade
 from cascade.tiers import Item
-from distill.corpus import read_corpus
+from distill.corpus import BadLine, CorpusItem, OnError, read_corpus
 from distill.store import LabelStore
 
 EVALUATION = "evaluation"
@@ -38,6 +39,15 @@ class EvaluationError(CascadeError, ValueError):
 class TierShare(BaseModel):
     name: str
     share: float
+
+
+class TierSpend(BaseModel):
+    """One tier over the evaluation: the seconds the router predicted for what it asked the tier
+    (what a budget is charged) beside the seconds the tier took here, to check the prediction."""
+
+    name: str
+    predicted_seconds: float
+    spent_seconds: float
 
 
 class QuestionEvaluation(BaseModel):
@@ -65,6 +75,8 @@ class Evaluation(BaseModel):
     budget_limited: float
     tiers: list[TierShare]
     questions: dict[str, QuestionEvaluation]
+    spend: list[TierSpend] = []
+    over_budget: float = 0.0
 
 
 def evaluate_bundle(
@@ -78,22 +90,28 @@ def evaluate_bundle(
     batch_items: int = BATCH_ITEMS,
     progress: bool = True,
     cache_dir: Path | None = None,
+    placement: Placements = None,
+    on_error: OnError = "stop",
+    on_bad: Callable[[BadLine], None] | None = None,
 ) -> Evaluation:
     """Route every evaluation item of the corpus through the bundle, asking the questions the
     store has a teacher label for; the budget applies to each batch of ``batch_items``.
 
     ``text_field`` defaults to the one the bundle was trained with. ``cache_dir``: the embedding
     cache training filled (it embedded these items already), so the encoder tier looks them up.
+    ``placement``: where GGUF middle tiers run (cascade.placement). A bad corpus line stops
+    the run, or with ``on_error="skip"`` goes to ``on_bad``, as ``read_corpus`` does.
     """
     bundle = Bundle.load(Path(bundle_dir))
     manifest = bundle.manifest
     _check_teacher(manifest, store)
     labels = {qid: store.labels(qid) for qid in manifest.questions}
     field = text_field or manifest.training.get("text_field", "text")
-    items, asked = _evaluation_items(bundle, Path(corpus_path), field, labels)
+    lines = read_corpus(Path(corpus_path), field, on_error, on_bad)
+    items, asked = _evaluation_items(bundle, lines, Path(corpus_path), labels)
     budget = budget if budget is not None else Budget()
     cascade = Cascade.load(bundle.directory, labels=labels, device=device,
-                           flops_per_second=flops_per_second, cache_dir=cache_dir)
+                           flops_per_second=flops_per_second, cache_dir=cache_dir, placement=placement)
     top = manifest.tiers[-1].name
     responses: list[DecisionResponse] = []
     teacher_seconds = 0.0
@@ -115,12 +133,12 @@ def _check_teacher(manifest: Manifest, store: LabelStore) -> None:
 
 
 def _evaluation_items(
-    bundle: Bundle, corpus: Path, field: str, labels: Mapping[str, Mapping[str, Any]]
+    bundle: Bundle, lines: Iterable[CorpusItem], corpus: Path, labels: Mapping[str, Mapping[str, Any]]
 ) -> tuple[list[Item], list[list[str]]]:
     """Corpus items of the bundle's evaluation part, each with the questions it has labels for."""
     wanted = set(bundle.split_ids().get(EVALUATION, []))
     items, asked = [], []
-    for row in read_corpus(corpus, field):
+    for row in lines:
         qids = [qid for qid, by_item in labels.items() if row.id in by_item]
         if row.id in wanted and qids:
             items.append(Item(row.id, row.state))
@@ -164,6 +182,8 @@ def _summarise(
             per_question[qid].append((_agrees(answer, labels[qid][item.id]), routing.tier,
                                       routing.budget_limited))
     everything = [row for rows in per_question.values() for row in rows]
+    over = [answer.routing.over_budget for r in responses for answer in r.answers.values()
+            if answer.routing is not None]
     return Evaluation(
         bundle=str(Path(directory).resolve()),
         items=len(items),
@@ -177,7 +197,18 @@ def _summarise(
         tiers=_shares(tier_names, everything),
         questions={qid: _question(manifest, qid, rows, tier_names)
                    for qid, rows in per_question.items() if rows},
+        spend=_spend(tier_names, responses),
+        over_budget=_mean(over),
     )
+
+
+def _spend(tier_names: list[str], responses: Sequence[DecisionResponse]) -> list[TierSpend]:
+    """Per tier, predicted and measured seconds summed over every state it was asked about."""
+    rows = [r.usage.tiers for r in responses]
+    return [TierSpend(name=name,
+                      predicted_seconds=sum(t[name].predicted_seconds for t in rows if name in t),
+                      spent_seconds=sum(t[name].seconds for t in rows if name in t))
+            for name in tier_names]
 
 
 def _routing(answer: Answer, item: str, qid: str) -> Routing:
@@ -232,4 +263,19 @@ def format_evaluation(evaluation: Evaluation) -> str:
     lines.append(f"{evaluation.items} evaluation items; predicted cost {evaluation.cascade_seconds:.3g} s "
                  f"vs teacher alone {evaluation.teacher_seconds:.3g} s: cost ratio "
                  f"{evaluation.cost_ratio:.3f}")
-    return "\n".join(lines)
+    if evaluation.over_budget > 0:
+        lines.append(f"over budget: {evaluation.over_budget:.1%} of answers went up although the "
+                     "budget could not pay (no lower tier had an answer to keep)")
+    return "\n".join([*lines, "", *_spend_lines(evaluation.spend)])
+
+
+def _spend_lines(spend: Sequence[TierSpend]) -> list[str]:
+    """Predicted against spent seconds per tier, with why the two may differ by design."""
+    rows = [("tier", "predicted s", "spent s")]
+    rows += [(t.name, f"{t.predicted_seconds:.3g}", f"{t.spent_seconds:.3g}") for t in spend]
+    widths = [max(len(row[c]) for row in rows) for c in range(3)]
+    lines = ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines.append("spent: measured on this machine; the top tier replays the teacher's recorded "
+                 "labels and cached embeddings are looked up, so their spent seconds are not their cost")
+    return lines

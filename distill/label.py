@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel
 from tqdm import tqdm
 
-from cascade.errors import InputTooLongError, RequestError
+from cascade.errors import InputTooLongError, ModelError, RequestError
+from cascade.hashing import file_sha256
+from cascade.placement import ExtraBuffers
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import DecisionRequest, Question
 from cascade.readout import HeadTailExcerpt, Scorer
@@ -25,6 +28,14 @@ from distill.corpus import BadLine, CorpusItem, OnError, check_on_error, count_i
 from distill.store import LabelStore, StoreMismatchError, Teacher
 
 MAX_BRANCHES = 64
+
+
+@dataclass(frozen=True)
+class ItemLabels:
+    """One item's teacher labels and the sha256 of each question's prompt, not yet stored."""
+
+    labels: dict[str, dict[str, float]]
+    hashes: dict[str, str]
 
 
 class LabelSummary(BaseModel):
@@ -46,16 +57,27 @@ def open_teacher(
     n_ctx: int = 4096,
     n_gpu_layers: int = 0,
     n_threads: int | None = None,
+    extra_buffers: ExtraBuffers | None = None,
 ) -> Scorer:
     """A scorer with one branch slot per (question, option order): one decode reads them all."""
     branches = max(1, min(MAX_BRANCHES, len(questions) * permutations))
     return Scorer(model_path, n_ctx=n_ctx, max_branches=branches, n_threads=n_threads,
-                  n_gpu_layers=n_gpu_layers)
+                  n_gpu_layers=n_gpu_layers, extra_buffers=extra_buffers)
 
 
 def teacher_of(scorer: Scorer) -> Teacher:
     """The store identity of a scorer's labels: its model file, pinned by sha256, and prompt."""
     return Teacher(kind="gguf", model=scorer.model.path.name, model_sha256=scorer.model_sha256,
+                   prompt_version=PROMPT_VERSION)
+
+
+def teacher_of_file(model_path: str | Path) -> Teacher:
+    """``teacher_of`` a scorer of this file, without loading it: for a driver that only writes
+    the store while the model runs elsewhere (on Ray actors)."""
+    path = Path(model_path)
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}; pass the path of a .gguf file")
+    return Teacher(kind="gguf", model=path.name, model_sha256=file_sha256(path),
                    prompt_version=PROMPT_VERSION)
 
 
@@ -101,8 +123,7 @@ def label_corpus(
                 summary.labelled += 1
                 bar.update()
             elif on_error == "stop":
-                raise InputTooLongError(f"{failed} (--on-error skip / on_error='skip' reports "
-                                        "over-long items and goes on)")
+                raise too_long_error(failed)
             else:
                 bad(failed)
     except KeyboardInterrupt:
@@ -121,11 +142,7 @@ def _check_arguments(
     on_error: str,
     permutations: int,
 ) -> None:
-    check_on_error(on_error)
-    if not questions:
-        raise RequestError("questions: is empty; ask at least one question")
-    if isinstance(permutations, bool) or not isinstance(permutations, int) or permutations < 1:
-        raise RequestError(f"permutations must be a whole number >= 1; got {permutations!r}")
+    check_label_options(questions, on_error, permutations)
     teacher = teacher_of(scorer)
     if store.teacher != teacher:
         raise StoreMismatchError(
@@ -133,6 +150,15 @@ def _check_arguments(
             f"{teacher}; open the store with LabelStore(path, teacher_of(scorer)), or use a new "
             "store path for this teacher's labels"
         )
+
+
+def check_label_options(questions: Mapping[str, Question], on_error: str, permutations: int) -> None:
+    """The options every labelling driver takes, checked before any model is opened."""
+    check_on_error(on_error)
+    if not questions:
+        raise RequestError("questions: is empty; ask at least one question")
+    if isinstance(permutations, bool) or not isinstance(permutations, int) or permutations < 1:
+        raise RequestError(f"permutations must be a whole number >= 1; got {permutations!r}")
 
 
 def _label_item(
@@ -144,8 +170,28 @@ def _label_item(
     excerpt: HeadTailExcerpt | None,
     corpus_path: Path,
 ) -> BadLine | None:
-    """Score one item (fan-out: one prefill, all questions in one decode) and commit its labels."""
-    request = DecisionRequest(state=item.state, questions=questions)
+    """Score one item and commit its labels in one transaction; an over-long one is returned."""
+    scored = score_item(scorer, item, questions, permutations, excerpt, corpus_path)
+    if isinstance(scored, BadLine):
+        return scored
+    store.put_item(item.id, scored.labels, scored.hashes)
+    return None
+
+
+def score_item(
+    scorer: Scorer,
+    item: CorpusItem,
+    questions: Mapping[str, Question],
+    permutations: int,
+    excerpt: HeadTailExcerpt | None,
+    corpus_path: Path,
+) -> ItemLabels | BadLine:
+    """One item's labels (fan-out: one prefill, all questions in one decode), or why it has none.
+
+    Apart from writing, so that every labelling driver (this module's loop, distill.label_ray's
+    Ray actors) scores an item the same way and only the store's single writer commits it.
+    """
+    request = DecisionRequest(state=item.state, questions=dict(questions))
     try:
         response = scorer.score(request, path="fanout", permutations=permutations, excerpt=excerpt)
     except InputTooLongError as exc:
@@ -153,5 +199,10 @@ def _label_item(
                        message=f"item {item.id!r} is too long: {exc}")
     labels = {qid: answer.probabilities for qid, answer in response.answers.items()}
     hashes = {qid: a.readout.prompt_hash for qid, a in response.answers.items() if a.readout}
-    store.put_item(item.id, labels, hashes)
-    return None
+    return ItemLabels(labels=labels, hashes=hashes)
+
+
+def too_long_error(failed: BadLine) -> InputTooLongError:
+    """The stop-mode error for an over-long item, with the way to go on past it."""
+    return InputTooLongError(f"{failed} (--on-error skip / on_error='skip' reports over-long items "
+                             "and goes on)")

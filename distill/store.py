@@ -244,6 +244,22 @@ class LabelStore:
         self.close()
 
 
+@contextmanager
+def removed_on_failure(path: Path) -> Iterator[None]:
+    """Delete the store at ``path`` again if the block fails and the store did not exist before
+    it: a first import that fails must not leave an empty store behind, which a later run would
+    take for this teacher's (or refuse as another teacher's). Close the store inside the block."""
+    path = Path(path)
+    created = not path.exists()
+    try:
+        yield
+    except BaseException:
+        if created:
+            for leftover in (path, *(path.with_name(path.name + end) for end in ("-wal", "-shm"))):
+                leftover.unlink(missing_ok=True)
+        raise
+
+
 def _connect(path: Path, read_only: bool) -> sqlite3.Connection:
     uri = f"{path.resolve().as_uri()}?mode={'ro' if read_only else 'rwc'}"
     try:

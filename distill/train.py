@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -41,9 +41,10 @@ from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.heads import Matrix, SoftmaxHead, save_heads
 from cascade.ngrams import NgramFeatures, beside
+from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION, render_state
 from cascade.questions import Question
-from distill.corpus import read_corpus
+from distill.corpus import BadLine, CorpusItem, OnError, read_corpus
 from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
 from distill.store import LabelStore, Teacher
 
@@ -75,20 +76,27 @@ def train_bundle(
     cache_dir: Path | None = None,
     progress: bool = True,
     teacher_model: Path | None = None,
+    teacher_placement: Placement | None = None,
     ngrams: bool = True,
+    on_error: OnError = "stop",
+    on_bad: Callable[[BadLine], None] | None = None,
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
 
     A question with fewer than MIN_TRAIN_LABELS train labels, or only one answer among them,
     gets no head; the manifest says why, and the router starts it at the next tier. A GGUF
     teacher must be given as ``teacher_model`` (the store knows only its name and sha256) so
-    that the bundle can pin the file its top tier runs.
+    that the bundle can pin the file its top tier runs; ``teacher_placement`` is recorded as that
+    tier's default placement (GPU layers, threads), which a router may override. A bad corpus
+    line stops training, or with ``on_error="skip"`` goes to ``on_bad`` and its item is left out,
+    as ``read_corpus`` does.
     """
     fractions = check_fractions(fractions)
     _check_arguments(questions, C)
-    top = _top_tier(store.teacher, teacher_model)
+    top = _top_tier(store.teacher, teacher_model, teacher_placement)
     labels = {qid: store.labels(qid) for qid in questions}
-    texts = _labelled_texts(Path(corpus_path), text_field, labels, store.path)
+    lines = read_corpus(Path(corpus_path), text_field, on_error, on_bad)
+    texts = _labelled_texts(lines, Path(corpus_path), labels, store.path)
     encoder = encoder if encoder is not None else Encoder()
     cache = EmbeddingCache(Path(cache_dir) if cache_dir else default_cache_dir(), encoder)
     vectors = dict(zip(texts, cache.encode(list(texts.values()), progress=progress), strict=True))
@@ -142,7 +150,7 @@ def _check_arguments(questions: Mapping[str, Question], C: float) -> None:
         raise TrainError(f"C (inverse regularisation strength) must be a number > 0; got {C!r}")
 
 
-def _top_tier(teacher: Teacher, model: Path | None) -> Tier:
+def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None) -> Tier:
     """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only."""
     if teacher.kind == "external":
         return ExternalTier(name=TEACHER_TIER, labels=teacher.model)
@@ -161,16 +169,15 @@ def _top_tier(teacher: Teacher, model: Path | None) -> Tier:
         raise TrainError(f"teacher_model {model} has sha256 {pinned.sha256}, but the store's labels "
                          f"were made by {teacher.model!r} with sha256 {teacher.model_sha256}; "
                          "give that file")
-    return GgufTier(name=TEACHER_TIER, model=pinned)
+    return GgufTier(name=TEACHER_TIER, model=pinned, placement=placement or Placement())
 
 
 def _labelled_texts(
-    corpus: Path, text_field: str, labels: Mapping[str, Labels], store_path: Path
+    lines: Iterable[CorpusItem], corpus: Path, labels: Mapping[str, Labels], store_path: Path
 ) -> dict[str, str]:
     """item id -> state text, for the corpus items the store has a label of for any question."""
     wanted = set().union(*(set(by_item) for by_item in labels.values()))
-    texts = {item.id: render_state(item.state) for item in read_corpus(corpus, text_field)
-             if item.id in wanted}
+    texts = {item.id: render_state(item.state) for item in lines if item.id in wanted}
     if not texts:
         raise TrainError(f"no item of {corpus} has a teacher label in {store_path} for the "
                          f"questions {sorted(labels)} ({len(wanted)} labelled ids, none in the "

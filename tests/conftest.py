@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
@@ -36,7 +34,24 @@ def encoder() -> object:
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"labelled datasets not found at {SHARED_DATA} (../shared/data beside the repo)")
-    return SHARED_DATA
+def embedding_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One embedding cache for the session, so that the labelled corpus is embedded once."""
+    return tmp_path_factory.mktemp("embedding-cache")
+
+
+@pytest.fixture(scope="session")
+def labelled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(corpus, label store) of the generated corpus in ``corpora``, made once per session."""
+    from corpora import write_training_inputs
+
+    return write_training_inputs(tmp_path_factory.mktemp("labelled"))
+
+
+@pytest.fixture(scope="session")
+def trained_bundle(tmp_path_factory: pytest.TempPathFactory, labelled: tuple[Path, Path],
+                   encoder: object, embedding_cache: Path) -> object:
+    """The encoder tier trained on ``labelled``; tests that change a bundle change a copy."""
+    from corpora import train
+
+    directory = tmp_path_factory.mktemp("trained")
+    return train(*labelled, directory, encoder, embedding_cache)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train import shared_cache_dir, train, write_training_inputs
+from corpora import HEADED
 
 from cascade.bundle import (
     HEADS_NAME,
@@ -31,24 +31,19 @@ from cascade.prompts import render_state
 from distill.corpus import read_corpus
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
-    return write_training_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
+@pytest.fixture
+def trained(trained_bundle: Bundle) -> Bundle:
+    """The session's trained bundle: tests read it, and damage only a ``copy``."""
+    return trained_bundle
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path], encoder: Encoder) -> Bundle:
-    return train(*inputs, tmp_path_factory.mktemp("bundle"), encoder, shared_cache_dir(tmp_path_factory))
-
-
-@pytest.fixture(scope="module")
-def features(
-    inputs: tuple[Path, Path], encoder: Encoder, trained: Bundle, tmp_path_factory: pytest.TempPathFactory
-) -> Matrix:
+@pytest.fixture
+def features(labelled: tuple[Path, Path], encoder: Encoder, trained: Bundle, embedding_cache: Path
+             ) -> Matrix:
     """What the heads read of every corpus text: its embedding (from the cache training filled)
     with its n-grams beside it."""
-    texts = [render_state(item.state) for item in read_corpus(inputs[0])]
-    vectors = EmbeddingCache(shared_cache_dir(tmp_path_factory), encoder).encode(texts)
+    texts = [render_state(item.state) for item in read_corpus(labelled[0])]
+    vectors = EmbeddingCache(embedding_cache, encoder).encode(texts)
     return beside(vectors, trained.ngrams, texts)
 
 
@@ -67,7 +62,7 @@ def edit_manifest(directory: Path, change: Callable[[dict], None]) -> None:
 def test_bundle_round_trips(trained: Bundle, features: Matrix) -> None:
     loaded = Bundle.load(trained.directory)
     assert loaded.manifest == trained.manifest
-    assert set(loaded.heads) == set(trained.heads) == {"spam", "topic"}
+    assert set(loaded.heads) == set(trained.heads) == set(HEADED)
     for qid, head in trained.heads.items():
         np.testing.assert_allclose(loaded.heads[qid].predict_proba(features),
                                    head.predict_proba(features), rtol=0, atol=1e-6)
@@ -86,7 +81,7 @@ def test_save_into_another_folder_copies_the_bundle_files(trained: Bundle, tmp_p
 def test_loading_runs_no_pickle(trained: Bundle, copy: Path) -> None:
     with np.load(trained.directory / HEADS_NAME, allow_pickle=False) as archive:
         assert all(not archive[key].dtype.hasobject for key in archive.files)
-    np.savez(copy / HEADS_NAME, allow_pickle=True, **{"spam/coef": np.array([{"x": 1}], dtype=object)})
+    np.savez(copy / HEADS_NAME, allow_pickle=True, **{"urgent/coef": np.array([{"x": 1}], dtype=object)})
     edit_manifest(copy, lambda m: m["tiers"][0]["heads_file"].update(sha256=file_sha256(copy / HEADS_NAME)))
     with pytest.raises(BundleError, match=r"cannot read heads file .*allow_pickle=False.*re-train"):
         Bundle.load(copy)
@@ -142,10 +137,10 @@ CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
      r"schema_version '1' is not a bundle schema version \(this cascade reads 1\)"),
     (lambda d: edit_manifest(d, lambda m: m.update(owner="me")),
      r"not a valid bundle manifest:\n  owner: Extra inputs are not permitted"),
-    (lambda d: edit_manifest(d, lambda m: m["thresholds"]["spam"].update(teacher=0.9)),
-     r"thresholds\['spam'\]\['teacher'\]: unknown tier; allowed: \['encoder'\]"),
-    (lambda d: edit_manifest(d, lambda m: m["thresholds"]["spam"].update(encoder=1.5)),
-     r"thresholds\['spam'\]\['encoder'\]: invalid value 1.5"),
+    (lambda d: edit_manifest(d, lambda m: m["thresholds"]["urgent"].update(teacher=0.9)),
+     r"thresholds\['urgent'\]\['teacher'\]: unknown tier; allowed: \['encoder'\]"),
+    (lambda d: edit_manifest(d, lambda m: m["thresholds"]["urgent"].update(encoder=1.5)),
+     r"thresholds\['urgent'\]\['encoder'\]: invalid value 1.5"),
     (lambda d: edit_manifest(d, lambda m: m["tiers"].reverse()),
      r"only the first tier may be an encoder tier"),
     (lambda d: (d / MANIFEST_NAME).unlink(), r"no bundle at .*: manifest.json not found"),
@@ -158,11 +153,12 @@ def test_damaged_bundles_are_refused(copy: Path, damage: Callable[[Path], None],
 
 
 def test_heads_file_must_hold_the_heads_the_manifest_names(copy: Path) -> None:
-    def drop_spam_head(m: dict) -> None:
-        m["tiers"][0]["heads"]["spam"]["skipped"] = "dropped by hand"
+    def drop_urgent_head(m: dict) -> None:
+        m["tiers"][0]["heads"]["urgent"]["skipped"] = "dropped by hand"
 
-    edit_manifest(copy, drop_spam_head)
-    with pytest.raises(BundleError, match=r"heads for \['spam', 'topic'\]; the manifest expects \['topic'\]"):
+    edit_manifest(copy, drop_urgent_head)
+    with pytest.raises(BundleError,
+                       match=r"heads for \['department', 'urgent'\]; the manifest expects \['department'\]"):
         Bundle.load(copy)
 
 
@@ -170,7 +166,7 @@ def test_verify_false_skips_the_hash_checks(copy: Path) -> None:
     edit_manifest(copy, _repoint_encoder)
     bundle = Bundle.load(copy, verify=False)
     assert isinstance(bundle.manifest.tiers[0], EncoderTier)
-    assert set(bundle.heads) == {"spam", "topic"}
+    assert set(bundle.heads) == set(HEADED)
 
 
 def test_file_sha256_is_the_content_hash(trained: Bundle) -> None:

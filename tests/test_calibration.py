@@ -1,18 +1,17 @@
-"""Calibrating a real bundle: SMS spam and AG News with gold labels standing in for the teacher.
+"""Calibrating a real bundle: the session's, trained on the generated corpus of ``corpora``,
+whose labels stand in for the teacher.
 
-Other test modules build their calibrated bundle with ``write_inputs`` and ``copy_bundle``: a
-calibration rewrites its bundle, so every test calibrates a copy of the module's trained one.
+A calibration rewrites its bundle, so every test calibrates a ``copy_bundle`` of the trained one.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_train import GOLD, QUESTIONS, _write_jsonl, gold_rows, shared_cache_dir, train
+from corpora import HEADED, copy_bundle, read_jsonl, write_jsonl, write_training_inputs
 from tinymodels import silence_llama_logs, tiny_llama_path
 
 from cascade.bundle import Bundle, GgufTier, Manifest, ModelFile
@@ -26,39 +25,11 @@ from distill.calibration import (
     calibrate_bundle,
     in_temperature_part,
 )
-from distill.store import LabelStore, Teacher, import_labels
+from distill.store import LabelStore, Teacher
 
-N_SPAM, N_HAM, N_NEWS, N_RARE = 50, 100, 150, 8
 TARGET = 0.85
 FLOPS = 1e11
 """A fixed CPU throughput, so that no test spends a second measuring one."""
-
-
-def write_inputs(root: Path, data: Path, flip: set[str] | None = None) -> tuple[Path, Path]:
-    """A 300-item corpus and a store of its gold labels: (corpus, store).
-
-    "rare" has too few labels for a head and "urgent" none. Items in ``flip`` get a wrong label
-    (spam negated, topic moved to the next option), to show which labels a calibration reads.
-    """
-    flip = flip or set()
-    sms, news = gold_rows(data)
-    sms = [r for r in sms if r["label"] == "spam"][:N_SPAM] + [r for r in sms if r["label"] == "ham"][:N_HAM]
-    news = news[:N_NEWS]
-    topics = QUESTIONS["topic"].option_keys()
-    corpus = _write_jsonl(root / "corpus.jsonl", [{"id": r["id"], "text": r["text"]} for r in sms + news])
-    labels = [{"id": r["id"], "question": "spam", "answer": (r["label"] == "spam") != (r["id"] in flip)}
-              for r in sms]
-    labels += [{"id": r["id"], "question": "topic",
-                "answer": topics[(topics.index(r["label_name"]) + (r["id"] in flip)) % len(topics)]}
-               for r in news]
-    labels += [{"id": r["id"], "question": "rare", "answer": True} for r in news[:N_RARE]]
-    with LabelStore(root / "labels.sqlite", GOLD) as store:
-        import_labels(store, _write_jsonl(root / "gold.jsonl", labels), QUESTIONS)
-    return corpus, root / "labels.sqlite"
-
-
-def copy_bundle(bundle: Bundle, directory: Path) -> Bundle:
-    return Bundle(bundle.manifest, bundle.directory).save(directory)
 
 
 def calibrate(bundle: Bundle, corpus: Path, store_path: Path, encoder: Encoder, **kwargs: object
@@ -69,14 +40,14 @@ def calibrate(bundle: Bundle, corpus: Path, store_path: Path, encoder: Encoder, 
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
-    return write_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
+def inputs(labelled: tuple[Path, Path]) -> tuple[Path, Path]:
+    return labelled
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path], encoder: Encoder
-            ) -> Bundle:
-    return train(*inputs, tmp_path_factory.mktemp("trained"), encoder, shared_cache_dir(tmp_path_factory))
+def trained(trained_bundle: Bundle) -> Bundle:
+    """The session's trained bundle: calibrated only as a copy, or refused before any change."""
+    return trained_bundle
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +65,7 @@ def test_thresholds_are_written_and_the_bundle_reloads(calibrated: tuple[Bundle,
                                                        ) -> None:
     bundle, result = calibrated
     manifest = Bundle.load(bundle.directory).manifest
-    for qid in ("spam", "topic"):
+    for qid in HEADED:
         fit = fit_of(result, qid)
         assert fit.reachable and fit.threshold is not None
         assert manifest.threshold(qid, "encoder") == fit.threshold
@@ -127,19 +98,21 @@ def test_questions_without_a_head_or_labels_stay_uncalibrated(
     manifest = Bundle.load(bundle.directory).manifest
     reasons = {s.question: s.reason for s in result.skipped}
     assert reasons["rare"].startswith("the tier does not answer this question (no head)")
-    assert reasons["urgent"].startswith("no calibration item has a teacher label")
-    assert manifest.threshold("rare", "encoder") is None and manifest.threshold("urgent", "encoder") is None
+    assert reasons["spam"].startswith("no calibration item has a teacher label")
+    assert manifest.threshold("rare", "encoder") is None and manifest.threshold("spam", "encoder") is None
     assert manifest.calibration["skipped"]["rare"]["encoder"] == reasons["rare"]
 
 
 def test_only_calibration_items_are_used(
-    calibrated: tuple[Bundle, CalibrationResult], trained: Bundle, encoder: Encoder,
-    shared_data: Path, tmp_path: Path
+    calibrated: tuple[Bundle, CalibrationResult], trained: Bundle, inputs: tuple[Path, Path],
+    encoder: Encoder, tmp_path: Path
 ) -> None:
     _, result = calibrated
     parts = trained.split_ids()
-    for qid, prefix in (("spam", "sms-"), ("topic", "agnews-")):
-        ids = [i for i in parts["calibration"] if i.startswith(prefix)]
+    with LabelStore.open_existing(inputs[1]) as store:
+        labelled = {qid: store.labels(qid) for qid in HEADED}
+    for qid in HEADED:
+        ids = [i for i in parts["calibration"] if i in labelled[qid]]
         fit = fit_of(result, qid)
         assert fit.n == len(ids) and sum(map(sum, fit.confusion)) == len(ids)
         assert fit.n_temperature == sum(map(in_temperature_part, ids))
@@ -147,9 +120,8 @@ def test_only_calibration_items_are_used(
         assert sum(fit.reliability_after["count"]) == fit.n - fit.n_temperature
     # wrong labels for every other item, and a corpus of calibration items only: same outcome
     others = set(parts["train"]) | set(parts["evaluation"])
-    corpus, store = write_inputs(tmp_path, shared_data, flip=others)
-    kept = [row for row in map(json.loads, corpus.read_text().splitlines()) if row["id"] not in others]
-    _write_jsonl(corpus, kept)
+    corpus, store = write_training_inputs(tmp_path, flip=others)
+    write_jsonl(corpus, [row for row in read_jsonl(corpus) if row["id"] not in others])
     again = calibrate(copy_bundle(trained, tmp_path / "b"), corpus, store, encoder, target=TARGET)
     facts = [f.model_dump(exclude={"message"}) for f in again.calibrations]
     assert facts == [f.model_dump(exclude={"message"}) for f in result.calibrations]
@@ -161,7 +133,7 @@ def test_an_unreachable_target_says_what_is_reachable(
     bundle = copy_bundle(trained, tmp_path / "b")
     result = calibrate(bundle, *inputs, encoder, target=0.9999)
     manifest = Bundle.load(bundle.directory).manifest
-    for qid in ("spam", "topic"):
+    for qid in HEADED:
         fit = fit_of(result, qid)
         assert (fit.threshold, fit.reachable, fit.kept_share) == (None, False, 0.0)
         match = re.match(r"target 0.9999 not reachable with (\d+) items: the best certifiable is "
@@ -179,7 +151,7 @@ def test_budget_mode_keeps_about_the_requested_share(
     bundle = copy_bundle(trained, tmp_path / "b")
     result = calibrate(bundle, *inputs, encoder, escalation_fraction=0.3)
     manifest = Bundle.load(bundle.directory).manifest
-    for qid in ("spam", "topic"):
+    for qid in HEADED:
         fit = fit_of(result, qid)
         assert (fit.method, fit.target) == ("budget", None)
         assert abs(fit.kept_share - 0.7) <= 1 / fit.n_threshold
@@ -210,20 +182,21 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
     assert result.tier_target == pytest.approx(1 - (1 - TARGET) / 2)
     assert result.tier_delta == pytest.approx(0.025)
     manifest = Bundle.load(bundle.directory).manifest
-    for qid in ("spam", "topic", "rare"):
+    for qid in (*HEADED, "rare"):
         fit = fit_of(result, qid, "small")
         assert (fit.target, fit.delta) == (result.tier_target, result.tier_delta)
         assert manifest.threshold(qid, "small") == fit.threshold
         shares = result.cascades[qid].answered_by
         assert set(shares) == {"encoder", "small", "teacher"}
         assert sum(shares.values()) == pytest.approx(1.0)
-    assert fit_of(result, "spam").target == result.tier_target
+    assert fit_of(result, "urgent").target == result.tier_target
     rare = fit_of(result, "rare", "small")
     assert rare.temperature == 1.0 and rare.temperature_note is not None
     assert rare.temperature_note.startswith(f"only {rare.n_temperature} items in the temperature part")
     cost = result.costs["small"]
-    assert cost.kind == "gguf" and cost.states == sum(fit_of(result, q, "small").n
-                                                      for q in ("spam", "topic"))
+    # one state per calibration item, whatever the number of its questions (the fan-out)
+    assert cost.kind == "gguf" and cost.states == result.items < sum(fit_of(result, q, "small").n
+                                                                     for q in HEADED)
     assert cost.tokens > cost.states and cost.seconds_per_token > 0
     assert set(manifest.calibration["costs"]) == {"encoder", "small"}
 
@@ -242,8 +215,8 @@ def test_a_corpus_without_the_calibration_items_is_refused(
     trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tmp_path: Path
 ) -> None:
     train_ids = set(trained.split_ids()["train"])
-    rows = [row for row in map(json.loads, inputs[0].read_text().splitlines()) if row["id"] in train_ids]
-    corpus = _write_jsonl(tmp_path / "train-only.jsonl", rows)
+    rows = [row for row in read_jsonl(inputs[0]) if row["id"] in train_ids]
+    corpus = write_jsonl(tmp_path / "train-only.jsonl", rows)
     with pytest.raises(CalibrationError, match=r"\d+ of the \d+ calibration items are not in corpus "
                        r".*train-only.jsonl \(for example '.*'\); give the corpus"):
         calibrate(trained, corpus, inputs[1], encoder)

@@ -4,12 +4,18 @@ traceback. Each case runs the real ``cascade`` console command in a subprocess."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from corpora import QUESTIONS_JSON, copy_bundle
+from test_router import variant
 from tinymodels import tiny_llama_path
+
+from cascade.bundle import Bundle
 
 CASCADE = [sys.executable, "-m", "cascade.cli"]
 
@@ -19,10 +25,11 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def assert_one_clear_line(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 2 and one ``Type: message`` line (after any progress bar or skipped lines)."""
     assert result.returncode == 2, result
     assert "Traceback" not in result.stderr
-    first = result.stderr.strip().splitlines()[0]
-    assert ": " in first, first
+    errors = [line for line in result.stderr.splitlines() if re.match(r"[A-Z]\w*Error: ", line)]
+    assert len(errors) == 1, result.stderr
     for needle in needles:
         assert needle in result.stderr, (needle, result.stderr)
 
@@ -120,3 +127,114 @@ def test_a_bundle_from_a_newer_schema(tmp_path: Path) -> None:
     result = run("decide", "--bundle", str(bundle), "--corpus", str(corpus),
                  "--out", str(tmp_path / "out.jsonl"))
     assert_one_clear_line(result, "BundleError", "newer than this cascade", "upgrade cascade")
+
+
+CUT_LINE = '{"id": "cut", "text": "a line cut short when the disk\n'
+"""Line 2 of the corpora below: not JSON, as a write stopped by a full disk leaves it."""
+
+
+@pytest.fixture(scope="module")
+def cut_corpora(labelled: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The session's labelled corpus with CUT_LINE as its line 2, and its first two items around
+    the same line (for decide, whose teacher then answers two items only)."""
+    lines = labelled[0].read_text(encoding="utf-8").splitlines(keepends=True)
+    full, few = (tmp_path_factory.mktemp(name) / "corpus.jsonl" for name in ("full", "few"))
+    full.write_text(lines[0] + CUT_LINE + "".join(lines[1:]), encoding="utf-8")
+    few.write_text(lines[0] + CUT_LINE + lines[1], encoding="utf-8")
+    return full, few
+
+
+@pytest.fixture
+def corpus_command(cut_corpora: tuple[Path, Path], labelled: tuple[Path, Path], trained_bundle: Bundle,
+                   embedding_cache: Path, gemma_path: Path, tmp_path: Path) -> Callable[[str], list[str]]:
+    """The arguments of each command that reads a corpus, on the corpus with a cut line."""
+    full, few = (str(path) for path in cut_corpora)
+    store, cache = str(labelled[1]), str(embedding_cache)
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps({"questions": QUESTIONS_JSON}))
+    bundle = str(copy_bundle(trained_bundle, tmp_path / "bundle").directory)  # calibrate rewrites it
+    priced = str(variant(trained_bundle, tmp_path / "priced"))  # measured costs: no roofline to work out
+    commands = {
+        "train": ["--questions", str(questions), "--corpus", full, "--store", store,
+                  "--bundle", str(tmp_path / "trained"), "--cache-dir", cache],
+        "calibrate": ["--bundle", bundle, "--corpus", full, "--store", store,
+                      "--target-agreement", "0.85", "--report", str(tmp_path / "report")],
+        "evaluate": ["--bundle", bundle, "--corpus", full, "--store", store,
+                     "--json", str(tmp_path / "e.json"), "--cache-dir", cache],
+        "decide": ["--bundle", priced, "--corpus", few, "--out", str(tmp_path / "d.jsonl"),
+                   "--teacher", str(gemma_path), "--accept-other-teacher", "--threads", "1"],
+    }
+    return lambda name: [name, *commands[name]]
+
+
+CORPUS_COMMANDS = ["train", "calibrate", "evaluate", "decide"]
+
+
+@pytest.mark.parametrize("name", CORPUS_COMMANDS)
+def test_a_bad_corpus_line_is_refused_with_advice_the_command_takes(
+    name: str, corpus_command: Callable[[str], list[str]]
+) -> None:
+    result = run(*corpus_command(name))
+    assert_one_clear_line(result, "CorpusError", "corpus.jsonl:2: not valid JSON", "--on-error skip")
+
+
+@pytest.mark.parametrize(("name", "done"), [
+    ("train", "bundle: "), ("calibrate", "report: "), ("evaluate", "report: "), ("decide", "decided 2 items"),
+])
+def test_on_error_skip_names_the_bad_line_and_goes_on(
+    name: str, done: str, corpus_command: Callable[[str], list[str]], cut_corpora: tuple[Path, Path]
+) -> None:
+    result = run(*corpus_command(name), "--on-error", "skip")
+    assert result.returncode == 0, result.stderr
+    corpus = cut_corpora[1 if name == "decide" else 0]
+    assert f"skipped {corpus}:2: not valid JSON" in result.stderr
+    assert done in result.stdout
+
+
+def import_labels(labels: Path, questions: Path, store: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    return run("label", "--import", str(labels), "--questions", str(questions), "--store", str(store), *more)
+
+
+@pytest.mark.parametrize(("rows", "on_error", "why"), [
+    ("", "stop", "is empty"),
+    ("\n  \n", "stop", "is empty"),
+    (json.dumps({"id": "a", "question": "nope", "answer": True}) + "\n", "skip", "all 1 rows"),
+])
+def test_an_import_of_nothing_fails_and_leaves_no_store(
+    rows: str, on_error: str, why: str, questions_file: Path, tmp_path: Path
+) -> None:
+    labels, store = tmp_path / "labels.jsonl", tmp_path / "s.sqlite"
+    labels.write_text(rows)
+    result = import_labels(labels, questions_file, store, "--on-error", on_error)
+    assert_one_clear_line(result, "StoreError: nothing imported", str(labels), why)
+    assert sorted(tmp_path.iterdir()) == sorted([labels, questions_file])  # no store, no -wal
+
+
+def test_a_failed_import_leaves_no_new_store_but_keeps_an_old_one(
+    questions_file: Path, tmp_path: Path
+) -> None:
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps({"id": "a", "question": "q", "answer": True}) + "\n")
+    bad.write_text(json.dumps({"id": "b", "question": "q", "answer": "maybe"}) + "\n")
+    new = tmp_path / "new.sqlite"
+    assert_one_clear_line(import_labels(bad, questions_file, new), "StoreError", "bad.jsonl:1")
+    assert not any(path.name.startswith("new.sqlite") for path in tmp_path.iterdir())
+    old = tmp_path / "old.sqlite"
+    assert import_labels(good, questions_file, old).returncode == 0
+    assert_one_clear_line(import_labels(bad, questions_file, old), "StoreError", "bad.jsonl:1")
+    exported = tmp_path / "out.jsonl"
+    assert run("label", "--store", str(old), "--export", str(exported)).returncode == 0
+    assert [json.loads(line)["id"] for line in exported.open()] == ["a"]
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ('{"state": "hello",\n "questions": {"q": {"type": "noul",, }}}', "invalid JSON at line 2, column"),
+    (json.dumps({"state": "hello", "questions": {"d": {"type": "choice", "instructions": "Which?",
+                                                        "criteria": {"a": "only one"}}}}),
+     "questions.d.criteria"),
+])
+def test_a_malformed_request_names_its_file(text: str, needle: str, tmp_path: Path) -> None:
+    request = tmp_path / "req.json"
+    request.write_text(text)
+    result = run("score", "--model", str(tmp_path / "never-opened.gguf"), "--request", str(request))
+    assert_one_clear_line(result, f"RequestError: {request}: ", needle)

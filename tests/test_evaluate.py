@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from corpora import TEACHER
 from test_router import COSTS, ENCODER_MS, HEADED, TEACHER_MS, labels, texts, thresholds, trained, variant
-from test_train import GOLD, shared_cache_dir
 
 from cascade.bundle import Bundle
 from cascade.cli import main
@@ -22,10 +22,10 @@ from distill.store import LabelStore, Teacher
 __all__ = ["labels", "texts", "trained"]  # module fixtures shared with test_router
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture
+def cache(embedding_cache: Path) -> Path:
     """The embedding cache training filled: the replays embed nothing again."""
-    return shared_cache_dir(tmp_path_factory)
+    return embedding_cache
 
 
 def evaluate(directory: Path, trained: tuple, cache: Path, budget: Budget | None = None) -> Evaluation:
@@ -49,13 +49,13 @@ def test_a_report_counts_evaluation_items_only_and_agrees_with_the_heads(
     assert report.items == len(evaluated) and report.answers == sum(map(len, by_question.values()))
     assert {qid: q.items for qid, q in report.questions.items()} == {
         qid: len(ids) for qid, ids in by_question.items() if ids}
-    keys = bundle.manifest.parsed_questions()["spam"].option_keys()
-    ids = by_question["spam"]
+    keys = bundle.manifest.parsed_questions()["urgent"].option_keys()
+    ids = by_question["urgent"]
     states = [texts[i] for i in ids]
     vectors = Encoder(threads=1).encode(states)  # not the cache the replay read
-    heads = bundle.heads["spam"].predict(beside(vectors, bundle.ngrams, states))
-    gold = [int(np.argmax([labels["spam"][i][k] for k in keys])) for i in ids]
-    assert report.questions["spam"].agreement == pytest.approx(np.mean(heads == np.asarray(gold)))
+    heads = bundle.heads["urgent"].predict(beside(vectors, bundle.ngrams, states))
+    teacher = [int(np.argmax([labels["urgent"][i][k] for k in keys])) for i in ids]
+    assert report.questions["urgent"].agreement == pytest.approx(np.mean(heads == np.asarray(teacher)))
     for qid, question in report.questions.items():
         shares = {t.name: t.share for t in question.tiers}
         assert shares == ({"encoder": 1.0, "teacher": 0.0} if qid in HEADED
@@ -64,7 +64,7 @@ def test_a_report_counts_evaluation_items_only_and_agrees_with_the_heads(
         assert question.threshold == {"encoder": 0.0 if qid in HEADED else None}
     assert 0.0 <= report.agreement <= 1.0
     # predicted cost: the encoder once per item, the teacher once per item with a headless question
-    headless = evaluated & (set(by_question["rare"]) | set(by_question["urgent"]))
+    headless = evaluated & (set(by_question["rare"]) | set(by_question["spam"]))
     expected = (len(evaluated) * ENCODER_MS + len(headless) * TEACHER_MS) / (len(evaluated) * TEACHER_MS)
     assert report.cost_ratio == pytest.approx(expected)
 
@@ -76,7 +76,7 @@ def test_escalating_everything_agrees_fully_and_costs_more_than_the_teacher(
     assert report.agreement == 1.0
     assert {t.name: t.share for t in report.tiers} == {"encoder": 0.0, "teacher": 1.0}
     assert report.cost_ratio > 1.0
-    assert report.questions["spam"].target is None
+    assert report.questions["urgent"].target is None
 
 
 def test_a_budget_keeps_answers_below_their_threshold(trained: tuple, tmp_path: Path, cache: Path) -> None:
@@ -102,9 +102,9 @@ def test_a_corpus_without_evaluation_items_is_refused(trained: tuple, tmp_path: 
 
 def test_labels_of_another_teacher_are_refused(trained: tuple, tmp_path: Path) -> None:
     other = Teacher(kind="external", model="someone else")
-    assert other != GOLD
+    assert other != TEACHER
     with LabelStore(tmp_path / "other.sqlite", other) as store, \
-            pytest.raises(EvaluationError, match=r"teacher 'someone else'.*'gold labels'"):
+            pytest.raises(EvaluationError, match=r"teacher 'someone else'.*'generator labels'"):
         evaluate_bundle(trained[2].directory, trained[0], store, progress=False)
 
 

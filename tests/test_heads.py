@@ -1,6 +1,5 @@
-"""Soft-label heads on real embeddings of real SMS texts (gold labels stand in for the teacher)."""
+"""Soft-label heads on real embeddings of generated support messages: billing or technical?"""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -13,33 +12,32 @@ from sklearn.linear_model import LogisticRegression
 from cascade.encoder import Encoder
 from cascade.errors import ModelError
 from cascade.heads import HeadStack, SoftmaxHead, load_heads, save_heads
+from distill.synthetic import generate
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-N_SPAM, N_HAM, N_TRAIN = 150, 250, 280
+N_BILLING, N_TECHNICAL, N_TRAIN = 150, 250, 280
 
 
 @pytest.fixture(scope="module")
-def sms() -> tuple[np.ndarray, np.ndarray]:
-    """400 embedded SMS texts (150 spam, 250 ham, shuffled) and their 0/1 spam labels."""
-    path = DATA / "sms_spam.jsonl"
-    if not path.is_file():
-        pytest.skip(f"real data not found at {path} (the shared data folder beside the repo)")
-    rows = [json.loads(line) for line in path.open(encoding="utf-8")]
-    chosen = [r for r in rows if r["label"] == "spam"][:N_SPAM]
-    chosen += [r for r in rows if r["label"] == "ham"][:N_HAM]
+def messages(encoder: Encoder) -> tuple[np.ndarray, np.ndarray]:
+    """400 embedded messages (150 for the billing team, 250 for the technical one, shuffled) and
+    their 0/1 "billing" labels: the department the generator wrote each message for."""
+    items = generate(1400, seed=0)
+    chosen = [item for item in items if item.department == "billing"][:N_BILLING]
+    chosen += [item for item in items if item.department == "technical"][:N_TECHNICAL]
+    assert len(chosen) == N_BILLING + N_TECHNICAL
     np.random.default_rng(0).shuffle(chosen)
-    X = Encoder(threads=1).encode([r["text"] for r in chosen])
-    return X, np.array([r["label"] == "spam" for r in chosen], dtype=int)
+    X = encoder.encode([item.text for item in chosen])
+    return X, np.array([item.department == "billing" for item in chosen], dtype=int)
 
 
 @pytest.fixture(scope="module")
-def head(sms: tuple[np.ndarray, np.ndarray]) -> SoftmaxHead:
-    X, y = sms
+def head(messages: tuple[np.ndarray, np.ndarray]) -> SoftmaxHead:
+    X, y = messages
     return SoftmaxHead().fit(X[:N_TRAIN], np.eye(2)[y[:N_TRAIN]])
 
 
-def test_head_beats_the_majority_baseline(sms: tuple[np.ndarray, np.ndarray], head: SoftmaxHead) -> None:
-    X, y = sms
+def test_head_beats_the_majority_baseline(messages: tuple[np.ndarray, np.ndarray], head: SoftmaxHead) -> None:
+    X, y = messages
     held_out = y[N_TRAIN:]
     baseline = max(held_out.mean(), 1 - held_out.mean())
     accuracy = (head.predict(X[N_TRAIN:]) == held_out).mean()
@@ -47,9 +45,9 @@ def test_head_beats_the_majority_baseline(sms: tuple[np.ndarray, np.ndarray], he
     assert accuracy >= baseline + 0.2
 
 
-def test_probabilities_are_distributions(sms: tuple[np.ndarray, np.ndarray], head: SoftmaxHead) -> None:
-    proba = head.predict_proba(sms[0])
-    assert proba.shape == (len(sms[0]), 2)
+def test_probabilities_are_distributions(messages: tuple[np.ndarray, np.ndarray], head: SoftmaxHead) -> None:
+    proba = head.predict_proba(messages[0])
+    assert proba.shape == (len(messages[0]), 2)
     np.testing.assert_allclose(proba.sum(axis=1), 1.0)
     assert head.coef_.shape == (2, 384)
     assert head.intercept_.shape == (2,)
@@ -57,24 +55,24 @@ def test_probabilities_are_distributions(sms: tuple[np.ndarray, np.ndarray], hea
 
 
 def test_one_hot_labels_match_sklearn_binomial_regression(
-    sms: tuple[np.ndarray, np.ndarray], head: SoftmaxHead
+    messages: tuple[np.ndarray, np.ndarray], head: SoftmaxHead
 ) -> None:
-    X, y = sms
+    X, y = messages
     reference = LogisticRegression(C=2.0, tol=1e-8, max_iter=1000).fit(X[:N_TRAIN], y[:N_TRAIN])
     np.testing.assert_allclose(head.predict_proba(X), reference.predict_proba(X), atol=1e-3)
 
 
-def test_soft_labels_reproduce_class_balance(sms: tuple[np.ndarray, np.ndarray]) -> None:
+def test_soft_labels_reproduce_class_balance(messages: tuple[np.ndarray, np.ndarray]) -> None:
     """The third class is never the argmax, yet keeps its column and its share."""
-    X, y = sms
+    X, y = messages
     Y = np.where(y[:, None] == 1, [0.2, 0.7, 0.1], [0.85, 0.05, 0.1])
     proba = SoftmaxHead().fit(X, Y).predict_proba(X)
     assert proba.shape == (len(X), 3)
     np.testing.assert_allclose(proba.mean(axis=0), Y.mean(axis=0), atol=1e-3)
 
 
-def test_a_class_without_mass_keeps_its_column(sms: tuple[np.ndarray, np.ndarray]) -> None:
-    X, y = sms
+def test_a_class_without_mass_keeps_its_column(messages: tuple[np.ndarray, np.ndarray]) -> None:
+    X, y = messages
     Y = np.hstack([np.eye(2)[y], np.zeros((len(y), 1))])
     proba = SoftmaxHead().fit(X, Y).predict_proba(X)
     assert proba.shape == (len(X), 3)
@@ -82,8 +80,8 @@ def test_a_class_without_mass_keeps_its_column(sms: tuple[np.ndarray, np.ndarray
     np.testing.assert_allclose(proba.sum(axis=1), 1.0)
 
 
-def test_sample_weight_acts_as_repetition(sms: tuple[np.ndarray, np.ndarray]) -> None:
-    X, y = sms[0][:120], np.eye(2)[sms[1][:120]]
+def test_sample_weight_acts_as_repetition(messages: tuple[np.ndarray, np.ndarray]) -> None:
+    X, y = messages[0][:120], np.eye(2)[messages[1][:120]]
     weights = np.ones(len(X))
     weights[:40] = 2.0
     weighted = SoftmaxHead().fit(X, y, sample_weight=weights)
@@ -91,26 +89,27 @@ def test_sample_weight_acts_as_repetition(sms: tuple[np.ndarray, np.ndarray]) ->
     np.testing.assert_allclose(weighted.predict_proba(X), repeated.predict_proba(X), atol=1e-4)
 
 
-def test_arrays_round_trip(sms: tuple[np.ndarray, np.ndarray], head: SoftmaxHead) -> None:
+def test_arrays_round_trip(messages: tuple[np.ndarray, np.ndarray], head: SoftmaxHead) -> None:
     rebuilt = SoftmaxHead.from_arrays(head.to_arrays())
-    np.testing.assert_array_equal(rebuilt.predict_proba(sms[0]), head.predict_proba(sms[0]))
+    np.testing.assert_array_equal(rebuilt.predict_proba(messages[0]), head.predict_proba(messages[0]))
     assert rebuilt.get_params() == head.get_params()
 
 
 def test_save_load_round_trip_without_pickle(
-    tmp_path: Path, sms: tuple[np.ndarray, np.ndarray], head: SoftmaxHead
+    tmp_path: Path, messages: tuple[np.ndarray, np.ndarray], head: SoftmaxHead
 ) -> None:
     path = tmp_path / "heads.npz"
-    soft = SoftmaxHead(C=0.5).fit(sms[0], np.full((len(sms[0]), 3), 1 / 3))
-    save_heads(path, {"is_spam": head, "tone": soft})
+    soft = SoftmaxHead(C=0.5).fit(messages[0], np.full((len(messages[0]), 3), 1 / 3))
+    save_heads(path, {"is_billing": head, "tone": soft})
     with np.load(path, allow_pickle=False) as archive:
         assert set(archive.files) == {
-            f"{q}/{name}" for q in ("is_spam", "tone") for name in ("coef", "intercept", "C", "max_iter")
+            f"{q}/{name}" for q in ("is_billing", "tone") for name in ("coef", "intercept", "C", "max_iter")
         }
     loaded = load_heads(path)
-    assert sorted(loaded) == ["is_spam", "tone"]
-    np.testing.assert_array_equal(loaded["is_spam"].predict_proba(sms[0]), head.predict_proba(sms[0]))
-    np.testing.assert_array_equal(loaded["tone"].predict_proba(sms[0]), soft.predict_proba(sms[0]))
+    assert sorted(loaded) == ["is_billing", "tone"]
+    np.testing.assert_array_equal(loaded["is_billing"].predict_proba(messages[0]),
+                                  head.predict_proba(messages[0]))
+    np.testing.assert_array_equal(loaded["tone"].predict_proba(messages[0]), soft.predict_proba(messages[0]))
     assert loaded["tone"].C == 0.5
 
 
@@ -197,21 +196,21 @@ def test_inconsistent_arrays_are_refused(tmp_path: Path) -> None:
         load_heads(path)
 
 
-def test_a_stack_answers_what_each_head_answers(sms: tuple[np.ndarray, np.ndarray]) -> None:
-    X, y = sms
+def test_a_stack_answers_what_each_head_answers(messages: tuple[np.ndarray, np.ndarray]) -> None:
+    X, y = messages
     rng = np.random.default_rng(1)
-    heads = {"spam": SoftmaxHead().fit(X, np.eye(2)[y]),
+    heads = {"billing": SoftmaxHead().fit(X, np.eye(2)[y]),
              "tone": SoftmaxHead().fit(X, rng.dirichlet(np.ones(3), size=len(X)))}
     stacked = HeadStack(heads).predict_proba(X[:7])
-    assert list(stacked) == ["spam", "tone"]
+    assert list(stacked) == ["billing", "tone"]
     for qid, head in heads.items():
         np.testing.assert_allclose(stacked[qid], head.predict_proba(X[:7]), rtol=0, atol=1e-12)
     sparse = HeadStack(heads).predict_proba(sp.csr_matrix(X[:7]))
     np.testing.assert_allclose(sparse["tone"], stacked["tone"], rtol=0, atol=1e-12)
 
 
-def test_a_stack_refuses_heads_of_different_widths(sms: tuple[np.ndarray, np.ndarray]) -> None:
-    X, y = sms
+def test_a_stack_refuses_heads_of_different_widths(messages: tuple[np.ndarray, np.ndarray]) -> None:
+    X, y = messages
     narrow = SoftmaxHead().fit(X[:, :5], np.eye(2)[y])
     with pytest.raises(ValueError, match=r"heads read \[5, \d+\] features; a stack needs one width"):
         HeadStack({"a": narrow, "b": SoftmaxHead().fit(X, np.eye(2)[y])})

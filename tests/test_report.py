@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_calibration import FLOPS, calibrate, copy_bundle, write_inputs
-from test_train import shared_cache_dir, train
+from corpora import HEADED, copy_bundle
+from test_calibration import FLOPS, calibrate
 
 from cascade.bundle import Bundle
 from cascade.cli import build_parser, main
@@ -24,14 +24,14 @@ TIER_FIGURES = {"reliability", "coverage", "confusion"}
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
-    return write_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
+def inputs(labelled: tuple[Path, Path]) -> tuple[Path, Path]:
+    return labelled
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path], encoder: Encoder
-            ) -> Bundle:
-    return train(*inputs, tmp_path_factory.mktemp("trained"), encoder, shared_cache_dir(tmp_path_factory))
+def trained(trained_bundle: Bundle) -> Bundle:
+    """The session's trained bundle: calibrated only as a copy, or refused before any change."""
+    return trained_bundle
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_the_json_has_every_figure_of_every_question(budget: tuple[CalibrationRe
         cost = figures[fit.question, None, "cost"]
         assert cost["escalation_rate"] == pytest.approx(1 - fit.kept_share)
         assert cost["cascade_seconds"] < cost["teacher_seconds"]
-    assert {row["question"] for row in data["summary"]} == {"spam", "topic", "rare", "urgent"}
+    assert {row["question"] for row in data["summary"]} == {*HEADED, "rare", "spam"}
     assert data["mode"] == "budget" and "No target is certified" in data["guarantee"]
     teacher = next(row for row in data["costs"] if row["kind"] == "teacher")
     assert teacher["source"] == "roofline estimate"
@@ -99,10 +99,10 @@ def test_cli_calibrates_prints_a_table_and_writes_the_report(
     assert out[0].split() == ["question", "tier", "n", "T", "ECE", "threshold", "kept", "agreement",
                               "bound", "guarantee"]
     rows = {line.split()[0]: line.split() for line in out[1:5]}
-    assert rows["spam"][-1] == rows["topic"][-1] == "yes" and rows["rare"][-1] == "skipped"
+    assert rows["urgent"][-1] == rows["department"][-1] == "yes" and rows["rare"][-1] == "skipped"
     assert out[-1] == f"report: {(tmp_path / 'report' / 'report.html').resolve()}"
     manifest = Bundle.load(bundle.directory).manifest
-    assert manifest.threshold("spam", "encoder") is not None
+    assert manifest.threshold("urgent", "encoder") is not None
     assert (manifest.calibration["target"], manifest.calibration["delta"]) == (0.85, 0.1)
     page, data = read(tmp_path / "report")
     assert "With probability at least 90% (1 - delta) over the draw of the calibration items" in page

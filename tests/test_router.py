@@ -1,4 +1,5 @@
-"""The router on a real bundle: encoder heads trained on gold labels, the gold labels as its teacher.
+"""The router on a real bundle: the session's encoder heads, trained on the generated corpus's
+labels (``corpora``), with those labels as its teacher.
 
 Thresholds, temperatures and tier costs are set by writing manifest copies, so each test says
 exactly what the cascade was told. Measured costs are written too (1 ms per state for the
@@ -14,8 +15,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import pytest
-from test_train import shared_cache_dir, train, write_training_inputs
+from corpora import HEADED
 from tinymodels import tiny_llama_path
 
 from cascade.bundle import Bundle, Manifest, ModelFile
@@ -23,9 +25,10 @@ from cascade.calibration_math import TemperatureError, apply_temperature
 from cascade.cli import main
 from cascade.cost import ModelShape, decision_flops
 from cascade.costmodel import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
-from cascade.encoder import Encoder
-from cascade.errors import RequestError
-from cascade.prompts import PromptTemplate
+from cascade.errors import ModelError, RequestError
+from cascade.hashing import file_sha256
+from cascade.placement import Placement
+from cascade.prompts import PROMPT_VERSION, PromptTemplate
 from cascade.questions import DecisionRequest, DecisionResponse
 from cascade.router import Budget, Cascade, RouterError
 from cascade.tiers import Item
@@ -34,17 +37,12 @@ from distill.store import LabelStore
 ENCODER_MS, TEACHER_MS = 1.0, 100.0
 COSTS = {"encoder": {"seconds_per_state": ENCODER_MS / 1e3, "seconds_per_token": 0.0},
          "teacher": {"seconds_per_state": TEACHER_MS / 1e3, "seconds_per_token": 0.0}}
-HEADED = ("spam", "topic")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, shared_data: Path, encoder: Encoder
-            ) -> tuple[Path, Path, Bundle]:
-    """(corpus, store, bundle) of the 600 gold-labelled SMS and AG News items of test_train."""
-    root = tmp_path_factory.mktemp("router")
-    corpus, store = write_training_inputs(root, shared_data)
-    bundle = train(corpus, store, root / "bundle", encoder, shared_cache_dir(tmp_path_factory))
-    return corpus, store, bundle
+def trained(labelled: tuple[Path, Path], trained_bundle: Bundle) -> tuple[Path, Path, Bundle]:
+    """(corpus, store, bundle): the session's labelled corpus and the bundle trained on it."""
+    return *labelled, trained_bundle
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +73,7 @@ def thresholds(value: float | None, questions: tuple[str, ...] = HEADED) -> dict
 
 @pytest.fixture(scope="module")
 def replay(trained: tuple[Path, Path, Bundle], labels: Mapping,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+           tmp_path_factory: pytest.TempPathFactory, embedding_cache: Path) -> Iterator[Any]:
     """Load a variant of the bundle with the store's labels answering its top tier (once each),
     reading the embeddings training cached."""
     opened: dict[str, Cascade] = {}
@@ -84,7 +82,7 @@ def replay(trained: tuple[Path, Path, Bundle], labels: Mapping,
         key = json.dumps(fields, sort_keys=True)
         if key not in opened:
             directory = variant(trained[2], tmp_path_factory.mktemp("variant"), **fields)
-            opened[key] = Cascade.load(directory, labels=labels, cache_dir=shared_cache_dir(tmp_path_factory))
+            opened[key] = Cascade.load(directory, labels=labels, cache_dir=embedding_cache)
         return opened[key]
 
     yield load
@@ -92,14 +90,11 @@ def replay(trained: tuple[Path, Path, Bundle], labels: Mapping,
         cascade.close()
 
 
-def evaluation_items(bundle: Bundle, texts: Mapping[str, str], prefix: str, n: int) -> list[Item]:
-    ids = [i for i in bundle.split_ids()["evaluation"] if i.startswith(prefix)][:n]
+def evaluation_items(bundle: Bundle, texts: Mapping[str, str], n: int,
+                     labelled: Mapping[str, Any] | None = None) -> list[Item]:
+    """The first n items of the evaluation part (of those in ``labelled``, when given)."""
+    ids = [i for i in bundle.split_ids()["evaluation"] if labelled is None or i in labelled][:n]
     return [Item(i, texts[i]) for i in ids]
-
-
-def mixed_items(bundle: Bundle, texts: Mapping[str, str], n: int) -> list[Item]:
-    """n SMS and n news items of the evaluation part."""
-    return evaluation_items(bundle, texts, "sms-", n) + evaluation_items(bundle, texts, "agnews-", n)
 
 
 def asked_labelled(items: list[Item], labels: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
@@ -114,9 +109,9 @@ def test_threshold_zero_keeps_every_headed_answer_at_the_encoder(
     replay: Any, trained: tuple, labels: Mapping, texts: Mapping
 ) -> None:
     cascade = replay(thresholds=thresholds(0.0))
-    items = mixed_items(trained[2], texts, 30)
+    items = evaluation_items(trained[2], texts, 60)
     asked = asked_labelled(items, labels)
-    assert {"urgent", "rare"} & {q for qids in asked for q in qids}  # questions without a head too
+    assert {"spam", "rare"} & {q for qids in asked for q in qids}  # questions without a head too
     for item, qids, response in zip(items, asked, cascade.route(items, asked), strict=True):
         assert list(response.answers) == qids
         for qid, answer in response.answers.items():
@@ -134,7 +129,7 @@ def test_threshold_none_escalates_everything_to_the_teacher(
     replay: Any, trained: tuple, labels: Mapping, texts: Mapping
 ) -> None:
     cascade = replay()  # a freshly trained bundle: every threshold None
-    items = mixed_items(trained[2], texts, 20)
+    items = evaluation_items(trained[2], texts, 40)
     asked = asked_labelled(items, labels)
     for item, response in zip(items, cascade.route(items, asked), strict=True):
         for qid, answer in response.answers.items():
@@ -154,25 +149,24 @@ def test_a_question_without_a_head_never_runs_the_encoder(
     replay: Any, trained: tuple, labels: Mapping, texts: Mapping
 ) -> None:
     cascade = replay(thresholds=thresholds(0.0))
-    items = [item for item in evaluation_items(trained[2], texts, "sms-", 200)
-             if item.id in labels["urgent"]][:5]
+    items = evaluation_items(trained[2], texts, 5, labels["spam"])
     assert items
-    for response in cascade.decide_batch(items, questions=["urgent"]):
-        routing = response.answers["urgent"].routing
+    for response in cascade.decide_batch(items, questions=["spam"]):
+        routing = response.answers["spam"].routing
         assert routing.tier == "teacher"
         assert routing.cost_ms == pytest.approx(TEACHER_MS)
 
 
 @pytest.mark.parametrize("calibration", [
     {"costs": COSTS},  # fresh from training: placeholder temperatures, no calibration facts
-    {"costs": COSTS, "questions": {"spam": {"encoder": {"temperature_note": "only 3 items; T left"}}}},
+    {"costs": COSTS, "questions": {"urgent": {"encoder": {"temperature_note": "only 3 items; T left"}}}},
 ])
 def test_answers_are_calibrated_only_where_a_temperature_was_fitted(
-    calibration: dict, replay: Any, spam_items: list[Item]
+    calibration: dict, replay: Any, urgent_items: list[Item]
 ) -> None:
     cascade = replay(thresholds=thresholds(0.0), calibration=calibration)
-    for response in cascade.decide_batch(spam_items[:5], questions=["spam"]):
-        answer = response.answers["spam"]
+    for response in cascade.decide_batch(urgent_items[:5], questions=["urgent"]):
+        answer = response.answers["urgent"]
         assert answer.routing.tier == "encoder"
         assert not answer.calibrated and not answer.routing.calibrated
 
@@ -180,12 +174,12 @@ def test_answers_are_calibrated_only_where_a_temperature_was_fitted(
 def test_cached_embeddings_give_the_answers_fresh_ones_do(
     replay: Any, trained: tuple, labels: Mapping, texts: Mapping, tmp_path: Path
 ) -> None:
-    items = mixed_items(trained[2], texts, 5)
+    items = evaluation_items(trained[2], texts, 10)
     cached = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=list(HEADED))
     directory = variant(trained[2], tmp_path / "b", thresholds=thresholds(0.0))
     with Cascade.load(directory, labels=labels) as fresh:
         for a, b in zip(cached, fresh.decide_batch(items, questions=list(HEADED)), strict=True):
-            assert a.answers["spam"].routing == b.answers["spam"].routing
+            assert a.answers["urgent"].routing == b.answers["urgent"].routing
             for qid in HEADED:
                 assert probabilities(a, qid) == pytest.approx(probabilities(b, qid), abs=1e-6)
 
@@ -193,31 +187,33 @@ def test_cached_embeddings_give_the_answers_fresh_ones_do(
 def test_temperature_scales_confidence_but_never_the_answer(
     replay: Any, trained: tuple, texts: Mapping
 ) -> None:
-    items = evaluation_items(trained[2], texts, "agnews-", 20)
-    plain = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=["topic"])
-    temperatures = {"topic": {"encoder": 2.5}}
+    items = evaluation_items(trained[2], texts, 20)
+    plain = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=["department"])
+    temperatures = {"department": {"encoder": 2.5}}
     hot = replay(thresholds=thresholds(0.0), temperatures=temperatures).decide_batch(
-        items, questions=["topic"])
+        items, questions=["department"])
     for cold, warm in zip(plain, hot, strict=True):
-        assert warm.answers["topic"].choice == cold.answers["topic"].choice
-        expected = apply_temperature(probabilities(cold, "topic"), 2.5)
-        assert probabilities(warm, "topic") == pytest.approx(expected.tolist())
-        assert warm.answers["topic"].confidence < cold.answers["topic"].confidence
-        assert warm.answers["topic"].routing.raw_confidence == pytest.approx(cold.answers["topic"].confidence)
+        assert warm.answers["department"].choice == cold.answers["department"].choice
+        expected = apply_temperature(probabilities(cold, "department"), 2.5)
+        assert probabilities(warm, "department") == pytest.approx(expected.tolist())
+        assert warm.answers["department"].confidence < cold.answers["department"].confidence
+        assert warm.answers["department"].routing.raw_confidence == pytest.approx(
+            cold.answers["department"].confidence)
 
 
 def test_thresholds_are_compared_with_the_raw_confidence(
     replay: Any, trained: tuple, texts: Mapping
 ) -> None:
     """Calibration certifies thresholds on raw scores; a temperature must not move what is kept."""
-    items = evaluation_items(trained[2], texts, "agnews-", 20)
-    plain = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=["topic"])
-    raw = [r.answers["topic"].confidence for r in plain]
+    items = evaluation_items(trained[2], texts, 20)
+    plain = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=["department"])
+    raw = [r.answers["department"].routing.raw_confidence for r in plain]  # exactly what is compared
     threshold = sorted(raw)[len(raw) // 2]
-    hot = replay(thresholds={"topic": {"encoder": threshold}}, temperatures={"topic": {"encoder": 3.0}})
+    hot = replay(thresholds={"department": {"encoder": threshold}},
+                 temperatures={"department": {"encoder": 3.0}})
     kept = []
-    for confidence, response in zip(raw, hot.decide_batch(items, questions=["topic"]), strict=True):
-        answer = response.answers["topic"]
+    for confidence, response in zip(raw, hot.decide_batch(items, questions=["department"]), strict=True):
+        answer = response.answers["department"]
         assert answer.routing.tier == ("encoder" if confidence >= threshold else "teacher")
         if answer.routing.tier == "encoder":
             assert answer.routing.raw_confidence == pytest.approx(confidence)
@@ -235,15 +231,15 @@ def test_temperature_keeps_exact_zeros_and_refuses_bad_values() -> None:
 
 
 @pytest.fixture(scope="module")
-def spam_items(trained: tuple, texts: Mapping) -> list[Item]:
-    return evaluation_items(trained[2], texts, "sms-", 40)
+def urgent_items(trained: tuple, texts: Mapping, labels: Mapping) -> list[Item]:
+    return evaluation_items(trained[2], texts, 40, labels["urgent"])
 
 
 @pytest.fixture(scope="module")
-def confidences(replay: Any, spam_items: list[Item]) -> list[float]:
-    """The encoder tier's confidence about each spam item (every answer kept there)."""
-    kept = replay(thresholds=thresholds(0.0)).decide_batch(spam_items, questions=["spam"])
-    return [response.answers["spam"].confidence for response in kept]
+def confidences(replay: Any, urgent_items: list[Item]) -> list[float]:
+    """The encoder tier's confidence about each item's urgency (every answer kept there)."""
+    kept = replay(thresholds=thresholds(0.0)).decide_batch(urgent_items, questions=["urgent"])
+    return [response.answers["urgent"].confidence for response in kept]
 
 
 def least_confident(confidences: list[float], k: int) -> set[int]:
@@ -252,51 +248,50 @@ def least_confident(confidences: list[float], k: int) -> set[int]:
 
 @pytest.mark.parametrize("k", [0, 3, 11])
 def test_a_budget_for_k_escalations_escalates_the_k_least_confident(
-    k: int, replay: Any, spam_items: list[Item], confidences: list[float]
+    k: int, replay: Any, urgent_items: list[Item], confidences: list[float]
 ) -> None:
-    n = len(spam_items)
+    n = len(urgent_items)
     budget = Budget(ms_per_call=(n * ENCODER_MS + k * TEACHER_MS + TEACHER_MS / 2) / n)
-    responses = replay().decide_batch(spam_items, budget, questions=["spam"])
-    routing = [r.answers["spam"].routing for r in responses]
+    responses = replay().decide_batch(urgent_items, budget, questions=["urgent"])
+    routing = [r.answers["urgent"].routing for r in responses]
     escalated = {i for i, r in enumerate(routing) if r.tier == "teacher"}
     assert escalated == least_confident(confidences, k)
     for i, r in enumerate(routing):
         assert r.budget_limited == (i not in escalated)
         if i not in escalated:  # kept below its (None) threshold: the encoder's own answer
             assert r.tier == "encoder" and r.threshold is None
-            assert responses[i].answers["spam"].confidence == pytest.approx(confidences[i])
+            assert responses[i].answers["urgent"].confidence == pytest.approx(confidences[i])
     assert sum(r.cost_ms for r in routing) <= budget.ms_per_call * n  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 1.0])
 def test_max_escalation_fraction_escalates_the_least_confident_share(
-    fraction: float, replay: Any, spam_items: list[Item], confidences: list[float]
+    fraction: float, replay: Any, urgent_items: list[Item], confidences: list[float]
 ) -> None:
     budget = Budget(max_escalation_fraction=fraction)
-    responses = replay().decide_batch(spam_items, budget, questions=["spam"])
-    escalated = {i for i, r in enumerate(responses) if r.answers["spam"].routing.tier == "teacher"}
-    assert escalated == least_confident(confidences, math.floor(fraction * len(spam_items)))
-    limited = sum(r.answers["spam"].routing.budget_limited for r in responses)
-    assert limited == len(spam_items) - len(escalated)
+    responses = replay().decide_batch(urgent_items, budget, questions=["urgent"])
+    escalated = {i for i, r in enumerate(responses) if r.answers["urgent"].routing.tier == "teacher"}
+    assert escalated == least_confident(confidences, math.floor(fraction * len(urgent_items)))
+    limited = sum(r.answers["urgent"].routing.budget_limited for r in responses)
+    assert limited == len(urgent_items) - len(escalated)
 
 
 def test_questions_without_a_lower_tier_use_up_the_escalation_share(
     replay: Any, trained: tuple, labels: Mapping, texts: Mapping
 ) -> None:
-    items = [item for item in evaluation_items(trained[2], texts, "sms-", 200)
-             if item.id in labels["urgent"]][:8]
+    items = evaluation_items(trained[2], texts, 8, labels["spam"])
     responses = replay().decide_batch(items, Budget(max_escalation_fraction=0.5),
-                                      questions=["spam", "urgent"])
-    tiers = [(r.answers["spam"].routing.tier, r.answers["urgent"].routing.tier) for r in responses]
-    assert all(urgent == "teacher" for _, urgent in tiers)  # half the questions: the whole share
-    assert all(spam == "encoder" for spam, _ in tiers)
-    assert all(r.answers["spam"].routing.budget_limited for r in responses)
+                                      questions=["urgent", "spam"])
+    tiers = [(r.answers["urgent"].routing.tier, r.answers["spam"].routing.tier) for r in responses]
+    assert all(spam == "teacher" for _, spam in tiers)  # half the questions: the whole share
+    assert all(urgent == "encoder" for urgent, _ in tiers)
+    assert all(r.answers["urgent"].routing.budget_limited for r in responses)
 
 
-def test_accepted_answers_are_never_budget_limited(replay: Any, spam_items: list[Item]) -> None:
+def test_accepted_answers_are_never_budget_limited(replay: Any, urgent_items: list[Item]) -> None:
     responses = replay(thresholds=thresholds(0.0)).decide_batch(
-        spam_items, Budget(max_escalation_fraction=0.0), questions=["spam"])
-    assert not any(r.answers["spam"].routing.budget_limited for r in responses)
+        urgent_items, Budget(max_escalation_fraction=0.0), questions=["urgent"])
+    assert not any(r.answers["urgent"].routing.budget_limited for r in responses)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -319,10 +314,33 @@ def test_bad_questions_and_states_are_refused(replay: Any) -> None:
     cascade = replay()
     with pytest.raises(RequestError, match=r"questions must name at least one of the bundle's"):
         cascade.decide("hello", questions=["nope"])
-    with pytest.raises(RequestError, match=r"list of question ids; got the string 'spam'"):
-        cascade.decide("hello", questions="spam")  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=r"list of question ids; got the string 'urgent'"):
+        cascade.decide("hello", questions="urgent")  # type: ignore[arg-type]
     with pytest.raises(RequestError, match=r"items\[0\] \(id 'state'\): state must be non-empty"):
         cascade.decide("   ")
+
+
+def pinned(model: Path, prompt_version: str = PROMPT_VERSION) -> dict[str, Any]:
+    """The manifest's teacher entry for labels that ``model`` made."""
+    return {"kind": "gguf", "model": model.name, "model_sha256": file_sha256(model),
+            "prompt_version": prompt_version}
+
+
+def test_the_teacher_must_be_the_one_the_labels_came_from(
+    trained: tuple, texts: Mapping, tmp_path: Path, gemma_path: Path
+) -> None:
+    tiny = tiny_llama_path(tmp_path)
+    cases = {"external": variant(trained[2], tmp_path / "ext"),
+             "sha256": variant(trained[2], tmp_path / "other", teacher=pinned(tiny)),
+             "prompt": variant(trained[2], tmp_path / "old", teacher=pinned(gemma_path, "readout-v0"))}
+    reasons = {"external": "certified against external labels", "sha256": "has sha256",
+               "prompt": "prompt 'readout-v0'"}
+    for case, directory in cases.items():
+        with pytest.raises(RouterError, match=f"cannot escalate to .*{reasons[case]}.*accept"):
+            Cascade.load(directory, teacher=gemma_path)
+    with Cascade.load(cases["sha256"], teacher=gemma_path, threads=1, accept_other_teacher=True) as other:
+        response = other.decide(texts[next(iter(texts))], questions=["urgent", "rare"])
+    assert [a.routing.certified for a in response.answers.values()] == [False, False]
 
 
 def test_an_external_top_tier_needs_a_teacher(trained: tuple, labels: Mapping, tmp_path: Path,
@@ -344,13 +362,13 @@ def test_cost_model_prices_a_state_once_and_its_questions_each(replay: Any, text
     text = next(iter(texts.values()))
     costs = cascade.costs.batch([Item("x", text)])
     encoder_tokens = cascade.tiers[0].encoder.token_counts([text])[0]
-    assert costs.seconds("encoder", 0, ["spam"]) == pytest.approx(0.002 + encoder_tokens * 1e-5)
-    assert costs.seconds("encoder", 0, ["spam", "topic"]) == costs.seconds("encoder", 0, ["spam"])
+    assert costs.seconds("encoder", 0, ["urgent"]) == pytest.approx(0.002 + encoder_tokens * 1e-5)
+    assert costs.seconds("encoder", 0, ["urgent", "department"]) == costs.seconds("encoder", 0, ["urgent"])
     # fan-out: the shared prompt (template + state, len / 4 tokens without a tokenizer) once
     prompt = math.ceil(len(PromptTemplate("plain").render("", "")) / CHARS_PER_TOKEN)
     prompt += math.ceil(len(text) / CHARS_PER_TOKEN)
-    one = costs.seconds("teacher", 0, ["spam"]) + costs.seconds("teacher", 0, ["topic"])
-    both = costs.seconds("teacher", 0, ["spam", "topic"])
+    one = costs.seconds("teacher", 0, ["urgent"]) + costs.seconds("teacher", 0, ["department"])
+    both = costs.seconds("teacher", 0, ["urgent", "department"])
     assert one - both == pytest.approx(0.05 + prompt * 1e-3)
     assert costs.seconds("teacher", 0, []) == 0.0
 
@@ -364,22 +382,22 @@ def test_roofline_prices_tiers_without_measured_costs(
         assert replayed.costs.cost("teacher") == TierCost(0.0, 2 * TEACHER_PARAMS / 1e12, "roofline")
         encoder_bytes = replayed.tiers[0].encoder.files.model.stat().st_size
         assert replayed.costs.cost("encoder") == TierCost(0.0, 2 * encoder_bytes / 1e12, "roofline")
-    with Cascade.load(tmp_path / "b", teacher=tiny, flops_per_second=1e12) as live:
+    with Cascade.load(tmp_path / "b", teacher=tiny, flops_per_second=1e12, accept_other_teacher=True) as live:
         per_token = decision_flops(ModelShape.from_gguf(tiny), 1, output_rows=0) / 1e12
         assert live.costs.cost("teacher") == TierCost(0.0, per_token, "roofline")
         scorer = live.tiers[-1].scorer
         costs = live.costs.batch([Item("x", "Hello there")])
         overhead = len(scorer.model.tokenize(scorer.template.render("", "")))
         state = len(scorer.model.tokenize("Hello there"))
-        assert costs.seconds("teacher", 0, ["spam"]) > (overhead + state) * per_token
+        assert costs.seconds("teacher", 0, ["urgent"]) > (overhead + state) * per_token
 
 
 def test_a_gguf_teacher_answers_escalations_end_to_end(
     trained: tuple, texts: Mapping, tmp_path: Path, gemma_path: Path
 ) -> None:
-    directory = variant(trained[2], tmp_path / "b")
+    directory = variant(trained[2], tmp_path / "b", teacher=pinned(gemma_path))
     items = [Item(i, texts[i]) for i in list(texts)[:3]]
-    asked = ("spam", "rare")
+    asked = ("urgent", "rare")
     with Cascade.load(directory, teacher=gemma_path, threads=1) as cascade:
         responses = cascade.decide_batch(items, questions=list(asked))
         scorer = cascade.tiers[-1].scorer
@@ -387,6 +405,8 @@ def test_a_gguf_teacher_answers_escalations_end_to_end(
             state=item.state, questions={q: cascade.questions[q] for q in asked})) for item in items]
     for response, reference in zip(responses, references, strict=True):
         assert {a.routing.tier for a in response.answers.values()} == {"teacher"}
+        assert all(a.routing.certified for a in response.answers.values())
+        assert response.usage.ran_on == {"teacher": scorer.ran_on}
         assert response.usage.prompt_tokens == reference.usage.prompt_tokens > 0
         assert response.usage.forward_passes == reference.usage.forward_passes >= 1
         for qid in asked:  # the scorer's own answer, through the tier and a temperature of 1
@@ -404,18 +424,18 @@ def three_tiers(bundle: Bundle, directory: Path, gemma_path: Path, small_thresho
     small = {"kind": "gguf", "name": "small", "model": ModelFile.of(gemma_path).model_dump(), "n_ctx": 2048}
     costs = {**COSTS, "small": {"seconds_per_state": SMALL_MS / 1e3, "seconds_per_token": 0.0}}
     return variant(bundle, directory, tiers=[encoder, small, teacher], calibration={"costs": costs},
-                   thresholds={"spam": {"encoder": None, "small": small_threshold}})
+                   thresholds={"urgent": {"encoder": None, "small": small_threshold}})
 
 
 def test_a_middle_tier_answers_what_it_is_confident_about_or_what_the_budget_leaves_it(
-    trained: tuple, labels: Mapping, spam_items: list[Item], tmp_path: Path, gemma_path: Path
+    trained: tuple, labels: Mapping, urgent_items: list[Item], tmp_path: Path, gemma_path: Path
 ) -> None:
-    items = spam_items[:3]
+    items = urgent_items[:3]
 
     def routing(cascade: Cascade, budget: Budget | None = None) -> list[tuple[str, bool, float]]:
-        responses = cascade.decide_batch(items, budget, questions=["spam"])
-        return [(r.answers["spam"].routing.tier, r.answers["spam"].routing.budget_limited,
-                 round(r.answers["spam"].routing.cost_ms, 6)) for r in responses]
+        responses = cascade.decide_batch(items, budget, questions=["urgent"])
+        return [(r.answers["urgent"].routing.tier, r.answers["urgent"].routing.budget_limited,
+                 round(r.answers["urgent"].routing.cost_ms, 6)) for r in responses]
 
     with Cascade.load(three_tiers(trained[2], tmp_path / "keep", gemma_path, 0.0),
                       labels=labels, threads=1) as keeping:
@@ -443,13 +463,50 @@ def test_cli_decide_needs_a_teacher_and_resumes(
     args = ["decide", "--bundle", str(directory), "--corpus", str(corpus), "--out", str(out)]
     assert main(args) == 2
     assert "RouterError" in capsys.readouterr().err and not out.exists()
-    assert main([*args, "--teacher", str(gemma_path), "--batch-size", "2", "--threads", "1"]) == 0
+    args += ["--teacher", str(gemma_path)]
+    assert main(args) == 2  # the bundle's labels did not come from gemma
+    assert "cannot escalate to" in capsys.readouterr().err and not out.exists()
+    args.append("--accept-other-teacher")
+    assert main([*args, "--batch-size", "2", "--threads", "1"]) == 0
     rows = [json.loads(line) for line in out.open(encoding="utf-8")]
+    assert {row["answers"]["spam"]["routing"]["certified"] for row in rows} == {False}
     assert [row["id"] for row in rows] == [json.loads(line)["id"] for line in corpus.open()]
-    assert rows[0]["answers"]["spam"]["routing"]["tier"] == "encoder"
-    assert rows[0]["answers"]["urgent"]["routing"]["tier"] == "teacher"
+    assert rows[0]["answers"]["urgent"]["routing"]["tier"] == "encoder"
+    assert rows[0]["answers"]["spam"]["routing"]["tier"] == "teacher"
     with out.open("a", encoding="utf-8") as handle:
         handle.write('{"id": "cut sh')
-    assert main([*args, "--teacher", str(gemma_path), "--threads", "1"]) == 0
+    assert main([*args, "--threads", "1"]) == 0
     assert "decided 0 items (3 already in" in capsys.readouterr().out
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
+
+
+def test_gguf_tiers_run_where_the_bundle_or_the_caller_places_them(
+    trained: tuple, labels: Mapping, urgent_items: list[Item], tmp_path: Path, gemma_path: Path
+) -> None:
+    directory = three_tiers(trained[2], tmp_path / "b", gemma_path, 0.0)
+    data = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    data["tiers"][1]["placement"] = {"gpu_layers": 1, "threads": 1}
+    (directory / "manifest.json").write_text(json.dumps(data), encoding="utf-8")
+    if not llama_cpp.llama_supports_gpu_offload():  # the bundle's default is used, and refused
+        with pytest.raises(ModelError, match=r"1 GPU layers asked.*no GPU offload"):
+            Cascade.load(directory, labels=labels)
+    per_tier = {"small": Placement(gpu_layers=0, extra_buffers="off")}
+    with Cascade.load(directory, labels=labels, placement=per_tier) as cascade:
+        response = cascade.decide_batch(urgent_items[:1], questions=["urgent"])[0]
+    assert response.answers["urgent"].routing.tier == "small"
+    assert response.usage.ran_on == {"small": "cpu, 1 thread, extra buffers off (asked)"}
+
+
+def test_answers_say_when_the_encoder_cut_the_state_and_where_it_ran(
+    trained: tuple, labels: Mapping, texts: Mapping, tmp_path: Path
+) -> None:
+    directory = variant(trained[2], tmp_path / "b", thresholds=thresholds(0.0))
+    short = texts[next(iter(texts))]
+    with Cascade.load(directory, labels=labels) as cascade:
+        long = " ".join([short] * 40)
+        whole, cut = cascade.decide_batch([Item("s", short), Item("l", long)], questions=["urgent"])
+        encoder = cascade.tiers[0].encoder
+    assert whole.answers["urgent"].routing.input_cut is None
+    assert cut.answers["urgent"].routing.input_cut == (
+        f"encoder read the first {encoder.max_length} tokens (max_length); the rest was cut")
+    assert whole.usage.ran_on == {"encoder": "onnxruntime CPUExecutionProvider (device 'cpu' asked)"}

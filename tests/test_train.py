@@ -1,7 +1,8 @@
-"""Fast-tier training on real texts; gold labels of SMS spam and AG News stand in for the teacher.
+"""Fast-tier training on the generated corpus of ``corpora``, whose labels stand in for the teacher.
 
-Other test modules build their bundle with ``write_training_inputs`` and the session-wide
-embedding cache of ``shared_cache_dir``, so the ~600 texts are embedded once per session.
+The bundle tested is the session's (conftest ``trained_bundle``), which the router, calibration,
+evaluation and bundle tests share; retraining reads the session's embedding cache, so the
+corpus is embedded once per session.
 """
 
 from __future__ import annotations
@@ -12,110 +13,66 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from corpora import (
+    HEADED,
+    N_ITEMS,
+    N_URGENT,
+    QUESTIONS,
+    QUESTIONS_JSON,
+    TEACHER,
+    corpus_items,
+    read_jsonl,
+    train,
+    write_jsonl,
+    write_training_inputs,
+)
 
 from cascade.bundle import NGRAMS_NAME, Bundle, ExternalTier, GgufTier, file_sha256
 from cascade.cli import build_parser, main
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import PROMPT_VERSION
-from cascade.questions import parse_request
 from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
-from distill.store import LabelStore, Teacher, import_labels
-from distill.train import MIN_TRAIN_LABELS, TrainError, train_bundle
+from distill.store import Teacher
+from distill.train import MIN_TRAIN_LABELS, TrainError
 
-N_SPAM, N_HAM, N_NEWS, N_RARE, N_URGENT = 100, 200, 300, 8, 60
-GOLD = Teacher(kind="external", model="gold labels")
-QUESTIONS_JSON = {
-    "spam": {"type": "noul", "instructions": "Is this message spam?"},
-    "topic": {"type": "choice", "instructions": "What is this news item about?",
-              "criteria": {"World": "world news", "Sports": "sport", "Business": "business",
-                           "Sci/Tech": "science and technology"}},
-    "rare": {"type": "noul", "instructions": "Does it mention a rare event?"},
-    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
-}
 # part_of("item-0") ... part_of("item-7"), pinned: a changed split would move calibrated items
 GOLDEN_PARTS = ["evaluation", "evaluation", "evaluation", "train", "evaluation", "evaluation", "train",
                 "evaluation"]
-QUESTIONS = parse_request({"state": "x", "questions": QUESTIONS_JSON}).questions
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.open(encoding="utf-8")]
+@pytest.fixture
+def inputs(labelled: tuple[Path, Path]) -> tuple[Path, Path]:
+    """The session's (corpus, store), under the name training reads them by."""
+    return labelled
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return path
+@pytest.fixture
+def cache_dir(embedding_cache: Path) -> Path:
+    """The session's embedding cache: a retrain here embeds nothing."""
+    return embedding_cache
 
 
-def gold_rows(data: Path) -> tuple[list[dict], list[dict]]:
-    """100 spam + 200 ham SMS rows and the first 300 AG News rows, as in the shared data."""
-    sms = _rows(data / "sms_spam.jsonl")
-    spam, ham = ([r for r in sms if r["label"] == label] for label in ("spam", "ham"))
-    return spam[:N_SPAM] + ham[:N_HAM], _rows(data / "ag_news_test.jsonl")[:N_NEWS]
-
-
-def write_training_inputs(root: Path, data: Path, teacher: Teacher = GOLD) -> tuple[Path, Path]:
-    """A 600-item corpus and a label store of its gold labels: (corpus path, store path).
-
-    "rare" has too few labels for a head and "urgent" a single answer, so both get none.
-    """
-    sms, news = gold_rows(data)
-    corpus = _write_jsonl(root / "corpus.jsonl", [{"id": r["id"], "text": r["text"]} for r in sms + news])
-    labels = [{"id": r["id"], "question": "spam", "answer": r["label"] == "spam"} for r in sms]
-    labels += [{"id": r["id"], "question": "topic", "answer": r["label_name"]} for r in news]
-    labels += [{"id": r["id"], "question": "rare", "answer": True} for r in news[:N_RARE]]
-    labels += [{"id": r["id"], "question": "urgent", "answer": False} for r in sms[:N_URGENT]]
-    with LabelStore(root / "labels.sqlite", teacher) as store:
-        import_labels(store, _write_jsonl(root / "gold.jsonl", labels), QUESTIONS)
-    return corpus, root / "labels.sqlite"
-
-
-def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "embedding-cache"
-
-
-def train(corpus: Path, store_path: Path, bundle_dir: Path, encoder: Encoder, cache: Path,
-          **kwargs: object) -> Bundle:
-    with LabelStore.open_existing(store_path) as store:
-        return train_bundle(QUESTIONS, corpus, store, bundle_dir, encoder=encoder, cache_dir=cache,
-                            progress=False, **kwargs)  # type: ignore[arg-type]
+@pytest.fixture
+def bundle(trained_bundle: Bundle) -> Bundle:
+    """The session's bundle, trained on ``inputs``; tests only read it."""
+    return trained_bundle
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> tuple[Path, Path]:
-    return write_training_inputs(tmp_path_factory.mktemp("inputs"), shared_data)
+def answers() -> dict[str, tuple[str, dict[str, str]]]:
+    """item id -> (text, the teacher's most probable answer to each question)."""
+    return {item.id: (item.text, item.teacher_answers()) for item in corpus_items()}
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_cache_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path], encoder: Encoder,
-           cache_dir: Path) -> Bundle:
-    return train(*inputs, tmp_path_factory.mktemp("bundle"), encoder, cache_dir)
-
-
-@pytest.fixture(scope="module")
-def gold(shared_data: Path) -> dict[str, dict[str, tuple[str, str]]]:
-    """question -> item id -> (text, gold option key)."""
-    sms, news = gold_rows(shared_data)
-    return {
-        "spam": {r["id"]: (r["text"], "true" if r["label"] == "spam" else "false") for r in sms},
-        "topic": {r["id"]: (r["text"], r["label_name"]) for r in news},
-    }
-
-
-@pytest.mark.parametrize("qid", ["spam", "topic"])
+@pytest.mark.parametrize("qid", HEADED)
 def test_heads_beat_the_majority_answer_on_evaluation_items(
-    qid: str, bundle: Bundle, gold: dict, encoder: Encoder, cache_dir: Path
+    qid: str, bundle: Bundle, answers: dict, encoder: Encoder, cache_dir: Path
 ) -> None:
-    items = [i for i in bundle.split_ids()["evaluation"] if i in gold[qid]]
+    items = bundle.split_ids()["evaluation"]
     keys = QUESTIONS[qid].option_keys()
-    truth = np.array([keys.index(gold[qid][i][1]) for i in items])
-    texts = [gold[qid][i][0] for i in items]
+    truth = np.array([keys.index(answers[i][1][qid]) for i in items])
+    texts = [answers[i][0] for i in items]
     X = beside(EmbeddingCache(cache_dir, encoder).encode(texts), bundle.ngrams, texts)
     accuracy = (bundle.heads[qid].predict(X) == truth).mean()
     majority = np.bincount(truth).max() / len(truth)
@@ -127,32 +84,35 @@ def test_heads_beat_the_majority_answer_on_evaluation_items(
 
 def test_questions_without_enough_labels_get_no_head(bundle: Bundle) -> None:
     heads = bundle.manifest.tiers[0].heads  # type: ignore[union-attr]
-    assert set(bundle.heads) == {"spam", "topic"}
+    assert set(bundle.heads) == set(HEADED)
     assert heads["rare"].train_items < MIN_TRAIN_LABELS
     assert heads["rare"].skipped == (
         f"only {heads['rare'].train_items} train labels; a head needs at least {MIN_TRAIN_LABELS}"
     )
-    assert heads["urgent"].skipped is not None
-    n_urgent = heads["urgent"].train_items
-    assert heads["urgent"].skipped.startswith(f"all {n_urgent} train labels answer 'false'")
-    assert all(heads[q].has_head for q in ("spam", "topic"))
+    assert heads["spam"].skipped is not None
+    n_spam = heads["spam"].train_items
+    assert n_spam >= MIN_TRAIN_LABELS
+    assert heads["spam"].skipped.startswith(f"all {n_spam} train labels answer 'false'")
+    assert all(heads[q].has_head for q in HEADED)
 
 
 def test_manifest_describes_the_training(bundle: Bundle, inputs: tuple[Path, Path]) -> None:
     manifest = bundle.manifest
     parts = bundle.split_ids()
-    labelled = [r["id"] for r in _rows(inputs[0])]
+    labelled = [r["id"] for r in read_jsonl(inputs[0])]
     assert parts == split_ids(labelled, DEFAULT_FRACTIONS, manifest.split.salt)
     assert manifest.split.fractions == DEFAULT_FRACTIONS
     heads = manifest.tiers[0].heads  # type: ignore[union-attr]
-    assert heads["spam"].train_items == sum(i.startswith("sms-") for i in parts["train"])
-    assert heads["topic"].held_out_items == sum(i.startswith("agnews-") for i in parts["calibration"])
-    assert isinstance(manifest.tiers[-1], ExternalTier) and manifest.tiers[-1].labels == "gold labels"
-    assert manifest.teacher.model_dump() == GOLD.model_dump()
+    urgent = set(labelled[:N_URGENT])  # the question labelled on part of the corpus
+    assert heads["urgent"].train_items == len(urgent & set(parts["train"])) < len(parts["train"])
+    assert heads["urgent"].held_out_items == len(urgent & set(parts["calibration"]))
+    assert heads["department"].held_out_items == len(parts["calibration"])
+    assert isinstance(manifest.tiers[-1], ExternalTier) and manifest.tiers[-1].labels == TEACHER.model
+    assert manifest.teacher.model_dump() == TEACHER.model_dump()
     assert manifest.prompt_version == PROMPT_VERSION
     assert all(manifest.threshold(q, "encoder") is None for q in QUESTIONS)
-    assert manifest.temperature("topic", "encoder") == 1.0
-    assert manifest.training["labelled_items"] == N_SPAM + N_HAM + N_NEWS
+    assert manifest.temperature("department", "encoder") == 1.0
+    assert manifest.training["labelled_items"] == N_ITEMS
     assert manifest.parsed_questions() == QUESTIONS
 
 
@@ -162,14 +122,14 @@ def test_retraining_embeds_nothing_new(
     again = train(*inputs, tmp_path / "again", encoder, cache_dir, C=0.5)
     assert again.manifest.training["new_embeddings"] == 0
     assert again.manifest.training["C"] == 0.5
-    assert len(EmbeddingCache(cache_dir, encoder)) >= N_SPAM + N_HAM + N_NEWS
+    assert len(EmbeddingCache(cache_dir, encoder)) >= N_ITEMS
     assert again.split_ids() == bundle.split_ids()
 
 
 def test_ngrams_are_learnt_from_the_train_part_only(
     bundle: Bundle, inputs: tuple[Path, Path], encoder: Encoder
 ) -> None:
-    texts = {r["id"]: r["text"].strip() for r in _rows(inputs[0])}
+    texts = {r["id"]: r["text"].strip() for r in read_jsonl(inputs[0])}
     expected = NgramFeatures().fit([texts[i] for i in bundle.split_ids()["train"]])
     assert bundle.ngrams is not None and bundle.manifest.training["ngrams"] is True
     np.testing.assert_array_equal(bundle.ngrams.idf_, expected.idf_)
@@ -187,13 +147,13 @@ def test_without_ngrams_the_heads_read_the_embedding_alone(
 
 
 @pytest.fixture
-def gguf_store(tmp_path: Path, shared_data: Path) -> Iterator[tuple[Path, Path, Path]]:
+def gguf_store(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
     """Inputs labelled by a 'GGUF teacher' whose file is pinned by its bytes (never run here)."""
     model = tmp_path / "teacher.gguf"
     model.write_bytes(b"GGUF stand-in bytes")
     teacher = Teacher(kind="gguf", model="teacher.gguf", model_sha256=file_sha256(model),
                       prompt_version=PROMPT_VERSION)
-    yield (*write_training_inputs(tmp_path, shared_data, teacher), model)
+    yield (*write_training_inputs(tmp_path, teacher), model)
 
 
 def test_gguf_teacher_becomes_a_pinned_top_tier(
@@ -215,13 +175,13 @@ def test_gguf_teacher_becomes_a_pinned_top_tier(
 
 
 def test_labels_of_another_prompt_version_are_refused(
-    tmp_path: Path, shared_data: Path, encoder: Encoder, cache_dir: Path
+    tmp_path: Path, encoder: Encoder, cache_dir: Path
 ) -> None:
     model = tmp_path / "teacher.gguf"
     model.write_bytes(b"GGUF stand-in bytes")
     old = Teacher(kind="gguf", model="teacher.gguf", model_sha256=file_sha256(model),
                   prompt_version="readout-v0")
-    corpus, store = write_training_inputs(tmp_path, shared_data, old)
+    corpus, store = write_training_inputs(tmp_path, old)
     with pytest.raises(TrainError, match=r"prompt version 'readout-v0'.*Relabel"):
         train(corpus, store, tmp_path / "b", encoder, cache_dir, teacher_model=model)
 
@@ -229,7 +189,7 @@ def test_labels_of_another_prompt_version_are_refused(
 def test_a_corpus_without_labelled_items_is_refused(
     inputs: tuple[Path, Path], encoder: Encoder, cache_dir: Path, tmp_path: Path
 ) -> None:
-    corpus = _write_jsonl(tmp_path / "other.jsonl", [{"id": "x1", "text": "unrelated"}])
+    corpus = write_jsonl(tmp_path / "other.jsonl", [{"id": "x1", "text": "unrelated"}])
     with pytest.raises(TrainError, match=r"no item of .*other.jsonl has a teacher label"):
         train(corpus, inputs[1], tmp_path / "b", encoder, cache_dir)
 
@@ -258,7 +218,7 @@ def test_cli_prints_a_table_and_the_bundle(
     out = capsys.readouterr().out.splitlines()
     assert code == 0
     assert out[0].split() == ["question", "train", "n", "held-out", "n", "agreement", "head"]
-    assert out[1].split()[0] == "spam" and out[1].split()[-1] == "yes"
+    assert out[1].split()[0] == "urgent" and out[1].split()[-1] == "yes"
     assert "none: only" in out[3] and "none: all" in out[4]
     assert out[-1] == f"bundle: {(tmp_path / 'cli').resolve()}"
     Bundle.load(tmp_path / "cli")

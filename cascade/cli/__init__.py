@@ -12,13 +12,14 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from cascade.cli import calibrate, decide, demo, evaluate, label, roofline, score, train
+from cascade.cli import calibrate, decide, demo, evaluate, label, roofline, score, teacher_model, train
 from cascade.errors import CascadeError
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS = {"score": score.add_parser, "roofline": roofline.add_parser, "label": label.add_parser,
             "train": train.add_parser, "decide": decide.add_parser, "evaluate": evaluate.add_parser,
-            "calibrate": calibrate.add_parser, "demo": demo.add_parser}
+            "calibrate": calibrate.add_parser, "demo": demo.add_parser,
+            "teacher-model": teacher_model.add_parser}
 
 
 def build_parser() -> argparse.ArgumentParser:

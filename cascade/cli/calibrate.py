@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cascade.cli.common import add_on_error_argument, add_placement_arguments, placement_of, report_skipped
+
 if TYPE_CHECKING:
     from distill.calibration import CalibrationResult
 
@@ -14,11 +16,15 @@ Run every cheap tier of a bundle on its held-out calibration items (never the it
 were trained on), compare with the teacher's labels, and write into the bundle, per question and
 tier: an acceptance threshold on the tier's raw top probability, set on all of the items, and a
 temperature (fitted on 30% of them) that rescales the probabilities answers report without
-moving which answers are kept. A threshold is certified: with probability >= 1 - delta over the
-calibration draw, the cascade agrees with the teacher on at least the target share of new items
-from the same distribution. Where the target cannot be certified the threshold stays empty (the
-tier keeps nothing) and the table says what is reachable. With --escalation-fraction, each cheap
-tier instead escalates that share of its items and the agreement that follows is reported. Also
+moving which answers are kept. A threshold is certified per question: with probability >= 1 -
+delta over the calibration draw, that question's answers agree with the teacher on at least the
+target share of new items from the same distribution. Each question spends its own delta, so
+with Q questions all hold together only with probability >= 1 - Q x delta; --family-wise splits
+delta over the questions so that all hold at once with probability >= 1 - delta (the cascade
+then keeps less). Where the target cannot be certified the threshold stays empty (the tier keeps
+nothing) and the table says what is reachable. With --escalation-fraction, each cheap tier
+instead escalates that share of the items that reach it (with m cheap tiers the teacher answers
+about F^m of them) and the agreement that follows is reported. Also
 measures each tier's cost, and writes report.html (self-contained) and report.json."""
 EPILOG = """\
 example:
@@ -37,6 +43,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         result = calibrate_bundle(
             bundle, args.corpus, store, target=args.target_agreement, delta=args.delta,
             escalation_fraction=args.escalation_fraction, text_field=args.text_field,
+            placement=placement_of(args), family_wise=args.family_wise, on_error=args.on_error,
+            on_bad=report_skipped,
         )
     path = write_report(result, Bundle.load(args.bundle), args.report)
     _print_table(result)
@@ -66,6 +74,20 @@ def _print_table(result: CalibrationResult) -> None:
             print(f"{fit.question} / {fit.tier}: {fit.message}")
     for skip in result.skipped:
         print(f"{skip.question} / {skip.tier}: {skip.reason}")
+    if result.escalation_fraction is None:
+        print(_scope(result))
+    if result.unlabelled_items:
+        print(f"{result.unlabelled_items} corpus items of the calibration part have no teacher label "
+              "(skipped by the teacher): not calibrated on, not covered, still routed")
+
+
+def _scope(result: CalibrationResult) -> str:
+    """The one line that says which statement the thresholds certify."""
+    if result.family_wise:
+        return (f"guarantee family-wise: all {result.family_size} questions meet the target at once "
+                f"with probability >= {1 - result.delta:.1%}")
+    return (f"guarantee per question: each meets the target with probability >= {1 - result.delta:.1%} "
+            "on its own, not all at once (--family-wise for that)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -87,10 +109,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", type=float, default=0.05, metavar="D",
                    help="allowed probability that the guarantee fails, in (0, 1) (default 0.05)")
     p.add_argument("--escalation-fraction", type=float, metavar="F",
-                   help="budget mode: each cheap tier escalates this share of its items, in [0, 1], "
-                   "instead of meeting a target")
+                   help="budget mode: each cheap tier escalates this share of the items that reach "
+                   "it, in [0, 1], instead of meeting a target")
+    p.add_argument("--family-wise", action="store_true",
+                   help="one guarantee for all questions at once: split delta over the questions "
+                   "(default: each question holds on its own at 1 - delta)")
     p.add_argument("--report", type=Path, required=True, metavar="DIR",
                    help="folder for report.html and report.json (created)")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="corpus field holding each state (default: text)")
+    add_on_error_argument(p)
+    add_placement_arguments(p)
     p.set_defaults(run=_cmd_calibrate)

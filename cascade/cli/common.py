@@ -3,16 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cascade.errors import CascadeError
+from cascade.errors import RequestError
+from cascade.placement import Placement
+
+if TYPE_CHECKING:
+    from cascade.questions import DecisionRequest
 
 
-def read_text(path: Path, what: str) -> str:
-    """A user-named file's text, or an error that names the file and what it should be."""
+def read_request(path: Path) -> DecisionRequest:
+    """A request file, validated; every problem names the file, which ``parse_request`` (given
+    the text alone) cannot: "req.json: request: invalid JSON at line 3, column 5: ..."."""
+    from cascade.questions import parse_request
+
     if not path.is_file():
-        raise CascadeError(f"{what} not found: {path}")
-    return path.read_text(encoding="utf-8")
+        raise RequestError(f"request file not found: {path}")
+    try:
+        return parse_request(path.read_bytes())
+    except RequestError as exc:
+        raise RequestError("\n".join(f"{path}: {line}" for line in str(exc).splitlines())) from None
+
+
+def add_on_error_argument(p: argparse.ArgumentParser) -> None:
+    """``--on-error`` for a command that reads a corpus, spelled as ``cascade label`` spells it, so
+    that the advice a bad line's error gives works with every such command."""
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="at a bad corpus line: stop with its line number (default), or skip it, "
+                   "name it on stderr, and go on")
+
+
+def report_skipped(bad: object) -> None:
+    """Name a skipped corpus line (file:line: why) on stderr as soon as it is met."""
+    print(f"skipped {bad}", file=sys.stderr)
 
 
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,3 +47,36 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
                    help="predicted milliseconds per item, pooled over each batch (default: no bound)")
     p.add_argument("--max-escalation", type=float, metavar="F",
                    help="most of each batch's questions the top tier may answer, 0..1 (default: no bound)")
+
+
+def whole_number(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number; got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more; got {value}")
+        return value
+    return parse
+
+
+def add_placement_arguments(p: argparse.ArgumentParser, threads: bool = True,
+                            gpu_default: str = ": the bundle's per-tier setting, else 0") -> None:
+    """Where GGUF models run, spelled the same by every command that opens one."""
+    p.add_argument("--gpu-layers", type=whole_number(0), metavar="N",
+                   help="layers of each GGUF model to offload to the GPU (99: all); needs a CUDA "
+                   f"build of llama-cpp-python, and a CPU build refuses it (default{gpu_default})")
+    if threads:
+        p.add_argument("--threads", type=whole_number(1), metavar="N",
+                       help="CPU threads of each model (default: all cores)")
+    p.add_argument("--extra-buffers", choices=("auto", "on", "off"),
+                   help="llama.cpp's extra weight buffer types (CPU repacking): auto turns them off "
+                   "where llama.cpp reports Intel AMX, whose buffers crash some Xeons, and keeps "
+                   "them elsewhere (default: auto, or $CASCADE_EXTRA_BUFTS)")
+
+
+def placement_of(args: argparse.Namespace) -> Placement:
+    """The placement the command line asked for; fields not given stay None (tier defaults)."""
+    return Placement(gpu_layers=args.gpu_layers, threads=getattr(args, "threads", None),
+                     extra_buffers=args.extra_buffers)

@@ -9,7 +9,13 @@ from collections import Counter
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from cascade.cli.common import add_budget_arguments
+from cascade.cli.common import (
+    add_budget_arguments,
+    add_on_error_argument,
+    add_placement_arguments,
+    placement_of,
+    report_skipped,
+)
 from cascade.errors import CascadeError, RequestError
 
 if TYPE_CHECKING:
@@ -44,13 +50,14 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     done = _done_ids(args.out)
     tiers: Counter[str] = Counter()
     written = 0
-    with Cascade.load(args.bundle, teacher=args.teacher, device=args.device,
-                      threads=args.threads) as cascade, \
+    with Cascade.load(args.bundle, teacher=args.teacher, device=args.device, threads=args.threads,
+                      placement=placement_of(args),
+                      accept_other_teacher=args.accept_other_teacher) as cascade, \
             args.out.open("a", encoding="utf-8") as out, \
             tqdm(total=count_items(args.corpus), initial=len(done), unit="item") as bar:
         field = args.text_field or cascade.manifest.training.get("text_field", "text")
         batch: list[Item] = []
-        for row in read_corpus(args.corpus, field):
+        for row in read_corpus(args.corpus, field, args.on_error, report_skipped):
             if row.id in done:
                 continue
             batch.append(Item(row.id, row.state))
@@ -115,10 +122,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GGUF to run as the top tier of a bundle whose teacher is external labels")
     p.add_argument("--text-field", metavar="NAME",
                    help="corpus field holding each state (default: the one the bundle was trained on)")
+    add_on_error_argument(p)
     p.add_argument("--batch-size", type=int, default=32, metavar="N",
                    help="items routed together: one encoder batch and one budget (default 32)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="CPU threads of each model (default: all cores)")
+    p.add_argument("--accept-other-teacher", action="store_true",
+                   help="run --teacher even if it is not the model the bundle's labels came from "
+                   "(another sha256 or prompt version); every answer is then marked certified=false")
+    add_placement_arguments(p)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                   help="where the encoder runs (default cpu)")
+                   help="where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "
+                   "has it, and each answer's usage.ran_on says which it got)")
     p.set_defaults(run=_cmd_decide)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cascade.cli.common import add_placement_arguments
+
 DESCRIPTION = """\
 Run every step of the cascade, end to end, on embedded defaults:
   1. a corpus: support messages generated from parts (seeded), or your --corpus
@@ -26,7 +28,8 @@ examples:
 
 
 _CONFIG_FIELDS = ("workdir", "items", "seed", "gemma_items", "eval_items", "target", "delta",
-                  "threads", "gguf", "corpus", "questions", "labels", "force")
+                  "family_wise", "threads", "gpu_layers", "extra_buffers", "gguf", "corpus",
+                  "questions", "labels", "force")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -64,8 +67,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="agreement with the teacher to calibrate for (default 0.95)")
     p.add_argument("--delta", type=float, metavar="D",
                    help="the target may be missed with probability at most D (default 0.05)")
+    p.add_argument("--family-wise", action="store_true",
+                   help="certify all questions at once at 1 - D (default: each question on its own)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for the encoder and gemma (default: all cores)")
+    add_placement_arguments(p, threads=False, gpu_default=" 0")
     p.add_argument("--gguf", type=Path, metavar="MODEL.gguf",
                    help="the readout tier's GGUF (default: the embedded gemma-3-270m)")
     p.add_argument("--corpus", type=Path, metavar="C.jsonl",

@@ -6,7 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
-from cascade.cli.common import add_budget_arguments
+from cascade.cli.common import (
+    add_budget_arguments,
+    add_on_error_argument,
+    add_placement_arguments,
+    placement_of,
+    report_skipped,
+)
 
 DESCRIPTION = """\
 Route the bundle's "evaluation" items (never its train or calibration items) through its tiers,
@@ -34,7 +40,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         evaluation = evaluate_bundle(args.bundle, args.corpus, store, budget,
                                      text_field=args.text_field, device=args.device,
                                      batch_items=args.batch_size,
-                                     cache_dir=args.cache_dir or default_cache_dir())
+                                     cache_dir=args.cache_dir or default_cache_dir(),
+                                     placement=placement_of(args), on_error=args.on_error,
+                                     on_bad=report_skipped)
     args.json.write_text(json.dumps(evaluation.model_dump(mode="json"), indent=2) + "\n",
                          encoding="utf-8")
     print(format_evaluation(evaluation))
@@ -60,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_budget_arguments(p)
     p.add_argument("--text-field", metavar="NAME",
                    help="corpus field holding each state (default: the one the bundle was trained on)")
+    add_on_error_argument(p)
     p.add_argument("--batch-size", type=int, default=256, metavar="N",
                    help="items routed together, each batch with its own budget (default 256)")
     p.add_argument("--cache-dir", type=Path, metavar="DIR",
@@ -67,4 +76,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: ~/.cache/cascade, as cascade train)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                    help="where the encoder runs (default cpu)")
+    add_placement_arguments(p)
     p.set_defaults(run=_cmd_evaluate)

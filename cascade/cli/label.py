@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cascade.cli.common import add_placement_arguments, whole_number
+
+if TYPE_CHECKING:
+    from cascade.questions import Question
+    from cascade.readout import HeadTailExcerpt
+    from distill.label import LabelSummary
+    from distill.store import ImportSummary
 
 DEFAULT_TEACHER_NAME = "external labels"
 DESCRIPTION = """\
@@ -26,17 +35,20 @@ EPILOG = """\
 examples:
   cascade label --questions q.json --corpus emails.jsonl --store labels.sqlite \\
       --teacher qwen3.5-4b-q4_k_m.gguf --gpu-layers 99 --excerpt head_tail:2048
+  cascade label --questions q.json --corpus emails.jsonl --store labels.sqlite \\
+      --teacher qwen3.5-4b-q4_k_m.gguf --gpu-layers 99 --ray auto --actors 8
   cascade label --questions q.json --store gold.sqlite --import gold.jsonl --teacher-name gold
   cascade label --store labels.sqlite --export labels.jsonl"""
 
 _MODES = {
     # mode flag: (flags it needs, flags it refuses)
     "teacher": (("questions", "corpus"), ("teacher_name",)),
-    "import_path": (("questions",), ("corpus",)),
-    "export_path": ((), ("questions", "corpus", "teacher_name")),
+    "import_path": (("questions",), ("corpus", "ray")),
+    "export_path": ((), ("questions", "corpus", "teacher_name", "ray")),
 }
 _FLAGS = {"teacher": "--teacher", "import_path": "--import", "export_path": "--export",
-          "questions": "--questions", "corpus": "--corpus", "teacher_name": "--teacher-name"}
+          "questions": "--questions", "corpus": "--corpus", "teacher_name": "--teacher-name",
+          "ray": "--ray"}
 
 
 def _check_mode(args: argparse.Namespace) -> str:
@@ -64,19 +76,13 @@ def _cmd_label(args: argparse.Namespace) -> int:
 def _label(args: argparse.Namespace) -> int:
     from cascade.readout import HeadTailExcerpt
     from distill.corpus import load_questions
-    from distill.label import label_corpus, open_teacher, teacher_of
-    from distill.store import LabelStore
 
+    ray_only = [flag for flag in ("actors", "batch_size") if getattr(args, flag) is not None]
+    if ray_only and not args.ray:
+        args.parser.error(f"--{ray_only[0].replace('_', '-')} needs --ray")
     questions = load_questions(args.questions)
     excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
-    scorer = open_teacher(args.teacher, questions, args.permutations, args.n_ctx, args.gpu_layers,
-                          args.threads)
-    try:
-        with LabelStore(args.store, teacher_of(scorer)) as store:
-            summary = label_corpus(scorer, questions, args.corpus, store, args.text_field,
-                                   args.on_error, args.permutations, excerpt=excerpt)
-    finally:
-        scorer.close()
+    summary = (_label_on_ray if args.ray else _label_here)(args, questions, excerpt)
     for bad in summary.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     print(f"labelled {summary.labelled} items, {summary.skipped_done} already done, "
@@ -88,19 +94,66 @@ def _label(args: argparse.Namespace) -> int:
     return 0
 
 
+def _label_here(args: argparse.Namespace, questions: dict[str, Question],
+                excerpt: HeadTailExcerpt | None) -> LabelSummary:
+    """Label in this process, with one teacher scorer."""
+    from distill.label import label_corpus, open_teacher, teacher_of
+    from distill.store import LabelStore
+
+    scorer = open_teacher(args.teacher, questions, args.permutations, args.n_ctx, args.gpu_layers or 0,
+                          args.threads, args.extra_buffers)
+    try:
+        with LabelStore(args.store, teacher_of(scorer)) as store:
+            return label_corpus(scorer, questions, args.corpus, store, args.text_field,
+                                args.on_error, args.permutations, excerpt=excerpt)
+    finally:
+        scorer.close()
+
+
+def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
+                  excerpt: HeadTailExcerpt | None) -> LabelSummary:
+    """Label on a Ray cluster's actors; this process reads the corpus and writes the store."""
+    from cascade.cli.common import placement_of
+    from distill.label import teacher_of_file
+    from distill.label_ray import RayOptions, TeacherSpec, label_on_ray, require_ray
+    from distill.store import LabelStore
+
+    require_ray()
+    spec = TeacherSpec(model_path=args.teacher, questions=questions, permutations=args.permutations,
+                       n_ctx=args.n_ctx, placement=placement_of(args), excerpt=excerpt)
+    options = RayOptions(address=args.ray, actors=args.actors or 1, batch_size=args.batch_size or 8)
+    with LabelStore(args.store, teacher_of_file(args.teacher)) as store:
+        return label_on_ray(spec, args.corpus, store, options, args.text_field, args.on_error)
+
+
 def _import(args: argparse.Namespace) -> int:
     from distill.corpus import load_questions
-    from distill.store import LabelStore, Teacher, import_labels
+    from distill.store import LabelStore, Teacher, import_labels, removed_on_failure
 
     questions = load_questions(args.questions)
     teacher = Teacher(kind="external", model=args.teacher_name or DEFAULT_TEACHER_NAME)
-    with LabelStore(args.store, teacher) as store:
-        summary = import_labels(store, args.import_path, questions, args.on_error)
-    for line, message in summary.errors:
-        print(f"skipped {args.import_path}:{line}: {message}", file=sys.stderr)
+    with removed_on_failure(args.store):
+        with LabelStore(args.store, teacher) as store:
+            summary = import_labels(store, args.import_path, questions, args.on_error)
+        for line, message in summary.errors:
+            print(f"skipped {args.import_path}:{line}: {message}", file=sys.stderr)
+        _check_imported(summary, args.import_path)
     print(f"imported {summary.imported} of {summary.rows} rows, {summary.skipped} skipped; "
           f"store: {args.store}")
     return 0
+
+
+def _check_imported(summary: ImportSummary, path: Path) -> None:
+    """An import that stores nothing is a mistake (the wrong file, or rows for other questions),
+    not a success to exit 0 on."""
+    from distill.store import StoreError
+
+    if not summary.rows:
+        raise StoreError(f"nothing imported: {path} is empty; give one JSON row per line, like "
+                         '{"id": "e1", "question": "urgent", "answer": true}')
+    if not summary.imported:
+        raise StoreError(f"nothing imported: all {summary.rows} rows of {path} were skipped, for "
+                         "the reasons listed above")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -147,8 +200,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="label over-long items from their first and last N/2 state tokens "
                    "(default: an over-long item is a bad item, see --on-error)")
     p.add_argument("--n-ctx", type=int, default=4096, metavar="N", help="context tokens (default 4096)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: all cores)")
-    p.add_argument("--gpu-layers", type=int, default=0, metavar="N",
-                   help="layers to offload to a GPU (CUDA build; default 0)")
+    add_placement_arguments(p)
+    ray = p.add_argument_group("labelling on a Ray cluster (pip install 'cascade-router[ray]')")
+    ray.add_argument("--ray", metavar="ADDRESS",
+                     help="label on Ray actors: a cluster's address (HEAD_IP:6379, auto) or 'local' to "
+                     "start one here; this process reads the corpus and is the store's only writer")
+    ray.add_argument("--actors", type=whole_number(1), metavar="N",
+                     help="teacher copies (default 1), one GPU each with --gpu-layers; each runs and "
+                     "reserves --threads CPUs (default 1 with --ray)")
+    ray.add_argument("--batch-size", type=whole_number(1), metavar="N",
+                     help="items per actor call: what Ray retries after a failure (default 8)")
     p.set_defaults(run=_cmd_label, parser=p)

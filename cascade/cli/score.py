@@ -7,28 +7,21 @@ import json
 import sys
 from pathlib import Path
 
-from cascade.cli.common import read_text
+from cascade.cli.common import add_placement_arguments, placement_of, read_request
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
-    from cascade.questions import parse_request
     from cascade.readout import HeadTailExcerpt, Scorer
 
-    request = parse_request(read_text(args.request, "request file"))
+    request = read_request(args.request)
     if args.model is None:
         from cascade.llama import default_gguf_path
 
         args.model = default_gguf_path()
         print(f"no --model given: using the embedded {args.model.name}", file=sys.stderr)
     excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
-    scorer = Scorer(
-        args.model,
-        n_ctx=args.n_ctx,
-        max_branches=args.max_branches,
-        n_threads=args.threads,
-        n_gpu_layers=args.gpu_layers,
-        template=args.template,
-    )
+    place = placement_of(args).model_copy(update={"n_ctx": args.n_ctx})
+    scorer = Scorer.placed(args.model, place, max_branches=args.max_branches, template=args.template)
     response = scorer.score(
         request,
         path="serial" if args.serial else "fanout",
@@ -81,8 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-branches", type=int, default=16, help="questions decoded per llama_decode (default 16)"
     )
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload to a GPU (CUDA build)")
+    add_placement_arguments(p)
     p.add_argument(
         "--template",
         choices=("auto", "chat", "plain"),

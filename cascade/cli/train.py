@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cascade.cli.common import add_on_error_argument, report_skipped, whole_number
+
 DESCRIPTION = """\
 Embed every corpus item the label store has teacher labels for (once: vectors are cached, so a
 retrain re-embeds nothing), split the items by a hash of their id into train / calibration /
@@ -22,6 +24,7 @@ example:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.encoder import Encoder
+    from cascade.placement import Placement
     from distill.corpus import load_questions
     from distill.store import LabelStore
     from distill.train import default_cache_dir, train_bundle
@@ -32,7 +35,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             questions, args.corpus, store, args.bundle,
             encoder=Encoder(device=args.device), text_field=args.text_field, C=args.C,
             cache_dir=args.cache_dir or default_cache_dir(), teacher_model=args.teacher_model,
-            ngrams=args.ngrams,
+            teacher_placement=Placement(gpu_layers=args.teacher_gpu_layers),
+            ngrams=args.ngrams, on_error=args.on_error, on_bad=report_skipped,
         )
     tier = bundle.manifest.encoder_tier
     heads = tier.heads if tier is not None else {}
@@ -67,6 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="bundle folder to write (created; an existing bundle there is replaced)")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="corpus field holding each state (default: text)")
+    add_on_error_argument(p)
     p.add_argument("--C", type=float, default=1.0, metavar="C",
                    help="inverse L2 regularisation strength of the heads (default 1.0)")
     p.add_argument("--no-ngrams", dest="ngrams", action="store_false",
@@ -78,6 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher-model", type=Path, metavar="MODEL.gguf",
                    help="the teacher's GGUF, pinned as the top tier (needed when the store's "
                    "teacher is a GGUF; its sha256 must match the store's)")
+    p.add_argument("--teacher-gpu-layers", type=whole_number(0), metavar="N",
+                   help="record N GPU layers as the teacher tier's default placement (decide, "
+                   "calibrate and evaluate use it unless given --gpu-layers); default: none (CPU)")
     p.add_argument("--cache-dir", type=Path, metavar="DIR",
                    help="embedding cache folder (default: ~/.cache/cascade)")
     p.set_defaults(run=_cmd_train)

@@ -1,0 +1,120 @@
+"""Where a GGUF model runs: GPU layers, CPU threads, context size and llama.cpp's extra buffers.
+
+Machines differ, and the differences must never be silent. A CPU build of llama.cpp accepts
+``n_gpu_layers`` and ignores it, so asking it for GPU layers is refused here instead. On Intel
+CPUs with AMX, llama-cpp-python 0.3.36's AMX weight buffers (an "extra buffer type") crash the
+first decode (ggml-org/llama.cpp issue 20824), so ``extra_buffers="auto"`` loads without extra
+buffer types where llama.cpp reports AMX, and says so once. Where it reports AVX-512 they are off
+too, for speed: on an AVX-512 AMD EPYC the repacked Q4_K weights took 1.02-1.39x the CPU time of
+plain ones (bench/extra_buffers.py, BENCHMARKS.md). Elsewhere (AVX2-only x86, ARM), where
+llama.cpp's repacking is meant to pay, they stay on; that case was not measured here.
+``CASCADE_EXTRA_BUFTS`` or an explicit ``"on"`` / ``"off"`` overrides the choice either way, and
+every answer's usage records the choice and its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from functools import cache
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cascade.errors import ModelError
+
+ExtraBuffers = Literal["auto", "on", "off"]
+EXTRA_BUFFERS_ENV = "CASCADE_EXTRA_BUFTS"
+CUDA_BUILD = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
+              'llama-cpp-python==0.3.36')
+_log = logging.getLogger("cascade")
+
+
+class Placement(BaseModel):
+    """How to run one GGUF tier; None leaves a field to the next source (bundle default, built-in).
+
+    ``gpu_layers``: layers offloaded to the GPU (0: CPU only; 99 puts every layer of most models
+    there). ``threads``: CPU threads (None: all cores). ``n_ctx``: context tokens (None: the
+    tier's own). ``extra_buffers``: see the module docstring.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_layers: int | None = Field(default=None, ge=0)
+    threads: int | None = Field(default=None, ge=1)
+    n_ctx: int | None = Field(default=None, ge=16)
+    extra_buffers: ExtraBuffers | None = None
+
+    def over(self, base: Placement | None) -> Placement:
+        """This placement's fields where set, ``base``'s elsewhere."""
+        if base is None:
+            return self
+        mine = self.model_dump(exclude_none=True)
+        return base.model_copy(update=mine)
+
+
+Placements = Placement | Mapping[str, Placement] | None
+"""One placement for every GGUF tier, one per tier name, or none (each tier's default)."""
+
+
+def for_tier(placements: Placements, tier: str) -> Placement | None:
+    """The placement ``placements`` gives tier ``tier``, if any."""
+    if placements is None or isinstance(placements, Placement):
+        return placements
+    return placements.get(tier)
+
+
+def system_info() -> str:
+    """llama.cpp's feature line for this process, e.g. ``CPU : AVX2 = 1 | AMX_INT8 = 1 | ...``."""
+    import llama_cpp  # here, not at import: the command line's --help must not load llama.cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return info.decode("utf-8", errors="replace") if isinstance(info, bytes) else str(info)
+
+
+def reports_amx(info: str) -> bool:
+    """Whether llama.cpp's feature line says it will use AMX int8 kernels."""
+    return "AMX_INT8 = 1" in info
+
+
+def reports_avx512(info: str) -> bool:
+    return "AVX512 = 1" in info
+
+
+def use_extra_buffers(setting: ExtraBuffers | None, info: str) -> tuple[bool, str]:
+    """Whether to load with extra buffer types, and why (recorded where the model ran)."""
+    if setting in ("on", "off"):
+        return setting == "on", "asked"
+    env = os.environ.get(EXTRA_BUFFERS_ENV, "").strip().lower()
+    if env not in ("", "auto", "on", "off"):
+        raise ModelError(f"{EXTRA_BUFFERS_ENV} must be auto, on or off; got {env!r}")
+    if env in ("on", "off"):
+        return env == "on", f"{EXTRA_BUFFERS_ENV}={env}"
+    if reports_amx(info):
+        say_once("llama.cpp reports AMX_INT8: loading GGUF models without extra buffer types, "
+                  "since its AMX weight buffers crash on some Intel Xeons (llama.cpp issue 20824); "
+                  f"{EXTRA_BUFFERS_ENV}=on forces them")
+        return False, "AMX CPU"
+    if reports_avx512(info):
+        return False, "AVX-512 CPU, measured faster without"
+    return True, "default"
+
+
+def check_gpu_layers(gpu_layers: int) -> None:
+    """Refuse GPU layers that this llama.cpp build would silently run on the CPU."""
+    if gpu_layers < 0:
+        raise ModelError(f"gpu layers must be 0 or more (99 offloads every layer); got {gpu_layers}")
+    import llama_cpp
+
+    if gpu_layers and not llama_cpp.llama_supports_gpu_offload():
+        raise ModelError(
+            f"{gpu_layers} GPU layers asked, but this llama-cpp-python build has no GPU offload "
+            f"and would run on the CPU; rebuild it with CUDA ({CUDA_BUILD}) or ask for 0 GPU layers"
+        )
+
+
+@cache
+def say_once(message: str) -> None:
+    """One warning line per message and process (stderr unless logging is configured)."""
+    _log.warning(message)

@@ -1,0 +1,197 @@
+"""Where models run, and that nothing about it is silent: extra buffer types on AMX CPUs, GPU
+layers on a CPU build, the context a model can hold, the encoder's provider and token limit.
+
+The default decode runs in a subprocess first: on a CPU whose llama.cpp kernels crash, that one
+test fails with the signal and what to do, instead of the crash killing the whole test run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from cascade.encoder import Encoder
+from cascade.errors import ModelError
+from cascade.hashing import file_sha256
+from cascade.placement import (
+    EXTRA_BUFFERS_ENV,
+    Placement,
+    for_tier,
+    say_once,
+    system_info,
+    use_extra_buffers,
+)
+from cascade.questions import parse_request
+from cascade.readout import Scorer
+
+AMX_LINE = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
+AVX512_LINE = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
+PLAIN_LINE = "CPU : SSE3 = 1 | AVX2 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
+ONE_DECODE = """
+from cascade.llama import default_gguf_path
+from cascade.questions import parse_request
+from cascade.readout import Scorer
+scorer = Scorer(default_gguf_path(), n_ctx=512, max_branches=2, n_threads=1)
+request = parse_request({"state": "The capital of France is Paris.",
+                         "questions": {"q": {"type": "noul", "instructions": "Is this about France?"}}})
+print(scorer.ran_on)
+print(sum(scorer.score(request).answers["q"].probabilities.values()))
+"""
+REQUEST = parse_request({"state": "My payouts have failed for three days, please help!",
+                         "questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"},
+                                       "team": {"type": "choice", "instructions": "Which team?",
+                                                "criteria": {"billing": None, "tech": None}}}})
+PATH_TOLERANCE = 0.15  # BENCHMARKS.md: quantized kernels of another shape move p by up to 0.10
+
+
+def test_one_real_decode_with_the_default_settings_survives() -> None:
+    env = {k: v for k, v in os.environ.items() if k != EXTRA_BUFFERS_ENV}
+    result = subprocess.run([sys.executable, "-c", ONE_DECODE], capture_output=True, text=True,
+                            timeout=300, env=env)
+    if result.returncode < 0:
+        name = signal.Signals(-result.returncode).name
+        pytest.fail(f"llama.cpp crashed ({name}) in one default decode of gemma-3-270m on this CPU "
+                    f"({system_info().strip()}); if it reports AMX, extra buffer types are the "
+                    f"known cause: check cascade.placement's policy, or set {EXTRA_BUFFERS_ENV}=off. "
+                    f"stderr: {result.stderr[-2000:]}")
+    assert result.returncode == 0, result.stderr
+    ran_on, total = result.stdout.strip().splitlines()[-2:]
+    assert float(total) == pytest.approx(1.0)
+    assert "extra buffers" in ran_on
+
+
+def test_auto_turns_extra_buffers_off_where_llama_cpp_reports_amx(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(EXTRA_BUFFERS_ENV, raising=False)
+    say_once.cache_clear()  # said once per process: this test must see it said
+    with caplog.at_level("WARNING", logger="cascade"):
+        assert use_extra_buffers(None, AMX_LINE) == (False, "AMX CPU")
+        assert use_extra_buffers("auto", AMX_LINE) == (False, "AMX CPU")
+    assert use_extra_buffers(None, PLAIN_LINE) == (True, "default")
+    assert use_extra_buffers(None, AVX512_LINE) == (False, "AVX-512 CPU, measured faster without")
+    assert caplog.text.count("AMX_INT8") == 1  # the crash avoided is said; the speed choice recorded
+    assert use_extra_buffers("on", AMX_LINE) == (True, "asked")  # the user may force them
+    assert use_extra_buffers("off", PLAIN_LINE) == (False, "asked")
+
+
+def test_the_environment_forces_extra_buffers_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EXTRA_BUFFERS_ENV, "on")
+    assert use_extra_buffers(None, AMX_LINE) == (True, f"{EXTRA_BUFFERS_ENV}=on")
+    monkeypatch.setenv(EXTRA_BUFFERS_ENV, "OFF")
+    assert use_extra_buffers(None, PLAIN_LINE) == (False, f"{EXTRA_BUFFERS_ENV}=off")
+    assert use_extra_buffers("on", PLAIN_LINE) == (True, "asked")  # an explicit setting wins
+    monkeypatch.setenv(EXTRA_BUFFERS_ENV, "maybe")
+    with pytest.raises(ModelError, match=f"{EXTRA_BUFFERS_ENV} must be auto, on or off"):
+        use_extra_buffers(None, PLAIN_LINE)
+
+
+def test_the_amx_policy_is_said_once_on_stderr() -> None:
+    code = ("from cascade.placement import use_extra_buffers\n"
+            f"for _ in range(3): use_extra_buffers(None, {AMX_LINE!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != EXTRA_BUFFERS_ENV}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("AMX_INT8") == 1
+    assert f"{EXTRA_BUFFERS_ENV}=on" in result.stderr
+
+
+def test_both_buffer_settings_load_and_answer_alike(gemma_path: Path) -> None:
+    answers = {}
+    for mode in ("on", "off"):
+        scorer = Scorer(gemma_path, n_ctx=512, max_branches=4, n_threads=1, extra_buffers=mode)
+        try:
+            assert f"extra buffers {mode} (asked)" in scorer.ran_on
+            answers[mode] = scorer.score(REQUEST).answers
+        finally:
+            scorer.close()
+    for qid, answer in answers["on"].items():
+        other = answers["off"][qid].probabilities
+        assert sum(answer.probabilities.values()) == pytest.approx(1.0)
+        for key, p in answer.probabilities.items():
+            assert p == pytest.approx(other[key], abs=PATH_TOLERANCE)
+
+
+@pytest.mark.skipif(llama_cpp.llama_supports_gpu_offload(), reason="this build can offload to a GPU")
+def test_gpu_layers_on_a_cpu_build_are_refused(gemma_path: Path) -> None:
+    with pytest.raises(ModelError, match=r"no GPU offload.*DGGML_CUDA=on"):
+        Scorer(gemma_path, n_ctx=512, n_gpu_layers=1)
+
+
+@pytest.mark.skipif(not llama_cpp.llama_supports_gpu_offload(), reason="needs a GPU build")
+def test_gpu_layers_on_a_gpu_build_are_recorded(gemma_path: Path) -> None:
+    scorer = Scorer(gemma_path, n_ctx=512, n_gpu_layers=99)
+    try:
+        assert scorer.ran_on.startswith("gpu: ")
+        assert scorer.score(REQUEST).usage.ran_on == {gemma_path.name: scorer.ran_on}
+    finally:
+        scorer.close()
+
+
+def test_negative_gpu_layers_are_refused(gemma_path: Path) -> None:
+    with pytest.raises(ModelError, match="gpu layers must be 0 or more"):
+        Scorer(gemma_path, n_ctx=512, n_gpu_layers=-1)
+
+
+def test_answers_record_where_they_ran_and_the_model_hash(gemma_scorer: Scorer, gemma_path: Path) -> None:
+    response = gemma_scorer.score(REQUEST)
+    assert response.usage.ran_on == {gemma_path.name: gemma_scorer.ran_on}
+    assert gemma_scorer.ran_on.startswith("cpu, ")
+    for answer in response.answers.values():
+        assert answer.readout is not None
+        assert answer.readout.model_sha256 == file_sha256(gemma_path)
+
+
+def test_a_context_beyond_the_trained_one_is_lowered_and_said(gemma_path: Path) -> None:
+    scorer = Scorer(gemma_path, n_ctx=1 << 20, max_branches=2, n_threads=1)
+    try:
+        trained = scorer.model.n_ctx_train
+        assert scorer.ctx.config.n_ctx == trained < 1 << 20
+        assert f"n_ctx {trained}, the model's trained context ({1 << 20} asked)" in scorer.ran_on
+    finally:
+        scorer.close()
+
+
+def test_the_encoder_records_its_provider_and_its_cuts(encoder: Encoder) -> None:
+    assert encoder.ran_on == f"onnxruntime {encoder.provider} (device 'cpu' asked)"
+    assert encoder.provider == "CPUExecutionProvider"
+    long = "word " * (encoder.max_length + 50)
+    assert encoder.cuts(["a short message", long]) == [
+        None, f"encoder read the first {encoder.max_length} tokens (max_length); the rest was cut"]
+
+
+def test_auto_device_records_the_provider_it_got() -> None:
+    auto = Encoder(device="auto", threads=1)
+    assert auto.provider in ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert f"onnxruntime {auto.provider} (device 'auto' asked)" == auto.ran_on
+
+
+def test_placements_layer_given_over_bundle_defaults() -> None:
+    bundle_default = Placement(gpu_layers=20, n_ctx=2048)
+    given = Placement(gpu_layers=99)
+    assert given.over(bundle_default) == Placement(gpu_layers=99, n_ctx=2048)
+    assert Placement().over(bundle_default) == bundle_default
+    per_tier = {"teacher": given}
+    assert for_tier(per_tier, "teacher") == given and for_tier(per_tier, "small") is None
+    assert for_tier(given, "small") == given and for_tier(None, "small") is None
+
+
+def test_cli_score_refuses_gpu_layers_on_a_cpu_build(tmp_path: Path) -> None:
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this build can offload to a GPU")
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps({"state": "hi",
+                                   "questions": {"q": {"type": "noul", "instructions": "Hi?"}}}))
+    result = subprocess.run([sys.executable, "-m", "cascade.cli", "score", "--request", str(request),
+                             "--gpu-layers", "99"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "ModelError: 99 GPU layers asked, but this llama-cpp-python build has no GPU offload" \
+        in result.stderr
