@@ -35,7 +35,7 @@ from cascade.llama import default_gguf_path
 from cascade.placement import ExtraBuffers, Placement
 from cascade.readout import Scorer
 from distill.calibration import CalibrationResult, calibrate_bundle
-from distill.corpus import count_items, load_questions
+from distill.corpus import BadLine, OnError, count_items, load_questions
 from distill.evaluate import Evaluation, evaluate_bundle, format_evaluation
 from distill.report import write_report
 from distill.split import check_fractions
@@ -86,6 +86,7 @@ class DemoConfig:
     family_wise: bool = False
     threads: int | None = None
     gpu_layers: int = 0
+    on_error: OnError = "stop"
     extra_buffers: ExtraBuffers | None = None
     gguf: Path | None = None
     corpus: Path | None = None
@@ -155,6 +156,13 @@ class _Run:
     bundle_dir: Path
     say: Say
     seconds: dict[str, float] = field(default_factory=dict)
+    skipped: set[str] = field(default_factory=set)
+
+    def skip(self, bad: BadLine) -> None:
+        """Say each skipped corpus line once, though training, calibration and evaluation all read it."""
+        if str(bad) not in self.skipped:
+            self.skipped.add(str(bad))
+            self.say(f"      skipped {bad}")
 
     @contextmanager
     def timed(self, step: str) -> Iterator[None]:
@@ -191,7 +199,8 @@ def _train(run: _Run, encoder: Encoder) -> Bundle:
     with run.timed("train"):
         bundle = train_bundle(questions, run.inputs.corpus, run.store, run.bundle_dir, encoder=encoder,
                               fractions=run.fractions, cache_dir=Path(run.config.workdir) / "cache",
-                              progress=run.config.progress)
+                              progress=run.config.progress, on_error=run.config.on_error,
+                              on_bad=run.skip)
     tier = bundle.manifest.encoder_tier
     for qid, info in (tier.heads if tier is not None else {}).items():
         agreement = "no head: " + str(info.skipped) if info.held_out_agreement is None else (
@@ -213,7 +222,8 @@ def _calibrate(run: _Run, bundle: Bundle, encoder: Encoder, tier: str, gguf: Pat
             return calibrate_bundle(bundle, run.inputs.corpus, run.store, target=config.target,
                                     delta=config.delta, family_wise=config.family_wise,
                                     progress=config.progress, encoder=encoder,
-                                    scorers={tier: scorer})
+                                    scorers={tier: scorer}, on_error=config.on_error,
+                                    on_bad=run.skip)
     finally:
         scorer.close()
 
@@ -243,6 +253,7 @@ def _evaluate(run: _Run) -> Evaluation:
     place = Placement(gpu_layers=config.gpu_layers, threads=config.threads,
                       extra_buffers=config.extra_buffers)
     return evaluate_bundle(run.bundle_dir, run.inputs.corpus, run.store, progress=config.progress,
+                           on_error=config.on_error, on_bad=run.skip,
                            placement=place)
 
 

@@ -153,3 +153,18 @@ def test_cli_help_states_the_real_defaults() -> None:
         value = getattr(defaults, item.name)
         if isinstance(value, int | float | Path) and not isinstance(value, bool):
             assert f"(default {value})" in helps[item.name], item.name
+
+
+def test_a_bad_corpus_line_stops_the_demo_or_is_skipped_and_said_once(
+    own_data: list[str], tmp_path: Path
+) -> None:
+    corpus = Path(own_data[own_data.index("--corpus") + 1])
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(corpus.read_text(encoding="utf-8") + "{not json\n", encoding="utf-8")
+    argv = ["demo", "--workdir", str(tmp_path / "run"), *own_data]
+    argv[argv.index(str(corpus))] = str(broken)
+    status, _ = _run_cli(argv)
+    assert status == 2
+    status, out = _run_cli([*argv, "--on-error", "skip"])
+    assert status == 0
+    assert out.count(f"skipped {broken}:301:") == 1  # read by three steps, said once

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cascade.cli.common import add_placement_arguments
+from cascade.cli.common import add_on_error_argument, add_placement_arguments
 
 DESCRIPTION = """\
 Run every step of the cascade, end to end, on embedded defaults:
@@ -29,7 +29,7 @@ examples:
 
 _CONFIG_FIELDS = ("workdir", "items", "seed", "gemma_items", "eval_items", "target", "delta",
                   "family_wise", "threads", "gpu_layers", "extra_buffers", "gguf", "corpus",
-                  "questions", "labels", "force")
+                  "questions", "labels", "force", "on_error")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -72,6 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for the encoder and gemma (default: all cores)")
     add_placement_arguments(p, threads=False, gpu_default=" 0")
+    add_on_error_argument(p)
     p.add_argument("--gguf", type=Path, metavar="MODEL.gguf",
                    help="the readout tier's GGUF (default: the embedded gemma-3-270m)")
     p.add_argument("--corpus", type=Path, metavar="C.jsonl",

@@ -115,14 +115,20 @@ def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
     """Label on a Ray cluster's actors; this process reads the corpus and writes the store."""
     from cascade.cli.common import placement_of
     from distill.label import teacher_of_file
-    from distill.label_ray import RayOptions, TeacherSpec, label_on_ray, require_ray
+    from distill.label_ray import (
+        RayOptions,
+        TeacherSpec,
+        dropped_if_failed_empty,
+        label_on_ray,
+        require_ray,
+    )
     from distill.store import LabelStore
 
     require_ray()
     spec = TeacherSpec(model_path=args.teacher, questions=questions, permutations=args.permutations,
                        n_ctx=args.n_ctx, placement=placement_of(args), excerpt=excerpt)
     options = RayOptions(address=args.ray, actors=args.actors or 1, batch_size=args.batch_size or 8)
-    with LabelStore(args.store, teacher_of_file(args.teacher)) as store:
+    with dropped_if_failed_empty(args.store), LabelStore(args.store, teacher_of_file(args.teacher)) as store:
         return label_on_ray(spec, args.corpus, store, options, args.text_field, args.on_error)
 
 
