@@ -1,14 +1,19 @@
 """The router: each question goes up the tiers, cheapest first, until one is confident enough.
 
-At every tier only the questions still open are asked. A tier's raw distribution is scaled by
-the (question, tier) temperature, its confidence is the top probability, and the answer is kept
-when that clears the (question, tier) threshold (None: never kept); the top tier answers what
-reaches it, whatever its confidence. A question a tier cannot answer (no head) starts one tier up.
+At every tier only the questions still open are answered (a GGUF middle tier reads them within
+the batch of all questions that calibration certified: ``Cascade._shape``). A tier's raw
+distribution is scaled by the (question, tier) temperature, its confidence is the top
+probability, and the answer is kept when that clears the (question, tier) threshold (None: never
+kept); the top tier answers what reaches it, whatever its confidence. A question a tier cannot
+answer (no head) starts one tier up.
 
 A budget bounds the predicted cost of a call (``ms_per_call``) or the share of its questions the
 top tier may answer (``max_escalation_fraction``). When it cannot pay for every escalation the
-least confident questions escalate first, strictly in that order, and the others keep their best
-lower-tier answer marked ``routing.budget_limited``: a budget never changes an answer silently.
+most doubtful answers (furthest below their thresholds) escalate first, each one the budget can
+still pay for; the others keep their best lower-tier answer marked ``routing.budget_limited``: a
+budget never changes an answer silently. A question with no lower answer to keep goes up
+regardless, marked ``routing.over_budget`` where the budget could not pay. What each tier was
+predicted to cost and took, per state, is in ``usage.tiers``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from cascade.calibration_math import apply_temperature
 from cascade.costmodel import BatchCost, CostModel
 from cascade.encoder import Device, EmbeddingCache, Encoder
 from cascade.errors import CascadeError, RequestError
-from cascade.questions import Answer, DecisionResponse, Question, Readout, Routing, State, Usage
+from cascade.hashing import file_sha256
+from cascade.placement import Placement, Placements, for_tier
+from cascade.prompts import PROMPT_VERSION
+from cascade.questions import Answer, DecisionResponse, Question, Readout, Routing, State, TierUsage, Usage
 from cascade.readout import Scorer
 from cascade.tiers import HeadsTier, Item, LabelsTier, ReadoutTier, Tier
 
@@ -47,7 +55,8 @@ class Budget(BaseModel):
     ``ms_per_call``: predicted milliseconds per state; a batch pools ``ms_per_call x states``, so
     its least confident questions escalate first wherever they are. ``max_escalation_fraction``:
     the most the top tier may answer, as a share of all questions asked in the call (those with
-    no lower tier to answer them count, and go up regardless).
+    no lower tier to answer them count, and go up regardless, marked ``routing.over_budget``
+    past the share).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -93,46 +102,67 @@ class _Pick:
     threshold: float | None
     calibrated: bool
     readout: Readout | None = None
+    cut: str | None = None
     budget_limited: bool = False
-
-    @property
-    def confidence(self) -> float:
-        """Calibrated: what orders escalations across questions under a budget."""
-        return float(self.probs.max())
 
     @property
     def accepted(self) -> bool:
         """Thresholds are certified on the tier's raw top probability (distill.calibration)."""
         return self.threshold is not None and float(self.raw.max()) >= self.threshold
 
+    @property
+    def doubt(self) -> tuple[float, float]:
+        """What orders escalations under a budget: the smaller, the sooner it escalates.
+
+        First, how far the raw confidence falls short of its threshold, negated: a distance on
+        the scale the threshold was certified on, which means the same for a yes/no question as
+        for a 16-way one, where a confidence (raw or calibrated) does not (0.6 is sure among 16
+        options, a coin toss between 2). An answer without a threshold has no certified level
+        to fall short of and comes first. Then the top probability's distance from a uniform
+        guess, as a share of the way to certainty, so that option counts cancel there too.
+        """
+        top, k = float(self.raw.max()), len(self.raw)
+        shortfall = math.inf if self.threshold is None else self.threshold - top
+        return -shortfall, (top - 1 / k) / (1 - 1 / k)
+
 
 @dataclass
 class _Run:
-    """One routing call's state: answers so far, what each tier answered, and the budget spent."""
+    """One routing call's state: answers so far, what each tier is asked and answered, what each
+    tier was predicted to cost and took, and the budget spent (predicted seconds, top answers)."""
 
     items: Sequence[Item]
     asked: Sequence[Sequence[str]]
     costs: BatchCost
     n_tiers: int
     picks: list[dict[str, _Pick]] = field(init=False)
+    queued: list[list[list[str]]] = field(init=False)  # tier -> item -> question ids to ask it
     answered: list[list[list[str]]] = field(init=False)  # tier -> item -> question ids answered
+    took: list[list[float]] = field(init=False)  # tier -> item -> seconds measured
+    over_budget: set[tuple[int, str]] = field(default_factory=set)  # (item, question)
     usage: list[Usage] = field(init=False)
     spent: float = 0.0
     top_used: int = 0
 
     def __post_init__(self) -> None:
         self.picks = [{} for _ in self.items]
+        self.queued = [[[] for _ in self.items] for _ in range(self.n_tiers)]
         self.answered = [[[] for _ in self.items] for _ in range(self.n_tiers)]
+        self.took = [[0.0 for _ in self.items] for _ in range(self.n_tiers)]
         self.usage = [Usage(questions=len(qids)) for qids in self.asked]
 
 
 class Cascade:
     """Tiers of a bundle, with the manifest's thresholds and temperatures and a cost model."""
 
-    def __init__(self, manifest: Manifest, tiers: Sequence[Tier], costs: CostModel) -> None:
+    def __init__(self, manifest: Manifest, tiers: Sequence[Tier], costs: CostModel,
+                 certified: bool = True) -> None:
+        """``certified``: False when the top tier is not the teacher the thresholds were certified
+        against (``Cascade.load(accept_other_teacher=True)``); every answer then says so."""
         self.manifest = manifest
         self.tiers = list(tiers)
         self.costs = costs
+        self.certified = certified
         self.questions: dict[str, Question] = manifest.parsed_questions()
 
     @classmethod
@@ -145,6 +175,8 @@ class Cascade:
         flops_per_second: float | None = None,
         cache_dir: Path | None = None,
         threads: int | None = None,
+        placement: Placements = None,
+        accept_other_teacher: bool = False,
     ) -> Cascade:
         """Load a bundle's tiers; ``teacher`` (a GGUF) or ``labels`` answer an external top tier.
 
@@ -153,21 +185,28 @@ class Cascade:
         ``cache_dir`` holds an embedding cache (as training keeps one) that the encoder tier
         reads and fills, for replays on items embedded before. ``threads``: CPU threads of each
         model (default: all cores; fewer where other work shares the machine).
+
+        ``placement`` says where GGUF tiers run (GPU layers, threads, n_ctx): one for every GGUF
+        tier (the teacher included), or one per tier name; fields left None come from the tier's
+        default in the bundle. A ``teacher`` must be the model the bundle's labels came from
+        (same sha256 and prompt version): thresholds certify agreement with that model only.
+        ``accept_other_teacher`` runs another one anyway, and every answer says it is not certified.
         """
         if teacher is not None and labels is not None:
             raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
         bundle = Bundle.load(Path(bundle_dir))
         _check_top(bundle.manifest, teacher, labels)
+        certified = teacher is None or _same_teacher(bundle.manifest, Path(teacher), accept_other_teacher)
+        options = _Options(teacher, labels, device, cache_dir, threads, placement)
         tiers: list[Tier] = []
         try:
             for spec in bundle.manifest.tiers:
-                tiers.append(_runtime_tier(spec, bundle, _Options(teacher, labels, device, cache_dir,
-                                                                  threads)))
+                tiers.append(_runtime_tier(spec, bundle, options))
             costs = CostModel.for_tiers(bundle.manifest, tiers, flops_per_second)
         except BaseException:
             _close(tiers)
             raise
-        return cls(bundle.manifest, tiers, costs)
+        return cls(bundle.manifest, tiers, costs, certified)
 
     def close(self) -> None:
         """Free the llama.cpp models of readout tiers."""
@@ -199,14 +238,14 @@ class Cascade:
         _check_items(items, asked, self.questions)
         budget = budget if budget is not None else Budget()
         run = _Run(items, asked, self.costs.batch(items), len(self.tiers))
-        sent = [list(qids) for qids in asked]
+        for i, qids in enumerate(asked):
+            for qid in qids:
+                self._place(run, i, qid, 0, budget, forced=True)
         for t in range(len(self.tiers)):
-            self._ask(run, t, [[q for q in qids if self._may_keep(q, t, budget)] for qids in sent])
-            if t == 0:
-                run.spent = sum(run.costs.seconds(self.tiers[0].name, i, q)
-                                for i, q in enumerate(run.answered[0]))
+            self._ask(run, t, [sorted(qids, key=list(run.asked[i]).index)
+                               for i, qids in enumerate(run.queued[t])])
             if t + 1 < len(self.tiers):
-                sent = self._escalate(run, t, sent, budget)
+                self._escalate(run, t, budget)
         return [self._response(run, i) for i in range(len(items))]
 
     def _question_ids(self, questions: Sequence[str] | None) -> list[str]:
@@ -220,13 +259,48 @@ class Cascade:
                                f"{list(self.questions)}; got {list(questions)}")
         return list(dict.fromkeys(questions))
 
-    def _may_keep(self, qid: str, t: int, budget: Budget) -> bool:
-        """Whether tier ``t``'s answer to ``qid`` could be the one returned. Below the top, a
-        threshold of None never accepts; only a budget that stops the escalation keeps such an
-        answer, so without one the tier is not asked at all and the question goes straight up."""
+    def _may_keep(self, run: _Run, i: int, qid: str, t: int, budget: Budget) -> bool:
+        """Whether tier ``t``'s answer to ``qid`` about item ``i`` could be the one returned: the
+        condition for asking the tier at all. The top tier's always can; a tier without a head
+        for the question has none; an answer that may clear a threshold can.
+
+        Below a threshold of None an answer is kept only when a budget stops its escalation, so
+        the tier is asked only if the budget can stop the escalation out of it (a time budget
+        can stop any; the top-tier share only the one into the top tier) and no lower tier has
+        an answer to keep instead: one uncertified answer in place of another buys nothing the
+        budget can vouch for, and costs a pass.
+        """
+        top, tier = len(self.tiers) - 1, self.tiers[t]
+        if t == top:
+            return True
+        if isinstance(tier, HeadsTier) and qid not in tier.heads:
+            return False
+        if self.manifest.threshold(qid, tier.name) is not None:
+            return True
+        stops = budget.ms_per_call is not None or (
+            budget.max_escalation_fraction is not None and t + 1 == top)
+        return stops and qid not in run.picks[i]
+
+    def _place(self, run: _Run, i: int, qid: str, start: int, budget: Budget, forced: bool) -> bool:
+        """Queue question ``qid`` of item ``i`` for the first tier from ``start`` up that may keep
+        its answer, charging that tier's predicted cost; False (nothing queued) when the budget
+        cannot pay. A ``forced`` question has no answer below to keep in its place, so it goes
+        regardless, marked over budget where the budget could not pay."""
+        t = next(u for u in range(start, len(self.tiers)) if self._may_keep(run, i, qid, u, budget))
+        name, queued = self.tiers[t].name, run.queued[t][i]
+        extra = (run.costs.seconds(name, i, self._shape(t, [*queued, qid]))
+                 - run.costs.seconds(name, i, self._shape(t, queued)))
         top = t == len(self.tiers) - 1
-        bounded = budget.ms_per_call is not None or budget.max_escalation_fraction is not None
-        return top or bounded or self.manifest.threshold(qid, self.tiers[t].name) is not None
+        seconds, share = _allowance(budget, run, top)
+        fits = run.spent + extra <= seconds and run.top_used + top <= share
+        if not (fits or forced):
+            return False
+        queued.append(qid)
+        run.spent += extra
+        run.top_used += top
+        if not fits:
+            run.over_budget.add((i, qid))
+        return True
 
     def _ask(self, run: _Run, t: int, sent: list[list[str]]) -> None:
         """Ask tier ``t`` the questions sent to it; record its (temperature-scaled) answers."""
@@ -234,11 +308,12 @@ class Cascade:
             return
         tier, top = self.tiers[t], t == len(self.tiers) - 1
         started = time.perf_counter()
-        reply = tier.reply(run.items, sent, self.questions)
+        reply = tier.reply(run.items, [self._shape(t, qids) for qids in sent], self.questions)
         seconds = (time.perf_counter() - started) / sum(1 for qids in sent if qids)
         for i, qids in enumerate(sent):
             if qids:
-                run.usage[i] = _add(run.usage[i], reply.usage[i], seconds)
+                run.usage[i] = _add(run.usage[i], reply.usage[i], seconds, {tier.name: tier.ran_on})
+                run.took[t][i] = seconds
             for qid in qids:
                 if qid not in reply.answers[i]:
                     if top:
@@ -249,8 +324,23 @@ class Cascade:
                 probs = apply_temperature(raw, self.manifest.temperature(qid, tier.name))
                 threshold = None if top else self.manifest.threshold(qid, tier.name)
                 readout = reply.readouts[i].get(qid)
-                run.picks[i][qid] = _Pick(t, raw, probs, threshold, self._fitted(qid, t), readout)
+                run.picks[i][qid] = _Pick(t, raw, probs, threshold, self._fitted(qid, t), readout,
+                                          reply.cuts[i])
                 run.answered[t][i].append(qid)
+
+    def _shape(self, t: int, qids: Sequence[str]) -> list[str]:
+        """What tier ``t`` is asked about a state to answer ``qids``.
+
+        A GGUF tier below the top is asked every question of the bundle, in its order, as
+        calibration asked it: a fan-out's probabilities move with the batch of questions decoded
+        together (up to 0.09 on gemma, 2.8% argmax flips: BENCHMARKS.md), so a threshold only
+        certifies answers read in the batch it was certified on. The price is the suffix tokens
+        of the questions not escalated (the state's prefill is shared), which the cost model
+        charges. Other tiers are asked ``qids`` alone.
+        """
+        if qids and t < len(self.tiers) - 1 and isinstance(self.tiers[t], ReadoutTier):
+            return list(self.questions)
+        return list(qids)
 
     def _fitted(self, qid: str, t: int) -> bool:
         """Whether calibration fitted a temperature for (question, tier).
@@ -266,54 +356,54 @@ class Cascade:
         top = t == len(self.tiers) - 1
         return not top and isinstance(row, Mapping) and row.get("temperature_note") is None
 
-    def _escalate(self, run: _Run, t: int, sent: list[list[str]], budget: Budget) -> list[list[str]]:
-        """What tier ``t + 1`` is asked: questions tier ``t`` could not answer (always), then the
-        ones it was not confident about, least confident first, while the budget lasts."""
-        up, top = self.tiers[t + 1].name, t + 1 == len(self.tiers) - 1
-        plan = [[q for q in qids if q not in run.answered[t][i]] for i, qids in enumerate(sent)]
-        run.spent += sum(run.costs.seconds(up, i, qids) for i, qids in enumerate(plan))
-        run.top_used += sum(map(len, plan)) if top else 0
-        seconds, top_share = _allowance(budget, run, top)
-        blocked = False
-        for _, i, _, qid in self._unsure(run, t):
-            extra = run.costs.seconds(up, i, [*plan[i], qid]) - run.costs.seconds(up, i, plan[i])
-            blocked = blocked or run.spent + extra > seconds or run.top_used + top > top_share
-            if blocked:
-                run.picks[i][qid].budget_limited = True
-                continue
-            plan[i].append(qid)
-            run.spent += extra
-            run.top_used += top
-        return [sorted(qids, key=list(run.asked[i]).index) for i, qids in enumerate(plan)]
-
-    def _unsure(self, run: _Run, t: int) -> list[tuple[float, int, int, str]]:
-        """Tier ``t``'s answers below their threshold as (confidence, item, position, question),
-        least confident first; ties go to the earlier item and question."""
-        unsure = []
-        for i, qids in enumerate(run.answered[t]):
+    def _escalate(self, run: _Run, t: int, budget: Budget) -> None:
+        """Send up what tier ``t`` left open. A question it was asked but did not answer goes
+        regardless when nothing below answered it either. Unsure answers go most doubtful first,
+        each one the budget can still pay for: one that does not fit is skipped and keeps its
+        answer, marked budget-limited, and cheaper ones after it may still go."""
+        for i, qids in enumerate(run.queued[t]):
             for qid in qids:
-                pick = run.picks[i][qid]
-                if not pick.accepted:
-                    unsure.append((pick.confidence, i, list(run.asked[i]).index(qid), qid))
-        return sorted(unsure)
+                if qid not in run.answered[t][i] and qid not in run.picks[i]:
+                    self._place(run, i, qid, t + 1, budget, forced=True)
+        for i, qid in self._unsure(run, t):
+            if not self._place(run, i, qid, t + 1, budget, forced=False):
+                run.picks[i][qid].budget_limited = True
+
+    def _unsure(self, run: _Run, t: int) -> list[tuple[int, str]]:
+        """(item, question) of tier ``t``'s answers below their threshold and of the questions
+        it was asked but left to a lower tier's answer, most doubtful first (``_Pick.doubt``);
+        ties go to the earlier item and question."""
+        unsure = []
+        for i, qids in enumerate(run.queued[t]):
+            for qid in qids:
+                pick = run.picks[i].get(qid)
+                if pick is not None and not pick.accepted:
+                    unsure.append((*pick.doubt, i, list(run.asked[i]).index(qid), qid))
+        return [(i, qid) for *_, i, _, qid in sorted(unsure)]
 
     def _response(self, run: _Run, i: int) -> DecisionResponse:
         shares: dict[str, float] = dict.fromkeys(run.asked[i], 0.0)
+        spend: dict[str, TierUsage] = {}
         for t, tier in enumerate(self.tiers):
-            qids = run.answered[t][i]
+            qids = run.queued[t][i]
+            if not qids:
+                continue
+            predicted = run.costs.seconds(tier.name, i, self._shape(t, qids))
+            spend[tier.name] = TierUsage(predicted_seconds=predicted, seconds=run.took[t][i])
             for qid in qids:
-                shares[qid] += 1e3 * run.costs.seconds(tier.name, i, qids) / len(qids)
+                shares[qid] += 1e3 * predicted / len(qids)
         answers: dict[str, Answer] = {}
         for qid in run.asked[i]:
             pick = run.picks[i][qid]
             routing = Routing(tier=self.tiers[pick.tier].name, cost_ms=shares[qid],
                               threshold=pick.threshold, raw_confidence=float(pick.raw.max()),
                               calibrated=pick.calibrated,
-                              budget_limited=pick.budget_limited)
+                              budget_limited=pick.budget_limited, input_cut=pick.cut,
+                              certified=self.certified, over_budget=(i, qid) in run.over_budget)
             answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated,
                                                 readout=pick.readout)
             answers[qid] = answer.model_copy(update={"routing": routing})
-        return DecisionResponse(answers=answers, usage=run.usage[i])
+        return DecisionResponse(answers=answers, usage=run.usage[i].model_copy(update={"tiers": spend}))
 
 
 def _allowance(budget: Budget, run: _Run, top: bool) -> tuple[float, float]:
@@ -328,10 +418,10 @@ def _allowance(budget: Budget, run: _Run, top: bool) -> tuple[float, float]:
     return seconds, share
 
 
-def _add(total: Usage, more: Usage, seconds: float) -> Usage:
+def _add(total: Usage, more: Usage, seconds: float, ran_on: Mapping[str, str]) -> Usage:
     return Usage(questions=total.questions, prompt_tokens=total.prompt_tokens + more.prompt_tokens,
                  forward_passes=total.forward_passes + more.forward_passes,
-                 seconds=total.seconds + seconds)
+                 seconds=total.seconds + seconds, ran_on={**total.ran_on, **ran_on})
 
 
 def _check_items(items: Sequence[Item], asked: Sequence[Sequence[str]],
@@ -376,6 +466,32 @@ class _Options:
     device: Device
     cache_dir: Path | None
     threads: int | None
+    placements: Placements
+
+    def placement(self, tier: str, default: Placement | None) -> Placement:
+        """The tier's placement: what load was given, over the bundle's default, over threads."""
+        return (for_tier(self.placements, tier) or Placement()).over(default).over(
+            Placement(threads=self.threads))
+
+
+def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
+    """Whether ``teacher`` is the model the bundle's labels came from; refused if not, unless
+    ``accept``: then answers are marked uncertified instead."""
+    pinned = manifest.teacher
+    problem = ""
+    if pinned.kind != "gguf" or pinned.model_sha256 is None:
+        problem = f"its thresholds were certified against {pinned.kind} labels ({pinned.model!r}), not a GGUF"
+    elif file_sha256(teacher) != pinned.model_sha256:
+        problem = (f"its labels came from {pinned.model!r} (sha256 {pinned.model_sha256[:12]}...), "
+                   f"and {teacher.name} has sha256 {file_sha256(teacher)[:12]}...")
+    elif pinned.prompt_version != PROMPT_VERSION:
+        problem = (f"its labels were read with prompt {pinned.prompt_version!r} and this version "
+                   f"reads with {PROMPT_VERSION!r}")
+    if problem and not accept:
+        raise RouterError(f"bundle {manifest.name!r} cannot escalate to {teacher}: {problem}; give "
+                          f"that teacher, or accept another (--accept-other-teacher / "
+                          f"accept_other_teacher=True) and get answers marked certified=false")
+    return not problem
 
 
 def _runtime_tier(spec: Any, bundle: Bundle, options: _Options) -> Tier:
@@ -389,13 +505,14 @@ def _runtime_tier(spec: Any, bundle: Bundle, options: _Options) -> Tier:
     if top and options.labels is not None:
         return LabelsTier(spec.name, options.labels)
     if isinstance(spec, GgufTier):
-        branches = min(MAX_BRANCHES, questions * spec.permutations)
-        scorer = Scorer(spec.model.path, n_ctx=spec.n_ctx, max_branches=branches,
-                        n_threads=options.threads, template=spec.template)
+        place = options.placement(spec.name, spec.default_placement())
+        scorer = Scorer.placed(spec.model.path, place, min(MAX_BRANCHES, questions * spec.permutations),
+                               spec.template)
         return ReadoutTier(spec.name, scorer, spec.permutations)
-    assert options.teacher is not None  # _check_top refused an external top tier without one
-    scorer = Scorer(options.teacher, max_branches=min(MAX_BRANCHES, questions), n_threads=options.threads)
-    return ReadoutTier(spec.name, scorer)
+    if options.teacher is None:
+        raise RouterError(f"internal: the external tier {spec.name!r} has no teacher to run")
+    place = options.placement(spec.name, None)
+    return ReadoutTier(spec.name, Scorer.placed(options.teacher, place, min(MAX_BRANCHES, questions)))
 
 
 def _close(tiers: Sequence[Tier]) -> None:

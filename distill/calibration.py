@@ -15,8 +15,22 @@ with the teacher on at most ``(1 - target) / m`` of all items at level ``delta /
 the cascade sees only what earlier tiers escalated, so its disagreement there is at most its
 disagreement on all items; and by the union bound all m certificates hold together with
 probability at least ``1 - delta``, so the cascade agrees with the teacher on at least
-``target`` of new items with that probability. In budget mode each cheap tier escalates the
-given share of the calibration items it answers, and the agreement that follows is reported.
+``target`` of new items with that probability.
+
+That statement is per question: each question spends its own ``delta``, so with Q questions
+all Q statements hold together only with probability at least ``1 - Q x delta``. With
+``family_wise=True`` delta is split over the Q questions too (Bonferroni: each (question, tier)
+certificate at level ``delta / (m x Q)``), and then all Q hold at once with probability at
+least ``1 - delta``, at a cost in coverage that the report shows.
+
+In budget mode each cheap tier escalates the given share F of the calibration items that
+reach it (its threshold is set on those, after the tiers below it have kept theirs), so the
+teacher answers about ``F ** m`` of them; the agreement that follows is reported.
+
+A GGUF middle tier is scored on every question of the bundle at once per state, through a
+scorer that decodes as many branches together as the router's: the router asks it exactly
+that batch (``cascade.router.Cascade._shape``), so the numbers certified are the ones routing
+reads, not those of another batch shape.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ import math
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -38,12 +52,14 @@ from pydantic import BaseModel
 from scipy.optimize import nnls
 from tqdm import tqdm
 
-from cascade.bundle import Bundle, EncoderTier, GgufTier, Manifest
+from cascade.bundle import Bundle, EncoderTier, GgufTier, Manifest, SplitInfo
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import Encoder
+from cascade.placement import Placement, Placements, for_tier
 from cascade.prompts import render_state
 from cascade.questions import Question
 from cascade.readout import Scorer
+from cascade.router import MAX_BRANCHES
 from cascade.tiers import Answers, Asked, HeadsTier, Item, ReadoutTier, Tier
 from distill.calibrate import (
     CalibrationError,
@@ -56,7 +72,8 @@ from distill.calibrate import (
     threshold_for_agreement,
     threshold_for_budget,
 )
-from distill.corpus import read_corpus
+from distill.corpus import BadLine, OnError, read_corpus
+from distill.split import part_of
 from distill.store import LabelStore
 
 TEMPERATURE_SHARE = 0.3
@@ -91,7 +108,9 @@ class QuestionTier(BaseModel):
 
     The threshold is on the tier's RAW top probability and is certified on all n items
     (``n_threshold``): the temperature never moves which answers are kept, so no item has to be
-    set aside from the certificate for it. ``agreement`` is the cascade agreement on those items
+    set aside from the certificate for it; in budget mode ``n_threshold`` counts the items that
+    reach the tier, the ones its threshold is set on and its ``kept_share`` and ``agreement``
+    are over. ``agreement`` is the cascade agreement on those items
     (escalated items count as agreeing: the teacher answers them); ``agreement_kept`` the agreement
     on kept items only (None when nothing is kept). ``target`` and ``delta`` are this tier's share
     of the budget. The coverage curve is over all n items; ECEs and reliability curves over the
@@ -145,7 +164,15 @@ class Skipped(BaseModel):
 
 
 class CalibrationResult(BaseModel):
-    """Everything a calibration run decided and measured; the manifest keeps its facts."""
+    """Everything a calibration run decided and measured; the manifest keeps its facts.
+
+    ``family_size`` counts the questions with calibration labels, the ones a certificate is
+    about; ``family_wise`` says whether delta was split over them (all hold at once) or spent
+    on each (each holds on its own). ``unlabelled_items`` counts corpus items of the
+    calibration part with no teacher label at all (the teacher skipped them: over-long, or
+    failed under ``--on-error skip``): they never entered calibration, so nothing here is
+    certified about items like them, though the router still answers them.
+    """
 
     bundle: str
     name: str
@@ -163,6 +190,9 @@ class CalibrationResult(BaseModel):
     skipped: list[Skipped]
     costs: dict[str, TierCost]
     flops_per_second: float
+    family_wise: bool = False
+    family_size: int = 1
+    unlabelled_items: int = 0
 
     @property
     def mode(self) -> Literal["agreement", "budget"]:
@@ -181,6 +211,8 @@ class CalibrationResult(BaseModel):
             "mode": self.mode, "target": self.target, "delta": self.delta,
             "escalation_fraction": self.escalation_fraction, "cheap_tiers": self.cheap_tiers,
             "tier_target": self.tier_target, "tier_delta": self.tier_delta, "items": self.items,
+            "family_wise": self.family_wise, "family_size": self.family_size,
+            "unlabelled_items": self.unlabelled_items,
             "temperature_share": self.temperature_share, "temperature_salt": TEMPERATURE_SALT,
             "questions": questions, "skipped": skipped,
             "cascade": {qid: shares.model_dump(exclude={"question"})
@@ -217,6 +249,10 @@ def calibrate_bundle(
     encoder: Encoder | None = None,
     scorers: Mapping[str, Scorer] | None = None,
     flops_per_second: float | None = None,
+    placement: Placements = None,
+    family_wise: bool = False,
+    on_error: OnError = "stop",
+    on_bad: Callable[[BadLine], None] | None = None,
 ) -> CalibrationResult:
     """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
 
@@ -225,10 +261,15 @@ def calibrate_bundle(
     it sees and the agreement that follows is reported. A target that cannot be certified
     leaves the threshold None and the result's message says what is reachable. ``encoder`` and
     ``scorers`` (tier name -> open Scorer) reuse loaded models; they must be the pinned files.
+    ``placement`` says where the GGUF tiers it opens run (cascade.placement).
     ``flops_per_second`` is this machine's throughput for roofline costs of tiers without a
-    measurement (an external teacher); measured with numpy when not given.
+    measurement (an external teacher); measured with numpy when not given. ``family_wise``
+    splits ``delta`` over the questions too, so that every question meets the target at once
+    with probability ``1 - delta`` (by default each does on its own); not with a budget mode,
+    which certifies nothing. A bad corpus line stops the run, or with ``on_error="skip"`` goes
+    to ``on_bad``, as ``read_corpus`` does (a calibration item on it is then reported missing).
     """
-    _check_arguments(target, delta, escalation_fraction)
+    _check_arguments(target, delta, escalation_fraction, family_wise)
     if flops_per_second is not None and not (_is_number(flops_per_second) and flops_per_second > 0):
         raise CalibrationError(f"flops_per_second must be a number > 0; got {flops_per_second!r}")
     manifest = bundle.manifest
@@ -236,15 +277,19 @@ def calibrate_bundle(
     bundle.verify()
     questions = manifest.parsed_questions()
     labels = _calibration_labels(store, questions, bundle.split_ids()["calibration"], manifest.name)
-    items = _calibration_items(Path(corpus_path), text_field, labels)
+    items, unlabelled = _calibration_items(Path(corpus_path), text_field, labels, manifest.split,
+                                           on_error, on_bad)
     cheap = manifest.tiers[:-1]
     if not cheap:
         raise CalibrationError(f"bundle {manifest.name!r} has only its top tier: there is no cheap "
                                "tier to calibrate; train one with `cascade train`")
-    tier_target, tier_delta = 1 - (1 - target) / len(cheap), delta / len(cheap)
+    family = sum(1 for rows in labels.values() if rows)
+    tier_target = 1 - (1 - target) / len(cheap)
+    tier_delta = delta / len(cheap) / (family if family_wise else 1)
     with ExitStack() as stack:
-        scored = [_score_tier(spec, bundle, items, labels, questions, progress, encoder,
-                              _scorer(spec, scorers, stack)) for spec in cheap]
+        opened = [_scorer(spec, scorers, stack, placement, len(questions)) for spec in cheap]
+        scored = [_score_tier(spec, bundle, items, labels, questions, progress, encoder, scorer)
+                  for spec, scorer in zip(cheap, opened, strict=True)]
     names, teacher = [spec.name for spec in cheap], manifest.tiers[-1].name
     fits, skipped = _fit_all(names, [probs for probs, _ in scored], labels, list(questions),
                              tier_target, tier_delta, escalation_fraction)
@@ -257,6 +302,7 @@ def calibrate_bundle(
         cascades={qid: _replay(qid, names, by_tier, teacher) for qid, by_tier in fits.items()},
         skipped=skipped, costs={cost.tier: cost for _, cost in scored},
         flops_per_second=flops_per_second if flops_per_second is not None else measure_cpu_flops(),
+        family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
     )
     Bundle(_updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
     return result
@@ -271,13 +317,20 @@ def _fit_all(
     delta: float,
     escalation_fraction: float | None,
 ) -> tuple[dict[str, dict[str, _Fit]], list[Skipped]]:
-    """Every (question, tier) calibrated, or skipped with the reason: question -> tier -> fit."""
+    """Every (question, tier) calibrated, or skipped with the reason: question -> tier -> fit.
+
+    Tiers go cheapest first, so that in budget mode each one's threshold is set on what the
+    ones below it escalate under their new thresholds.
+    """
     fits: dict[str, dict[str, _Fit]] = {}
     skipped: list[Skipped] = []
-    for tier, by_question in zip(tiers, probs, strict=True):
+    for k, (tier, by_question) in enumerate(zip(tiers, probs, strict=True)):
         for qid in questions:
+            below = fits.get(qid, {})
+            reach = None if escalation_fraction is None else {
+                item for item in labels[qid] if not any(_keeps(below.get(t), item) for t in tiers[:k])}
             outcome = _calibrate(qid, tier, by_question.get(qid), labels[qid], target, delta,
-                                 escalation_fraction)
+                                 escalation_fraction, reach)
             if isinstance(outcome, Skipped):
                 skipped.append(outcome)
             else:
@@ -285,7 +338,8 @@ def _fit_all(
     return fits, skipped
 
 
-def _check_arguments(target: float, delta: float, escalation_fraction: float | None) -> None:
+def _check_arguments(target: float, delta: float, escalation_fraction: float | None,
+                     family_wise: bool) -> None:
     for name, value in (("target", target), ("delta", delta)):
         if not _is_number(value) or not 0 < value < 1:
             raise CalibrationError(f"{name} must be a number in (0, 1); got {value!r}")
@@ -294,6 +348,11 @@ def _check_arguments(target: float, delta: float, escalation_fraction: float | N
     ):
         raise CalibrationError(f"escalation_fraction must be None or a number in [0, 1]; got "
                                f"{escalation_fraction!r}")
+    if not isinstance(family_wise, bool):
+        raise CalibrationError(f"family_wise must be True or False; got {family_wise!r}")
+    if family_wise and escalation_fraction is not None:
+        raise CalibrationError("family_wise splits delta over the questions' certificates, and budget "
+                               "mode (escalation_fraction) certifies nothing; give one or the other")
 
 
 def _is_number(value: Any) -> bool:
@@ -331,31 +390,59 @@ def _calibration_labels(
     return labels
 
 
-def _calibration_items(corpus: Path, text_field: str, labels: Mapping[str, Mapping[str, int]]) -> list[Item]:
-    """The labelled calibration items' states, in corpus order; every one must be found."""
+def _calibration_items(
+    corpus: Path, text_field: str, labels: Mapping[str, Mapping[str, int]], split: SplitInfo,
+    on_error: OnError, on_bad: Callable[[BadLine], None] | None,
+) -> tuple[list[Item], int]:
+    """The labelled calibration items' states, in corpus order (every one must be found), and
+    how many corpus items fall in the calibration part with no teacher label at all.
+
+    The split places an id by its hash alone, so an item the teacher skipped (too long for its
+    context, or failed) has a part too: counting those says what calibration never saw.
+    """
     wanted = set().union(*(set(rows) for rows in labels.values()))
-    items = [Item(row.id, row.state) for row in read_corpus(corpus, text_field) if row.id in wanted]
+    items, unlabelled = [], 0
+    for row in read_corpus(corpus, text_field, on_error, on_bad):
+        if row.id in wanted:
+            items.append(Item(row.id, row.state))
+        elif part_of(row.id, split.fractions, split.salt) == "calibration":
+            unlabelled += 1
     missing = wanted - {item.id for item in items}
     if missing:
         raise CalibrationError(f"{len(missing)} of the {len(wanted)} calibration items are not in "
                                f"corpus {corpus} (for example {min(missing)!r}); give the corpus "
                                "the bundle was trained on")
-    return items
+    return items, unlabelled
 
 
-def _scorer(spec: Any, scorers: Mapping[str, Scorer] | None, stack: ExitStack) -> Scorer | None:
-    """The open scorer of a GGUF tier: the caller's (checked against the pin) or a new one."""
+def _scorer(spec: Any, scorers: Mapping[str, Scorer] | None, stack: ExitStack,
+            placement: Placements, questions: int) -> Scorer | None:
+    """The open scorer of a GGUF tier: the caller's (checked against the pin) or a new one, placed
+    where ``placement`` says (over the tier's default in the bundle).
+
+    Either decodes the ``questions`` x permutations branches of a state in the groups the
+    router's scorer does (``cascade.router.MAX_BRANCHES`` at most at once): the batch shape
+    moves the numbers, and thresholds must certify the ones routing reads.
+    """
     if not isinstance(spec, GgufTier):
         return None
+    needed = questions * spec.permutations
+    branches = min(MAX_BRANCHES, needed)
     given = (scorers or {}).get(spec.name)
     if given is None:
-        scorer = Scorer(spec.model.path, n_ctx=spec.n_ctx, template=spec.template)
+        place = (for_tier(placement, spec.name) or Placement()).over(spec.default_placement())
+        scorer = Scorer.placed(spec.model.path, place, branches, template=spec.template)
         stack.callback(scorer.close)
         return scorer
     if given.model_sha256 != spec.model.sha256:
         raise CalibrationError(f"scorers[{spec.name!r}] runs {given.model.path} (sha256 "
                                f"{given.model_sha256}); tier {spec.name!r} pins {spec.model.path} "
                                f"(sha256 {spec.model.sha256})")
+    if min(given.ctx.config.max_branches, needed) != branches:
+        raise CalibrationError(f"scorers[{spec.name!r}] decodes at most {given.ctx.config.max_branches} "
+                               f"branches at once, and the router {branches} of the {needed} a state "
+                               "needs: the batches would differ, and so would the numbers; open it "
+                               f"with max_branches={branches}")
     return given
 
 
@@ -384,6 +471,12 @@ def _score_tier(
     The encoder tier runs in batches of similar length, as the encoder batches (batches of
     different token totals are what splits its cost into per state and per token); a readout
     tier runs one state at a time. One warm-up state first keeps first-call setup out.
+
+    A readout tier is asked every question of the bundle about each state, in the bundle's
+    order, whatever was labelled: the router asks a GGUF middle tier exactly that batch
+    (``Cascade._shape``), and a fan-out's numbers move with the batch decoded together, so
+    this is what makes the thresholds certify the numbers routing reads. Only the labelled
+    answers are kept.
     """
     if isinstance(spec, EncoderTier):
         tier: Tier = HeadsTier(spec.name, _encoder(spec, encoder), bundle.heads, ngrams=bundle.ngrams)
@@ -394,7 +487,8 @@ def _score_tier(
     else:
         raise CalibrationError(f"tier {spec.name!r} of kind {spec.kind!r} cannot be calibrated")
     asked_all = [[qid for qid in answered if item.id in labels[qid]] for item in items]
-    used = [(item, qids) for item, qids in zip(items, asked_all, strict=True) if qids]
+    used = [(item, qids if isinstance(tier, HeadsTier) else answered)
+            for item, qids in zip(items, asked_all, strict=True) if qids]
     counter: _TokenCounter
     if isinstance(tier, HeadsTier):
         counts = tier.encoder.token_counts([render_state(item.state) for item, _ in used])
@@ -406,7 +500,7 @@ def _score_tier(
     tier.answer(states[:1], asked[:1], questions)
     counter.reset()
     answers, batches = _timed_answers(tier, states, asked, questions, size, progress, counter)
-    return _by_question(states, answers), _tier_cost(spec, batches)
+    return _by_question(states, answers, labels), _tier_cost(spec, batches)
 
 
 @dataclass(frozen=True)
@@ -499,11 +593,14 @@ def _tier_cost(spec: Any, batches: list[_Batch]) -> TierCost:
                     seconds_per_state=float(per_state), seconds_per_token=float(per_token))
 
 
-def _by_question(items: list[Item], answers: Answers) -> Probabilities:
+def _by_question(items: list[Item], answers: Answers, labels: Mapping[str, Mapping[str, int]]
+                 ) -> Probabilities:
+    """The answers by question, only where the teacher's label is there to compare with."""
     probs: Probabilities = {}
     for item, answer in zip(items, answers, strict=True):
         for qid, row in answer.items():
-            probs.setdefault(qid, {})[item.id] = row
+            if item.id in labels[qid]:
+                probs.setdefault(qid, {})[item.id] = row
     return probs
 
 
@@ -524,9 +621,15 @@ def _calibrate(
     target: float,
     delta: float,
     escalation_fraction: float | None,
+    reach: set[str] | None = None,
 ) -> _Fit | Skipped:
     """Temperature on one part, its reliability on the other; the raw-confidence threshold and
-    coverage on all items. Skipped when impossible."""
+    coverage on all items. Skipped when impossible.
+
+    In budget mode the threshold is set on the items in ``reach`` (those the tiers below this
+    one escalate; None: all), so that the tier escalates the share of what it sees that the
+    budget names, as the router will make it do.
+    """
     if not labels:
         return Skipped(question=qid, tier=tier, reason="no calibration item has a teacher label for "
                        "this question; label some, retrain and calibrate again")
@@ -542,15 +645,16 @@ def _calibrate(
     temperature, note = _temperature(probs, labels, fitting)
     every, teacher_every = _stack(probs, ids), _labels(labels, ids)
     confidence, correct = confidence_and_agreement(every, teacher_every)
+    seen = np.asarray([reach is None or i in reach for i in ids])
     if escalation_fraction is None:
         chosen = threshold_for_agreement(confidence, correct, target, delta)
     else:
-        chosen = threshold_for_budget(confidence, correct, escalation_fraction, delta)
+        chosen = _budget_threshold(confidence[seen], correct[seen], escalation_fraction, delta)
     raw, teacher = _stack(probs, held), _labels(labels, held)
     before = reliability_curve(raw, teacher)
     after = reliability_curve(apply_temperature(raw, temperature), teacher)
     result = QuestionTier(
-        question=qid, tier=tier, n=len(ids), n_temperature=len(fitting), n_threshold=len(ids),
+        question=qid, tier=tier, n=len(ids), n_temperature=len(fitting), n_threshold=int(seen.sum()),
         temperature=temperature, temperature_note=note,
         ece_before=before["ece"], ece_after=after["ece"], **_threshold_facts(chosen),
         reliability_before=before, reliability_after=after,
@@ -558,6 +662,19 @@ def _calibrate(
         confusion=_confusion(every, teacher_every),
     )
     return _Fit(result, {i: (float(c), bool(a)) for i, c, a in zip(ids, confidence, correct, strict=True)})
+
+
+def _budget_threshold(
+    confidence: np.ndarray, correct: np.ndarray, escalation_fraction: float, delta: float
+) -> ThresholdResult:
+    """``threshold_for_budget`` on the items that reach the tier; when none does, keep nothing."""
+    if len(confidence):
+        return threshold_for_budget(confidence, correct, escalation_fraction, delta)
+    return ThresholdResult(threshold=None, kept_share=0.0, agreement_kept=math.nan,
+                           agreement_cascade=1.0, lower_bound=1.0, n=0, reachable=True,
+                           method="budget", target=None, delta=delta,
+                           message="no calibration item reaches this tier (the tiers below keep "
+                           "them all); it keeps nothing")
 
 
 def _stack(probs: Mapping[str, np.ndarray], ids: list[str]) -> np.ndarray:

@@ -67,6 +67,8 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
     data = {
         "bundle": result.bundle, "name": result.name, "mode": result.mode, "target": result.target,
         "delta": result.delta, "escalation_fraction": result.escalation_fraction,
+        "family_wise": result.family_wise, "family_size": result.family_size,
+        "unlabelled_items": result.unlabelled_items,
         "tier_target": result.tier_target, "tier_delta": result.tier_delta,
         "calibration_items": result.items, "temperature_share": result.temperature_share,
         "guarantee": _guarantee_text(result), "not_promised": _NOT_PROMISED,
@@ -281,36 +283,82 @@ _NOT_PROMISED = [
     "labelled items from the new distribution.",
     "Not agreement with the truth: it is agreement with the teacher. Where the teacher is "
     "wrong, a cascade that agrees with it is wrong too.",
-    "Not certain: in up to a share delta of calibration draws the bound fails; the report "
-    "cannot tell whether this draw is one of them.",
+    "Not about items the teacher could not label (too long for its context, or failing under "
+    "--on-error skip): they never enter calibration, yet the router answers them with its cheap "
+    "tiers like any other item.",
+    "Not certain: in up to a share delta of calibration draws the bound fails (for a question, or "
+    "for some question of the family when calibrated family-wise); the report cannot tell "
+    "whether this draw is one of them.",
 ]
 
 
 def _guarantee_text(result: CalibrationResult) -> str:
+    """What holds, in words: its scope (per question or all at once) first, then how."""
     if result.escalation_fraction is not None:
-        return (
-            f"Budget mode: each cheap tier escalates {result.escalation_fraction:.0%} of the "
-            "items it sees (its least confident), whatever that costs in agreement. The agreement "
-            "shown is measured on the calibration items, and its lower bound (Clopper-Pearson at "
-            f"{1 - result.tier_delta:.1%}) treats the threshold as if fixed in advance, which it "
-            "is not. No target is certified in this mode."
-        )
-    split = ""
-    if len(result.cheap_tiers) > 1:
-        split = (f" The {len(result.cheap_tiers)} cheap tiers share the error budget: each is "
-                 f"certified for agreement >= {result.tier_target:.4g} at level "
-                 f"{result.tier_delta:.3g}, and a union bound adds them up.")
+        return _budget_text(result) + _unlabelled_text(result)
     return (
-        f"With probability at least {1 - result.delta:.0%} (1 - delta) over the draw of the "
-        "calibration items, the cascade's agreement with the teacher on new items from the same "
-        f"distribution is at least {result.target:.4g} (the target), for every question. Each "
-        "threshold is the lowest one a Learn-then-Test procedure (exact binomial tests in a fixed "
-        "order, strict to lax) certifies on the tier's raw top probability over all calibration "
-        "items, which never trained the heads; the temperature rescales reported probabilities "
-        "only and never moves which answers are kept. A tier whose threshold could not "
-        "be certified keeps nothing: the teacher answers, so the guarantee still holds, at full "
-        f"cost.{split}"
+        _scope_text(result) + " Each threshold is the lowest one a Learn-then-Test procedure "
+        "(exact binomial tests in a fixed order, strict to lax) certifies on the tier's raw top "
+        "probability over all calibration items, which never trained the heads; the temperature "
+        "rescales reported probabilities only and never moves which answers are kept. A tier whose "
+        "threshold could not be certified keeps nothing: the teacher answers, so the guarantee "
+        "still holds, at full cost." + _split_text(result) + _unlabelled_text(result)
     )
+
+
+def _scope_text(result: CalibrationResult) -> str:
+    """Per question, each statement spends its own delta; family-wise, they share one."""
+    q, delta, target = result.family_size, result.delta, f"{result.target:.4g}"
+    if result.family_wise:
+        return (f"For all {q} calibrated questions at once: with probability at least "
+                f"{1 - delta:.1%} (1 - delta) over the draw of the calibration items, every one of "
+                f"them agrees with the teacher on at least {target} (the target) of new items from "
+                "the same distribution (family-wise: delta is split over the questions).")
+    joint = (f"all {q} hold together only with probability at least {max(0.0, 1 - q * delta):.0%} "
+             f"(1 - {q} x delta, by the union bound)" if q > 1 else "there is one question")
+    return (f"For each question on its own: with probability at least {1 - delta:.1%} (1 - delta) "
+            "over the draw of the calibration items, that question's answers agree with the "
+            f"teacher on at least {target} (the target) of new items from the same distribution. "
+            f"Each question spends its own delta, so {joint}; calibrate with --family-wise "
+            "(family_wise=True) for one statement about all questions at once, at a cost in "
+            "coverage.")
+
+
+def _split_text(result: CalibrationResult) -> str:
+    """How delta (and the error budget, over tiers) was split, with a leading space; or nothing."""
+    m, q = len(result.cheap_tiers), result.family_size if result.family_wise else 1
+    if m * q == 1:
+        return ""
+    over = " x ".join(part for part, n in ((f"{m} cheap tiers", m), (f"{q} questions", q)) if n > 1)
+    return (f" delta is split evenly over the {over}: each (question, tier) threshold is certified "
+            f"at level {result.tier_delta:.3g}, for agreement >= {result.tier_target:.4g} per tier, "
+            "and a union bound adds them up.")
+
+
+def _budget_text(result: CalibrationResult) -> str:
+    fraction, m = result.escalation_fraction or 0.0, len(result.cheap_tiers)
+    chain = (f" With {m} cheap tiers one after another the teacher answers about "
+             f"{fraction:.0%}^{m} = {fraction ** m:.1%} of items (the shares per question are in "
+             "the table)." if m > 1 else "")
+    return (
+        f"Budget mode: each cheap tier escalates {fraction:.0%} of the items that reach it (its "
+        "least confident; its threshold is set on the calibration items the tiers below it "
+        f"escalate), whatever that costs in agreement.{chain} The agreement shown is measured on "
+        "the calibration items, and its lower bound (Clopper-Pearson at "
+        f"{1 - result.tier_delta:.1%}) treats the threshold as if fixed in advance, which it is "
+        "not. No target is certified in this mode."
+    )
+
+
+def _unlabelled_text(result: CalibrationResult) -> str:
+    """Items the teacher skipped never reach calibration, yet the router answers them."""
+    if not result.unlabelled_items:
+        return ""
+    n = result.unlabelled_items
+    return (f" {n} corpus item{'s' if n > 1 else ''} of the calibration part had no teacher label "
+            "(the teacher skipped them: too long for its context, or failed under --on-error "
+            "skip), so calibration never saw items like them, and nothing here is certified about "
+            "them; the router still answers such items with its cheap tiers.")
 
 
 def _summary_rows(result: CalibrationResult, bundle: Bundle) -> list[dict[str, Any]]:
@@ -361,7 +409,8 @@ def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any], figur
     questions = bundle.manifest.parsed_questions()
     sections = [_question_section(qid, questions[qid].type, questions[qid].instructions, result, figures)
                 for qid in questions if any(f.question == qid for f in figures)]
-    mode = (f"target agreement {result.target:.4g}, delta {result.delta:.3g}"
+    scope = "for all questions at once" if result.family_wise else "per question"
+    mode = (f"target agreement {result.target:.4g}, delta {result.delta:.3g} {scope}"
             if result.escalation_fraction is None
             else f"budget mode: escalation fraction {result.escalation_fraction:.3g}")
     return _TEMPLATE.format(

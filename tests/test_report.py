@@ -105,8 +105,9 @@ def test_cli_calibrates_prints_a_table_and_writes_the_report(
     assert manifest.threshold("urgent", "encoder") is not None
     assert (manifest.calibration["target"], manifest.calibration["delta"]) == (0.85, 0.1)
     page, data = read(tmp_path / "report")
-    assert "With probability at least 90% (1 - delta) over the draw of the calibration items" in page
-    assert "agreement with the teacher on new items from the same distribution is at least 0.85" in page
+    assert ("For each question on its own: with probability at least 90.0% (1 - delta) over the draw "
+            "of the calibration items") in page
+    assert "answers agree with the teacher on at least 0.85 (the target) of new items" in page
     for limit in ("Not a promise about any one item", "Not under distribution shift",
                   "Not agreement with the truth"):
         assert limit in page

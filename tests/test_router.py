@@ -444,13 +444,16 @@ def test_a_middle_tier_answers_what_it_is_confident_about_or_what_the_budget_lea
     with Cascade.load(three_tiers(trained[2], tmp_path / "unsure", gemma_path, None),
                       labels=labels, threads=1) as unsure:
         assert routing(unsure) == [("teacher", False, TEACHER_MS)] * 3
-        # the budget pays for the middle tier, not the top: the middle tier's answers are kept
-        limited = [("small", True, ENCODER_MS + SMALL_MS)] * 3
-        assert routing(unsure, Budget(max_escalation_fraction=0.0)) == limited
-        assert routing(unsure, Budget(ms_per_call=ENCODER_MS + SMALL_MS + TEACHER_MS / 4)) == limited
-        # pooled over the batch: 3 x 61 ms pays the encoder and small tier for all, the teacher once
-        pooled = routing(unsure, Budget(ms_per_call=ENCODER_MS + SMALL_MS + TEACHER_MS / 2))
-        assert sorted(tier for tier, _, _ in pooled) == ["small", "small", "teacher"]
+        # no teacher escalation allowed: the encoder is not asked (nothing could stop it going up
+        # to the small tier), and the small tier's answers are kept, marked budget-limited
+        assert routing(unsure, Budget(max_escalation_fraction=0.0)) == [("small", True, SMALL_MS)] * 3
+        # a time budget could stop the encoder's escalation: it answers, and the small tier, which
+        # could keep nothing the encoder's answer does not already give, is skipped; pooled over
+        # the batch, 3 x 36 ms pays the encoder for all and the teacher once
+        for ms in (ENCODER_MS + SMALL_MS + TEACHER_MS / 4, ENCODER_MS + SMALL_MS + TEACHER_MS / 2):
+            pooled = sorted(routing(unsure, Budget(ms_per_call=ms)))
+            teacher = ("teacher", False, ENCODER_MS + TEACHER_MS)
+            assert pooled == [("encoder", True, ENCODER_MS)] * 2 + [teacher]
 
 
 def test_cli_decide_needs_a_teacher_and_resumes(
