@@ -31,6 +31,7 @@ from cascade.bundle import NGRAMS_NAME, Bundle, ExternalTier, GgufTier, file_sha
 from cascade.cli import build_parser, main
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.ngrams import NgramFeatures, beside
+from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION
 from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
 from distill.store import Teacher
@@ -168,10 +169,12 @@ def test_gguf_teacher_becomes_a_pinned_top_tier(
     other.write_bytes(b"another model")
     with pytest.raises(TrainError, match=r"other.gguf has sha256 .* give that file"):
         train(corpus, store, tmp_path / "b", encoder, cache_dir, teacher_model=other)
-    bundle = train(corpus, store, tmp_path / "b", encoder, cache_dir, teacher_model=model)
+    bundle = train(corpus, store, tmp_path / "b", encoder, cache_dir, teacher_model=model,
+                   teacher_placement=Placement(gpu_layers=99))
     top = Bundle.load(bundle.directory).manifest.tiers[-1]
     assert isinstance(top, GgufTier)
     assert (top.model.path, top.model.sha256) == (str(model.resolve()), file_sha256(model))
+    assert top.default_placement() == Placement(gpu_layers=99, n_ctx=top.n_ctx)  # the router's default
 
 
 def test_labels_of_another_prompt_version_are_refused(
