@@ -49,6 +49,16 @@ from cascade.questions import (
 Path_ = Literal["fanout", "serial", "fresh"]
 PATHS: tuple[Path_, ...] = ("fanout", "serial", "fresh")
 _EXCERPT_MARK = "\n[...]\n"
+MAX_BRANCHES = 64
+
+
+def branch_slots(questions: int, permutations: int = 1) -> int:
+    """Branches one decode holds for a state: every (question, option order), up to MAX_BRANCHES.
+
+    Routing, calibration and labelling all size their scorers here, because the batch shape
+    moves the numbers: a threshold certifies only answers read in the groups it was read in.
+    """
+    return max(1, min(MAX_BRANCHES, questions * permutations))
 
 
 @dataclass(frozen=True)

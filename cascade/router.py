@@ -37,10 +37,9 @@ from cascade.hashing import file_sha256
 from cascade.placement import Placement, Placements, for_tier
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Answer, DecisionResponse, Question, Readout, Routing, State, TierUsage, Usage
-from cascade.readout import Scorer
+from cascade.readout import Scorer, branch_slots
 from cascade.tiers import HeadsTier, Item, LabelsTier, ReadoutTier, Tier
 
-MAX_BRANCHES = 64
 Labels = Mapping[str, Mapping[str, Mapping[str, float]]]
 """question id -> item id -> probabilities: the shape of a label store's labels."""
 
@@ -506,13 +505,13 @@ def _runtime_tier(spec: Any, bundle: Bundle, options: _Options) -> Tier:
         return LabelsTier(spec.name, options.labels)
     if isinstance(spec, GgufTier):
         place = options.placement(spec.name, spec.default_placement())
-        scorer = Scorer.placed(spec.model.path, place, min(MAX_BRANCHES, questions * spec.permutations),
+        scorer = Scorer.placed(spec.model.path, place, branch_slots(questions, spec.permutations),
                                spec.template)
         return ReadoutTier(spec.name, scorer, spec.permutations)
     if options.teacher is None:
         raise RouterError(f"internal: the external tier {spec.name!r} has no teacher to run")
     place = options.placement(spec.name, None)
-    return ReadoutTier(spec.name, Scorer.placed(options.teacher, place, min(MAX_BRANCHES, questions)))
+    return ReadoutTier(spec.name, Scorer.placed(options.teacher, place, branch_slots(questions)))
 
 
 def _close(tiers: Sequence[Tier]) -> None:

@@ -58,8 +58,7 @@ from cascade.encoder import Encoder
 from cascade.placement import Placement, Placements, for_tier
 from cascade.prompts import render_state
 from cascade.questions import Question
-from cascade.readout import Scorer
-from cascade.router import MAX_BRANCHES
+from cascade.readout import Scorer, branch_slots
 from cascade.tiers import Answers, Asked, HeadsTier, Item, ReadoutTier, Tier
 from distill.calibrate import (
     CalibrationError,
@@ -421,13 +420,13 @@ def _scorer(spec: Any, scorers: Mapping[str, Scorer] | None, stack: ExitStack,
     where ``placement`` says (over the tier's default in the bundle).
 
     Either decodes the ``questions`` x permutations branches of a state in the groups the
-    router's scorer does (``cascade.router.MAX_BRANCHES`` at most at once): the batch shape
+    router's scorer does (``cascade.readout.branch_slots``): the batch shape
     moves the numbers, and thresholds must certify the ones routing reads.
     """
     if not isinstance(spec, GgufTier):
         return None
     needed = questions * spec.permutations
-    branches = min(MAX_BRANCHES, needed)
+    branches = branch_slots(questions, spec.permutations)
     given = (scorers or {}).get(spec.name)
     if given is None:
         place = (for_tier(placement, spec.name) or Placement()).over(spec.default_placement())

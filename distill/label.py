@@ -23,11 +23,9 @@ from cascade.hashing import file_sha256
 from cascade.placement import ExtraBuffers
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import DecisionRequest, Question
-from cascade.readout import HeadTailExcerpt, Scorer
+from cascade.readout import HeadTailExcerpt, Scorer, branch_slots
 from distill.corpus import BadLine, CorpusItem, OnError, check_on_error, count_items, read_corpus
 from distill.store import LabelStore, StoreMismatchError, Teacher
-
-MAX_BRANCHES = 64
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ def open_teacher(
     extra_buffers: ExtraBuffers | None = None,
 ) -> Scorer:
     """A scorer with one branch slot per (question, option order): one decode reads them all."""
-    branches = max(1, min(MAX_BRANCHES, len(questions) * permutations))
+    branches = branch_slots(len(questions), permutations)
     return Scorer(model_path, n_ctx=n_ctx, max_branches=branches, n_threads=n_threads,
                   n_gpu_layers=n_gpu_layers, extra_buffers=extra_buffers)
 
