@@ -48,13 +48,10 @@ from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import Question, parse_request
 from cascade.router import Cascade
 from cascade.tiers import Item
-from distill.calibrate import apply_temperature, fit_temperature, threshold_for_agreement
-from distill.calibration import (
-    TEMPERATURE_SHARE,
-    CalibrationResult,
-    calibrate_bundle,
-    in_temperature_part,
-)
+from distill.calibration.fits import TEMPERATURE_SHARE, in_temperature_part
+from distill.calibration.maths import apply_temperature, fit_temperature, threshold_for_agreement
+from distill.calibration.results import CalibrationResult
+from distill.calibration.run import calibrate_bundle
 from distill.evaluate import Evaluation, evaluate_bundle
 from distill.store import LabelStore, Teacher, import_labels
 from distill.train import ENCODER_TIER, TEACHER_TIER, train_bundle

@@ -20,10 +20,11 @@ import tempfile
 from pathlib import Path
 
 from cascade.bundle import Bundle
+from cascade.corpus import load_questions
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import Encoder
-from distill.calibration import CalibrationResult, calibrate_bundle
-from distill.corpus import load_questions
+from distill.calibration.results import CalibrationResult
+from distill.calibration.run import calibrate_bundle
 from distill.evaluate import Evaluation, evaluate_bundle
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import generate, write_corpus, write_labels, write_questions

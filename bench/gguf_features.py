@@ -47,9 +47,9 @@ from bench.cascade_goals import (
     variant_rows,
 )
 from bench.encoder_quality import CACHE_DIR, TASKS
-from cascade.bundle import file_sha256
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import EmbeddingCache, Encoder
+from cascade.hashing import file_sha256
 from cascade.llama import default_gguf_path
 from cascade.ngrams import NgramFeatures, beside
 

@@ -42,7 +42,7 @@ from cascade.heads import Matrix, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import parse_request
 from cascade.readout import Scorer
-from distill.calibrate import threshold_for_agreement
+from distill.calibration.maths import threshold_for_agreement
 from distill.teachers import teacher_path
 
 TARGET, DELTA = 0.98, 0.05

@@ -3,42 +3,53 @@
 A bundle is ``manifest.json`` (this schema), the trained heads (``.npz``) and the split of its
 labelled items (``split.json``). Model files (encoder, GGUFs) are referenced by absolute path and
 sha256, never copied: they are gigabytes and already live elsewhere. Files inside the bundle are
-referenced by name and sha256. Loading runs no code from the bundle (JSON, and ``np.load`` with
-``allow_pickle=False``), and refuses any file whose bytes differ from what the manifest pinned:
-thresholds calibrated for one model say nothing about another.
+referenced by name and sha256 (``cascade.pins``). Loading runs no code from the bundle (JSON, and
+``np.load`` with ``allow_pickle=False``), and refuses any file whose bytes differ from what the
+manifest pinned: thresholds calibrated for one model say nothing about another.
+
+Each kind of tier declares here what it pins, what it reads from the bundle folder and where in
+the cascade it may stand (``TierSpec``); how it is built and run is in ``cascade.tierkinds``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    FieldSerializationInfo,
     PrivateAttr,
     TypeAdapter,
     ValidationError,
-    field_validator,
+    field_serializer,
     model_validator,
 )
 
+from cascade.checks import is_int
 from cascade.encoder import EncoderFiles
-from cascade.errors import CascadeError, ModelError
-from cascade.hashing import file_sha256
+from cascade.errors import BundleError, ModelError
 from cascade.heads import SoftmaxHead, load_heads
 from cascade.ngrams import NgramFeatures
+from cascade.pins import (
+    BundleFile,
+    ModelFile,
+    check_bundle_file,
+    check_model_file,
+    read_json,
+    write_atomically,
+)
 from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
+from cascade.sections import CalibrationSection, TrainingSection
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -49,55 +60,8 @@ SPLIT_NAME = "split.json"
 _QUESTIONS = TypeAdapter(dict[str, Question])
 
 
-class BundleError(CascadeError, ValueError):
-    """A bundle cannot be loaded as it is: missing or changed files, or an unknown schema."""
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-Sha256 = Annotated[str, Field(pattern="^[0-9a-f]{64}$")]
-
-
-class ModelFile(_Strict):
-    """A model file outside the bundle, pinned by content."""
-
-    path: str
-    sha256: Sha256
-
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not Path(value).is_absolute():
-            raise ValueError(f"must be an absolute path, so the bundle loads from any directory; "
-                             f"got {value!r}")
-        return value
-
-    @classmethod
-    def of(cls, path: Path) -> ModelFile:
-        resolved = Path(path).resolve()
-        return cls(path=str(resolved), sha256=file_sha256(resolved))
-
-
-class BundleFile(_Strict):
-    """A file inside the bundle folder, named relative to it."""
-
-    name: str
-    sha256: Sha256
-
-    @field_validator("name")
-    @classmethod
-    def _plain_name(cls, value: str) -> str:
-        if not value or Path(value).name != value or value.startswith("."):
-            raise ValueError(f"must be a file name inside the bundle folder, without a folder or "
-                             f"leading dot; got {value!r}")
-        return value
-
-    @classmethod
-    def of(cls, directory: Path, name: str) -> BundleFile:
-        """Pin a file already written into the bundle folder ``directory``."""
-        return cls(name=name, sha256=file_sha256(Path(directory) / name))
 
 
 class HeadInfo(_Strict):
@@ -122,23 +86,82 @@ class NgramInfo(_Strict):
     file: BundleFile
 
 
-class EncoderTier(_Strict):
+class TierSpec(_Strict):
+    """What every kind of tier declares in the manifest, beside its fields.
+
+    ``first_only``: the kind may only be the first tier; ``top_only``: only the last; ``may_top``:
+    whether it can be the last tier at all (the top tier answers everything that reaches it).
+    """
+
+    first_only: ClassVar[bool] = False
+    top_only: ClassVar[bool] = False
+    may_top: ClassVar[bool] = True
+
+    if TYPE_CHECKING:  # each kind declares them, with its defaults (declared here, they would
+        # come first in every tier's JSON)
+        kind: str
+        name: str
+
+    def model_files(self) -> Iterator[tuple[str, ModelFile]]:
+        """The model files outside the bundle this tier pins, each with what it is."""
+        return iter(())
+
+    def bundle_files(self) -> Iterator[tuple[str, BundleFile]]:
+        """The files inside the bundle folder this tier reads, each with what it is."""
+        return iter(())
+
+    def check_questions(self, questions: Mapping[str, Question]) -> None:
+        """ValueError where the tier's fields disagree with the bundle's questions."""
+
+
+class EncoderTier(TierSpec):
     """Tier 0: one sentence embedding per state (with n-grams beside it), one softmax head per question."""
+
+    first_only: ClassVar[bool] = True
+    may_top: ClassVar[bool] = False
 
     kind: Literal["encoder"] = "encoder"
     name: str = Field(default="encoder", min_length=1)
-    model: ModelFile
+    # a shared encoder lives outside the bundle; one fine-tuned for it (cascade train
+    # --finetune) inside, so that the bundle moves and is deleted with it
+    model: ModelFile | BundleFile
     tokenizer: ModelFile
     max_length: int = Field(ge=2)
     heads_file: BundleFile
     heads: dict[str, HeadInfo]
     ngrams: NgramInfo | None = None  # None: the heads read the embedding alone
 
-    def files(self) -> EncoderFiles:
-        return EncoderFiles(model=Path(self.model.path), tokenizer=Path(self.tokenizer.path))
+    def model_path(self, directory: Path) -> Path:
+        """Where the encoder model is, for a bundle in ``directory``."""
+        if isinstance(self.model, BundleFile):
+            return Path(directory) / self.model.name
+        return Path(self.model.path)
+
+    def files(self, directory: Path) -> EncoderFiles:
+        return EncoderFiles(model=self.model_path(directory), tokenizer=Path(self.tokenizer.path))
+
+    def model_files(self) -> Iterator[tuple[str, ModelFile]]:
+        if isinstance(self.model, ModelFile):
+            yield f"tier {self.name!r} encoder model", self.model
+        yield f"tier {self.name!r} tokenizer", self.tokenizer
+
+    def bundle_files(self) -> Iterator[tuple[str, BundleFile]]:
+        if isinstance(self.model, BundleFile):
+            yield f"tier {self.name!r} fine-tuned encoder model", self.model
+        yield "heads file", self.heads_file
+        if self.ngrams is not None:
+            yield "n-gram features file", self.ngrams.file
+
+    def check_questions(self, questions: Mapping[str, Question]) -> None:
+        for qid, info in self.heads.items():
+            if qid not in questions:
+                raise ValueError(f"tier {self.name!r} has a head for unknown question {qid!r}")
+            if info.option_keys != questions[qid].option_keys():
+                raise ValueError(f"head {qid!r} has option_keys {info.option_keys}; the question's "
+                                 f"are {questions[qid].option_keys()}")
 
 
-class GgufTier(_Strict):
+class GgufTier(TierSpec):
     """A logit-readout scorer on a GGUF model, with the settings its thresholds were made for."""
 
     kind: Literal["gguf"] = "gguf"
@@ -153,13 +176,18 @@ class GgufTier(_Strict):
         """The bundle's placement for this tier, with its certified context size."""
         return self.placement.over(Placement(n_ctx=self.n_ctx))
 
+    def model_files(self) -> Iterator[tuple[str, ModelFile]]:
+        yield f"tier {self.name!r} GGUF model", self.model
 
-class ExternalTier(_Strict):
+
+class ExternalTier(TierSpec):
     """A top tier known only by its labels (gold labels, another system): no model to run.
 
     A bundle ending in one can still route, but the caller must give a GGUF at decide time to
     answer what the lower tiers escalate.
     """
+
+    top_only: ClassVar[bool] = True
 
     kind: Literal["external"] = "external"
     name: str = Field(default="teacher", min_length=1)
@@ -167,6 +195,8 @@ class ExternalTier(_Strict):
 
 
 Tier = Annotated[EncoderTier | GgufTier | ExternalTier, Field(discriminator="kind")]
+TIER_SPECS: tuple[type[TierSpec], ...] = get_args(get_args(Tier)[0])
+"""Every kind of tier a manifest may hold, read from ``Tier`` so the two cannot disagree."""
 
 
 class TeacherInfo(_Strict):
@@ -198,8 +228,8 @@ class Manifest(_Strict):
     # question -> tier -> lowest RAW top probability kept (None: never accept)
     thresholds: dict[str, dict[str, float | None]] = {}
     temperatures: dict[str, dict[str, float]] = {}  # question -> tier -> T (absent: 1.0)
-    calibration: dict[str, Any] = {}
-    training: dict[str, Any] = {}
+    calibration: CalibrationSection = CalibrationSection()
+    training: TrainingSection = TrainingSection()
     teacher: TeacherInfo
     split: SplitInfo
 
@@ -212,11 +242,17 @@ class Manifest(_Strict):
         except ValidationError as exc:
             raise ValueError(f"questions are not System One questions: {exc}") from None
         _check_tiers(self.tiers)
-        _check_heads(self.tiers, self._parsed)
+        for tier in self.tiers:
+            tier.check_questions(self._parsed)
         names = [tier.name for tier in self.tiers]
         _check_table("thresholds", self.thresholds, self.questions, names[:-1], _is_probability)
         _check_table("temperatures", self.temperatures, self.questions, names, _is_temperature)
         return self
+
+    @field_serializer("calibration", "training")
+    def _given_fields(self, section: BaseModel, info: FieldSerializationInfo) -> dict[str, Any]:
+        """A section as it was given: a default never becomes a key the bundle did not have."""
+        return section.model_dump(mode=info.mode, exclude_unset=True)
 
     def parsed_questions(self) -> dict[str, Question]:
         """The questions as typed objects (validated when the manifest was)."""
@@ -236,42 +272,27 @@ class Manifest(_Strict):
 
     def model_files(self) -> Iterator[tuple[str, ModelFile]]:
         for tier in self.tiers:
-            if isinstance(tier, EncoderTier):
-                yield f"tier {tier.name!r} encoder model", tier.model
-                yield f"tier {tier.name!r} tokenizer", tier.tokenizer
-            elif isinstance(tier, GgufTier):
-                yield f"tier {tier.name!r} GGUF model", tier.model
+            yield from tier.model_files()
 
     def bundle_files(self) -> Iterator[tuple[str, BundleFile]]:
-        if self.encoder_tier is not None:
-            yield "heads file", self.encoder_tier.heads_file
-            if self.encoder_tier.ngrams is not None:
-                yield "n-gram features file", self.encoder_tier.ngrams.file
+        for tier in self.tiers:
+            yield from tier.bundle_files()
         yield "split file", self.split.file
 
 
-def _check_tiers(tiers: list[Any]) -> None:
+def _check_tiers(tiers: Sequence[TierSpec]) -> None:
     names = [tier.name for tier in tiers]
     if len(set(names)) < len(names):
         raise ValueError(f"tier names must be unique; got {names}")
-    if any(isinstance(tier, EncoderTier) for tier in tiers[1:]):
-        raise ValueError("only the first tier may be an encoder tier")
-    if any(isinstance(tier, ExternalTier) for tier in tiers[:-1]):
-        raise ValueError("only the last (top) tier may be external")
-    if isinstance(tiers[-1], EncoderTier):
-        raise ValueError("the last (top) tier must be 'gguf' or 'external': it answers everything")
-
-
-def _check_heads(tiers: list[Any], questions: Mapping[str, Question]) -> None:
-    first = tiers[0]
-    if not isinstance(first, EncoderTier):
-        return
-    for qid, info in first.heads.items():
-        if qid not in questions:
-            raise ValueError(f"tier {first.name!r} has a head for unknown question {qid!r}")
-        if info.option_keys != questions[qid].option_keys():
-            raise ValueError(f"head {qid!r} has option_keys {info.option_keys}; the question's "
-                             f"are {questions[qid].option_keys()}")
+    for tier in tiers[1:]:
+        if tier.first_only:
+            raise ValueError(f"only the first tier may be an {tier.kind} tier")
+    for tier in tiers[:-1]:
+        if tier.top_only:
+            raise ValueError(f"only the last (top) tier may be {tier.kind}")
+    if not tiers[-1].may_top:
+        tops = [repr(spec.model_fields["kind"].default) for spec in TIER_SPECS if spec.may_top]
+        raise ValueError(f"the last (top) tier must be {' or '.join(tops)}: it answers everything")
 
 
 def _check_table(what: str, table: Mapping[str, Mapping[str, Any]], questions: Mapping[str, Any],
@@ -318,9 +339,9 @@ class Bundle:
     def verify(self) -> None:
         """BundleError naming the first referenced file that is missing or has changed."""
         for what, model in self.manifest.model_files():
-            _check_model_file(what, model, self.directory)
+            check_model_file(what, model, self.directory / MANIFEST_NAME)
         for what, inside in self.manifest.bundle_files():
-            _check_bundle_file(what, inside, self.directory)
+            check_bundle_file(what, inside, self.directory)
         self._heads = self._load_heads()
         self._ngrams = (self._load_ngrams(),)
 
@@ -338,7 +359,7 @@ class Bundle:
             if source.resolve() != (target / inside.name).resolve():
                 shutil.copyfile(source, target / inside.name)
         text = json.dumps(self.manifest.model_dump(mode="json"), indent=2, ensure_ascii=False)
-        _write_atomically(target / MANIFEST_NAME, text + "\n")
+        write_atomically(target / MANIFEST_NAME, text + "\n")
         return Bundle(self.manifest, target, self._heads)
 
     @property
@@ -373,7 +394,7 @@ class Bundle:
     def split_ids(self) -> dict[str, list[str]]:
         """Item ids per part ("train", "calibration", "evaluation") as written by training."""
         path = self.directory / self.manifest.split.file.name
-        data = _read_json(path, "split file")
+        data = read_json(path, "split file")
         if not isinstance(data, dict) or not all(
             isinstance(ids, list) and all(isinstance(i, str) for i in ids) for ids in data.values()
         ):
@@ -404,7 +425,7 @@ def _read_manifest(path: Path) -> Manifest:
     if not path.is_file():
         raise BundleError(f"no bundle at {path.parent}: {path.name} not found; check the path, or "
                           "make one with `cascade train`")
-    data = _read_json(path, "bundle manifest")
+    data = read_json(path, "bundle manifest")
     _check_schema_version(data, path)
     try:
         return Manifest.model_validate(data)
@@ -418,59 +439,9 @@ def _read_manifest(path: Path) -> Manifest:
 def _check_schema_version(data: Any, path: Path) -> None:
     """Refuse a manifest from a newer cascade before reading fields this one does not know."""
     version = data.get("schema_version") if isinstance(data, dict) else None
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_int(version) or version < 1:
         raise BundleError(f"{path}: schema_version {version!r} is not a bundle schema version "
                           f"(this cascade reads {SCHEMA_VERSION}); is this a bundle manifest?")
     if version > SCHEMA_VERSION:
         raise BundleError(f"{path}: bundle schema {version} is newer than this cascade "
                           f"({SCHEMA_VERSION}); upgrade cascade")
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise BundleError(f"cannot read {what} {path}: {exc}") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BundleError(f"{what} {path} is not valid JSON ({exc}); re-train the bundle") from None
-
-
-def _check_model_file(what: str, model: ModelFile, directory: Path) -> None:
-    path = Path(model.path)
-    repoint = (f"re-point its 'path' in {directory / MANIFEST_NAME} to the file the bundle was "
-               "trained with, or re-train the bundle")
-    if not path.is_file():
-        raise BundleError(f"{what} {path} not found; {repoint}")
-    actual = file_sha256(path)
-    if actual != model.sha256:
-        raise BundleError(f"{what} {path} has sha256 {actual}, but the bundle expects "
-                          f"{model.sha256}: it is not the file the bundle was trained with; {repoint}")
-
-
-def _check_bundle_file(what: str, inside: BundleFile, directory: Path) -> None:
-    path = directory / inside.name
-    if not path.is_file():
-        raise BundleError(f"{what} {path} is missing from the bundle; re-train the bundle")
-    actual = file_sha256(path)
-    if actual != inside.sha256:
-        raise BundleError(f"{what} {path} has sha256 {actual}, but the manifest expects "
-                          f"{inside.sha256}: it changed after the bundle was saved; re-train the bundle")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
-def write_json_file(directory: Path, name: str, data: Any) -> BundleFile:
-    """Write a JSON file into a bundle folder atomically and pin it."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    _write_atomically(Path(directory) / name, json.dumps(data, ensure_ascii=False) + "\n")
-    return BundleFile.of(directory, name)
-

@@ -1,19 +1,18 @@
 """Temperature scaling at run time: the one piece of calibration the router itself applies.
 
-Fitting temperatures and thresholds is offline work (``distill.calibrate``); applying them is
+Fitting temperatures and thresholds is offline work (``distill.calibration``); applying them is
 runtime work, and ``cascade`` never imports ``distill``. So the formula lives here, once, and the
 offline side should import it from here rather than keep its own copy.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import numpy as np
 from scipy.special import softmax
 
+from cascade.checks import is_finite
 from cascade.errors import CascadeError
 
 
@@ -28,8 +27,7 @@ def apply_temperature(probs: Any, temperature: float) -> np.ndarray:
     return them so); T > 1 softens an over-confident tier, T < 1 sharpens an under-confident one.
     An exact zero stays exactly zero (its log is -inf), as p ** (1 / T) says it should.
     """
-    if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
-            or not math.isfinite(temperature) or not temperature > 0):
+    if not (is_finite(temperature) and temperature > 0):
         raise TemperatureError(f"temperature must be a finite number > 0; got {temperature!r}")
     with np.errstate(divide="ignore"):
         log_p = np.log(np.asarray(probs, dtype=np.float64))

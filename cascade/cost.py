@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cascade.checks import is_int
 from cascade.errors import ModelError, RequestError
 
 _F32_BYTES = 4
@@ -180,7 +181,7 @@ def _recurrent_floats(meta: dict[str, Any], arch: str, n_embd: int) -> int:
 
 
 def _check_count(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise RequestError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 

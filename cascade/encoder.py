@@ -99,7 +99,7 @@ class Encoder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.name = self.files.name or self.files.model.stem
-        self._tokenizer, self._pad_id, self._pad_token = _load_tokenizer(self.files.tokenizer, max_length)
+        self._tokenizer, self._pad_id, self._pad_token = load_tokenizer(self.files.tokenizer, max_length)
         self._session = _load_session(self.files.model, providers, threads)
         self._inputs = _check_inputs(self._session, self.files.model)
         self.dim = _hidden_size(self._session, self.files.model)
@@ -235,7 +235,7 @@ def _text_list(texts: Sequence[str]) -> list[str]:
     return list(texts)
 
 
-def _load_tokenizer(path: Path, max_length: int) -> tuple[Tokenizer, int, str]:
+def load_tokenizer(path: Path, max_length: int) -> tuple[Tokenizer, int, str]:
     """The tokenizer with its pad id and token, unpadded: the shipped file pads every text to 128.
 
     Batches are padded to their longest text instead, by ``Encoder._encode_batch``.

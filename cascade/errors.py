@@ -20,3 +20,7 @@ class ModelError(CascadeError, ValueError):
 
 class InputTooLongError(CascadeError, ValueError):
     """A prompt does not fit the context and the caller chose no excerpt policy."""
+
+
+class BundleError(CascadeError, ValueError):
+    """A bundle cannot be loaded as it is: missing or changed files, or an unknown schema."""

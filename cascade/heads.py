@@ -10,7 +10,6 @@ arrays in one ``.npz`` so that loading a bundle never runs pickle.
 
 from __future__ import annotations
 
-import numbers
 import os
 import tempfile
 import warnings
@@ -27,6 +26,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils.validation import check_array, check_is_fitted
 
+from cascade.checks import is_integer, is_real
 from cascade.errors import ModelError
 
 _ROW_SUM_TOLERANCE = 1e-4
@@ -123,9 +123,9 @@ class SoftmaxHead(ClassifierMixin, BaseEstimator):
 
     def _check_params(self) -> None:
         """Checked when fit starts, not in __init__, so that set_params is checked too."""
-        if not _is_number(self.C, numbers.Real) or not self.C > 0:
+        if not is_real(self.C) or not self.C > 0:
             raise ValueError(f"The 'C' parameter of SoftmaxHead must be a float > 0; got {self.C!r}")
-        if not _is_number(self.max_iter, numbers.Integral) or self.max_iter < 1:
+        if not is_integer(self.max_iter) or self.max_iter < 1:
             raise ValueError(
                 f"The 'max_iter' parameter of SoftmaxHead must be an int >= 1; got {self.max_iter!r}"
             )
@@ -203,10 +203,6 @@ def _group_by_question(path: Path, arrays: Mapping[str, np.ndarray]) -> dict[str
             raise ModelError(f"heads file {path} has key {key!r}; expected '<question_id>/<name>'")
         grouped.setdefault(question_id, {})[name] = array
     return grouped
-
-
-def _is_number(value: Any, kind: type) -> bool:
-    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def _check_fit_data(X: Any, Y: Any, sample_weight: Any) -> tuple[Matrix, np.ndarray, np.ndarray]:

@@ -28,24 +28,18 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from cascade.bundle import Bundle, EncoderTier, ExternalTier, GgufTier, Manifest
+from cascade.bundle import Bundle, Manifest
 from cascade.calibration_math import apply_temperature
+from cascade.checks import is_finite, is_real
 from cascade.costmodel import BatchCost, CostModel
-from cascade.encoder import Device, EmbeddingCache, Encoder
+from cascade.encoder import Device
 from cascade.errors import CascadeError, RequestError
 from cascade.hashing import file_sha256
-from cascade.placement import Placement, Placements, for_tier
+from cascade.placement import Placements
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Answer, DecisionResponse, Question, Readout, Routing, State, TierUsage, Usage
-from cascade.readout import Scorer, branch_slots
-from cascade.tiers import HeadsTier, Item, LabelsTier, ReadoutTier, Tier
-
-Labels = Mapping[str, Mapping[str, Mapping[str, float]]]
-"""question id -> item id -> probabilities: the shape of a label store's labels."""
-
-
-class RouterError(CascadeError, ValueError):
-    """A cascade cannot be built as asked: a missing teacher, conflicting arguments."""
+from cascade.tierkinds import Build, Labels, RouterError, build_tiers, close_tiers, kind_of
+from cascade.tiers import Item, Tier
 
 
 class Budget(BaseModel):
@@ -75,20 +69,16 @@ class Budget(BaseModel):
     @field_validator("ms_per_call", mode="before")
     @classmethod
     def _positive(cls, value: Any) -> Any:
-        if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
+        if value is not None and not (is_finite(value) and value > 0):
             raise ValueError(f"must be a finite number of milliseconds > 0, or None; got {value!r}")
         return value
 
     @field_validator("max_escalation_fraction", mode="before")
     @classmethod
     def _fraction(cls, value: Any) -> Any:
-        if value is not None and not (_is_number(value) and 0 <= value <= 1):
+        if value is not None and not (is_real(value) and 0 <= value <= 1):
             raise ValueError(f"must be a number in [0, 1], or None; got {value!r}")
         return value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -106,7 +96,7 @@ class _Pick:
 
     @property
     def accepted(self) -> bool:
-        """Thresholds are certified on the tier's raw top probability (distill.calibration)."""
+        """Thresholds are certified on the tier's raw top probability (by ``cascade calibrate``)."""
         return self.threshold is not None and float(self.raw.max()) >= self.threshold
 
     @property
@@ -194,22 +184,21 @@ class Cascade:
         if teacher is not None and labels is not None:
             raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
         bundle = Bundle.load(Path(bundle_dir))
-        _check_top(bundle.manifest, teacher, labels)
+        build = Build(teacher=Path(teacher) if teacher is not None else None, labels=labels,
+                      device=device, cache_dir=cache_dir, threads=threads, placements=placement)
+        _check_top(bundle.manifest, build)
         certified = teacher is None or _same_teacher(bundle.manifest, Path(teacher), accept_other_teacher)
-        options = _Options(teacher, labels, device, cache_dir, threads, placement)
-        tiers: list[Tier] = []
+        tiers = build_tiers(bundle, build)
         try:
-            for spec in bundle.manifest.tiers:
-                tiers.append(_runtime_tier(spec, bundle, options))
             costs = CostModel.for_tiers(bundle.manifest, tiers, flops_per_second)
         except BaseException:
-            _close(tiers)
+            close_tiers(tiers)
             raise
         return cls(bundle.manifest, tiers, costs, certified)
 
     def close(self) -> None:
-        """Free the llama.cpp models of readout tiers."""
-        _close(self.tiers)
+        """Free the llama.cpp models the tiers opened."""
+        close_tiers(self.tiers)
 
     def __enter__(self) -> Cascade:
         return self
@@ -272,7 +261,7 @@ class Cascade:
         top, tier = len(self.tiers) - 1, self.tiers[t]
         if t == top:
             return True
-        if isinstance(tier, HeadsTier) and qid not in tier.heads:
+        if not tier.can_answer(qid):
             return False
         if self.manifest.threshold(qid, tier.name) is not None:
             return True
@@ -337,23 +326,21 @@ class Cascade:
         of the questions not escalated (the state's prefill is shared), which the cost model
         charges. Other tiers are asked ``qids`` alone.
         """
-        if qids and t < len(self.tiers) - 1 and isinstance(self.tiers[t], ReadoutTier):
+        if qids and t < len(self.tiers) - 1 and self.tiers[t].batch_sensitive:
             return list(self.questions)
         return list(qids)
 
     def _fitted(self, qid: str, t: int) -> bool:
         """Whether calibration fitted a temperature for (question, tier).
 
-        Calibration records its facts per (question, tier) in ``calibration["questions"]``, with a
+        Calibration records its facts per (question, tier) in ``calibration.questions``, with a
         ``temperature_note`` saying why T was left at 1.0 when it could not be fitted; a bundle
         fresh from training holds placeholder temperatures of 1.0 and no facts. The top tier is
         the reference the others are calibrated against, so it never is.
         """
-        facts = self.manifest.calibration.get("questions", {})
-        facts = facts.get(qid, {}) if isinstance(facts, Mapping) else {}
-        row = facts.get(self.tiers[t].name) if isinstance(facts, Mapping) else None
+        facts = self.manifest.calibration.facts(qid, self.tiers[t].name)
         top = t == len(self.tiers) - 1
-        return not top and isinstance(row, Mapping) and row.get("temperature_note") is None
+        return not top and facts is not None and facts.temperature_note is None
 
     def _escalate(self, run: _Run, t: int, budget: Budget) -> None:
         """Send up what tier ``t`` left open. A question it was asked but did not answer goes
@@ -441,36 +428,12 @@ def _check_items(items: Sequence[Item], asked: Sequence[Sequence[str]],
                                f"of the bundle {list(questions)}; got {list(qids)}")
 
 
-def _check_top(manifest: Manifest, teacher: Path | None, labels: Labels | None) -> None:
+def _check_top(manifest: Manifest, build: Build) -> None:
     """Before loading any model: can the top tier answer what reaches it?"""
     top = manifest.tiers[-1]
-    if isinstance(top, ExternalTier) and teacher is None and labels is None:
-        raise RouterError(
-            f"bundle {manifest.name!r} ends in the external tier {top.name!r} (labels "
-            f"{top.labels!r}), which cannot run: give --teacher PATH.gguf (teacher=) to answer "
-            "the questions the lower tiers escalate, or labels= to replay recorded answers")
-    if isinstance(top, GgufTier) and teacher is not None:
-        raise RouterError(f"bundle {manifest.name!r} already runs its pinned GGUF {top.model.path} "
-                          f"as the top tier {top.name!r}; drop --teacher / teacher=")
-    if teacher is not None and not Path(teacher).is_file():
-        raise RouterError(f"teacher model {teacher} not found; give the path of a .gguf file")
-
-
-@dataclass(frozen=True)
-class _Options:
-    """How ``Cascade.load`` was asked to build the runtime tiers."""
-
-    teacher: Path | None
-    labels: Labels | None
-    device: Device
-    cache_dir: Path | None
-    threads: int | None
-    placements: Placements
-
-    def placement(self, tier: str, default: Placement | None) -> Placement:
-        """The tier's placement: what load was given, over the bundle's default, over threads."""
-        return (for_tier(self.placements, tier) or Placement()).over(default).over(
-            Placement(threads=self.threads))
+    kind_of(top).check_top(top, manifest.name, build)
+    if build.teacher is not None and not build.teacher.is_file():
+        raise RouterError(f"teacher model {build.teacher} not found; give the path of a .gguf file")
 
 
 def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
@@ -491,30 +454,3 @@ def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
                           f"that teacher, or accept another (--accept-other-teacher / "
                           f"accept_other_teacher=True) and get answers marked certified=false")
     return not problem
-
-
-def _runtime_tier(spec: Any, bundle: Bundle, options: _Options) -> Tier:
-    questions = len(bundle.manifest.questions)
-    top = spec is bundle.manifest.tiers[-1]
-    if isinstance(spec, EncoderTier):
-        encoder = Encoder(spec.files(), device=options.device, max_length=spec.max_length,
-                          threads=options.threads)
-        cache = EmbeddingCache(Path(options.cache_dir), encoder) if options.cache_dir else None
-        return HeadsTier(spec.name, encoder, bundle.heads, cache, bundle.ngrams)
-    if top and options.labels is not None:
-        return LabelsTier(spec.name, options.labels)
-    if isinstance(spec, GgufTier):
-        place = options.placement(spec.name, spec.default_placement())
-        scorer = Scorer.placed(spec.model.path, place, branch_slots(questions, spec.permutations),
-                               spec.template)
-        return ReadoutTier(spec.name, scorer, spec.permutations)
-    if options.teacher is None:
-        raise RouterError(f"internal: the external tier {spec.name!r} has no teacher to run")
-    place = options.placement(spec.name, None)
-    return ReadoutTier(spec.name, Scorer.placed(options.teacher, place, branch_slots(questions)))
-
-
-def _close(tiers: Sequence[Tier]) -> None:
-    for tier in tiers:
-        if isinstance(tier, ReadoutTier):
-            tier.scorer.close()

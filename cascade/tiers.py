@@ -3,6 +3,11 @@
 A tier answers the questions it can for each item and leaves the rest out (the router starts those
 at the next tier). Tiers return RAW probabilities in each question's ``option_keys()`` order;
 temperatures and thresholds belong to the router, which owns the calibration.
+
+A tier also says what it costs (``flops_per_token`` for the roofline, ``pricing`` for the cost
+model) and how it is run (``batch_size``, ``batch_sensitive``), so that the router, the cost model
+and calibration ask it instead of testing which class it is. ``cascade.tierkinds`` builds tiers
+from a bundle's manifest.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -17,6 +24,7 @@ from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.heads import HeadStack, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
+from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens, gguf_flops_per_token
 from cascade.prompts import render_state
 from cascade.questions import DecisionRequest, Question, Readout, State, Usage
 from cascade.readout import HeadTailExcerpt, Scorer
@@ -54,14 +62,31 @@ class Reply:
 
 
 class Tier(ABC):
-    """A way to answer questions; ``name`` matches the bundle's tier name."""
+    """A way to answer questions; ``name`` matches the bundle's tier name.
+
+    ``batch_sensitive``: its answers move with the batch of questions read together (a fan-out
+    decodes them in one batch), so below the top it is asked the batch calibration certified.
+    ``meters_tokens``: ``reply`` reports in its usage the prompt tokens the model ran; otherwise
+    ``count_tokens`` of the state texts is what it ran.
+    """
 
     name: str
+    batch_sensitive: ClassVar[bool] = False
+    meters_tokens: ClassVar[bool] = False
 
     @property
     def ran_on(self) -> str:
         """Where this tier computes its answers, as every answer's usage records it."""
         return "no model: recorded answers"
+
+    @property
+    def batch_size(self) -> int:
+        """States worth answering in one call when there are many (1: one at a time)."""
+        return 1
+
+    def can_answer(self, qid: str) -> bool:
+        """Whether the tier has a way to answer question ``qid`` at all."""
+        return True
 
     @abstractmethod
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
@@ -72,6 +97,22 @@ class Tier(ABC):
         reply = Reply.empty(len(items))
         reply.answers = self.answer(items, asked, questions)
         return reply
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per state text as this tier counts them (``CHARS_PER_TOKEN`` without a tokenizer)."""
+        return estimate_tokens(texts)
+
+    @abstractmethod
+    def flops_per_token(self) -> float:
+        """FLOPs each prompt token costs the tier: its roofline price where none was measured."""
+
+    @abstractmethod
+    def pricing(self, cost: TierCost) -> TierPricing:
+        """How the cost model charges this tier ``cost`` for a state and its questions."""
+
+    def close(self) -> None:
+        """Free what the tier opened (a llama.cpp model); nothing by default."""
+        return None
 
 
 class HeadsTier(Tier):
@@ -100,6 +141,26 @@ class HeadsTier(Tier):
     def ran_on(self) -> str:
         return self.encoder.ran_on
 
+    @property
+    def batch_size(self) -> int:
+        return self.encoder.batch_size
+
+    def can_answer(self, qid: str) -> bool:
+        """Only where training fitted a head for the question."""
+        return qid in self.heads
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return self.encoder.token_counts(texts)
+
+    def flops_per_token(self) -> float:
+        """2 x the ONNX file's size in bytes, since the file holds at least one byte per weight
+        (int8; fp16 2, fp32 4): an over-estimate of a tier that costs ~1000x less than the teacher."""
+        return 2.0 * Path(self.encoder.files.model).stat().st_size
+
+    def pricing(self, cost: TierCost) -> TierPricing:
+        """A state's tokens are run once, for all its questions."""
+        return TierPricing(cost, self.encoder.token_counts, fanout=False)
+
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         return self.reply(items, asked, questions).answers
 
@@ -120,7 +181,14 @@ class HeadsTier(Tier):
 
 
 class ReadoutTier(Tier):
-    """A GGUF logit-readout tier: one prefill per state, its asked questions fanned out."""
+    """A GGUF logit-readout tier: one prefill per state, its asked questions fanned out.
+
+    ``owned``: the tier opened its scorer and closes it; a scorer it was given stays open for
+    its owner.
+    """
+
+    batch_sensitive = True
+    meters_tokens = True
 
     def __init__(
         self,
@@ -128,11 +196,13 @@ class ReadoutTier(Tier):
         scorer: Scorer,
         permutations: int = 1,
         excerpt: HeadTailExcerpt | None = None,
+        owned: bool = True,
     ) -> None:
         self.name = name
         self.scorer = scorer
         self.permutations = permutations
         self.excerpt = excerpt
+        self.owned = owned
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         return self.reply(items, asked, questions).answers
@@ -140,6 +210,21 @@ class ReadoutTier(Tier):
     @property
     def ran_on(self) -> str:
         return self.scorer.ran_on
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(self.scorer.model.tokenize(text)) for text in texts]
+
+    def flops_per_token(self) -> float:
+        return gguf_flops_per_token(self.scorer.model.path)
+
+    def pricing(self, cost: TierCost) -> TierPricing:
+        """The prompt once per state, then each question's block once per option order."""
+        return TierPricing(cost, self.count_tokens, fanout=True, permutations=self.permutations,
+                           template=self.scorer.template)
+
+    def close(self) -> None:
+        if self.owned:
+            self.scorer.close()
 
     def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
         out = Reply.empty(len(items))
@@ -163,12 +248,24 @@ class LabelsTier(Tier):
     """Teacher answers recorded in a label store, for replaying a cascade on labelled items.
 
     ``labels`` maps question id -> item id -> probabilities keyed like the answers (the shape of
-    ``distill.store.LabelStore.labels``). A missing label is an error, never a silent gap.
+    a label store's labels). A missing label is an error, never a silent gap. The tier is priced
+    as the teacher whose answers these are: the GGUF ``model`` read with ``permutations`` option
+    orders, or, for an external teacher (None), a model of TEACHER_PARAMS weights.
     """
 
-    def __init__(self, name: str, labels: Mapping[str, Mapping[str, Mapping[str, float]]]) -> None:
+    def __init__(self, name: str, labels: Mapping[str, Mapping[str, Mapping[str, float]]],
+                 model: Path | None = None, permutations: int = 1) -> None:
         self.name = name
         self.labels = labels
+        self.model = model
+        self.permutations = permutations
+
+    def flops_per_token(self) -> float:
+        return 2.0 * TEACHER_PARAMS if self.model is None else gguf_flops_per_token(self.model)
+
+    def pricing(self, cost: TierCost) -> TierPricing:
+        """As a readout, with tokens estimated from the characters: no tokenizer is loaded."""
+        return TierPricing(cost, estimate_tokens, fanout=True, permutations=self.permutations)
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         out: Answers = [{} for _ in items]

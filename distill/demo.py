@@ -24,18 +24,33 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from cascade.bundle import Bundle, BundleError, GgufTier, Manifest, ModelFile, file_sha256
+from cascade.bundle import Bundle, BundleError, GgufTier, Manifest, ModelFile
+from cascade.checks import is_int
+from cascade.corpus import BadLine, OnError, count_items, load_questions
 from cascade.encoder import Encoder
 from cascade.errors import CascadeError
+from cascade.hashing import file_sha256
 from cascade.llama import default_gguf_path
 from cascade.placement import ExtraBuffers, Placement
 from cascade.readout import Scorer
-from distill.calibration import CalibrationResult, calibrate_bundle
-from distill.corpus import BadLine, OnError, count_items, load_questions
+from distill.calibration.results import CalibrationResult
+from distill.calibration.run import calibrate_bundle
+from distill.demo_teacher import (
+    LIVE_ITEMS,
+    agreement_with_generator,
+    check_shipped,
+    label_live,
+    shipped_facts,
+    shipped_labels,
+    shipped_note,
+    shipped_teacher,
+    show_live,
+)
 from distill.evaluate import Evaluation, evaluate_bundle, format_evaluation
 from distill.report import write_report
 from distill.split import check_fractions
@@ -65,6 +80,8 @@ GENERATOR_NOTE = ("teacher: labels from the corpus generator, standing in for a 
 STATE_NAME, EVALUATION_NAME = "calibration.json", "evaluation.json"
 
 Say = Callable[[str], None]
+DemoTeacher = Literal["shipped", "generator", "live"]
+TEACHERS: tuple[str, ...] = get_args(DemoTeacher)
 
 
 class DemoError(CascadeError, ValueError):
@@ -77,10 +94,12 @@ class DemoConfig:
     place of the generated corpus (``items`` and ``seed`` then do nothing)."""
 
     workdir: Path = DEFAULT_WORKDIR
-    items: int = DEFAULT_ITEMS
+    items: int | None = None  # None: what the shipped labels cover, or DEFAULT_ITEMS with the generator's
     seed: int = 0
-    gemma_items: int = DEFAULT_GEMMA_ITEMS
-    eval_items: int = DEFAULT_EVAL_ITEMS
+    teacher: DemoTeacher = "shipped"
+    live_items: int = LIVE_ITEMS
+    gemma_items: int | None = None  # None: DEFAULT_GEMMA_ITEMS, or 30% of fewer than 1000 items
+    eval_items: int | None = None  # None: DEFAULT_EVAL_ITEMS, or 20% of fewer than 1000 items
     target: float = DEFAULT_TARGET
     delta: float = DEFAULT_DELTA
     family_wise: bool = False
@@ -134,6 +153,7 @@ def run_demo(config: DemoConfig, say: Say = print) -> DemoResult:
         run = _Run(config, inputs, store, fractions, workdir / "bundle", say)
         with run.timed("teacher"):
             _import(run)
+            _show_teacher(run)
         result, reused = _calibrated(run)
         _say_thresholds(result, run.say)
         with run.timed("report"):
@@ -264,10 +284,12 @@ def _check_config(config: DemoConfig) -> None:
         missing = [flag for flag in own if flag not in given]
         raise DemoError(f"{', '.join(given)} needs {' and '.join(missing)} too: your own corpus, its "
                         "questions and their labels go together (or give none for the generated demo)")
-    for name in ("items", "gemma_items", "eval_items"):
+    for name, least in (("items", 1), ("gemma_items", 1), ("eval_items", 1), ("live_items", 0)):
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DemoError(f"{name} must be a whole number >= 1; got {value!r}")
+        if (value is not None or name == "live_items") and not (is_int(value) and value >= least):
+            raise DemoError(f"{name} must be a whole number >= {least}; got {value!r}")
+    if config.teacher not in TEACHERS:
+        raise DemoError(f"teacher must be one of {', '.join(TEACHERS)}; got {config.teacher!r}")
     for name in ("target", "delta"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
@@ -279,10 +301,12 @@ def _check_config(config: DemoConfig) -> None:
 
 def _fractions(config: DemoConfig, items: int) -> dict[str, float]:
     """The split that gives gemma ``gemma_items`` calibration items and routes ``eval_items``."""
-    calibration, evaluation = config.gemma_items / items, config.eval_items / items
+    gemma = config.gemma_items or min(DEFAULT_GEMMA_ITEMS, int(0.3 * items))
+    routed = config.eval_items or min(DEFAULT_EVAL_ITEMS, int(0.2 * items))
+    calibration, evaluation = gemma / items, routed / items
     train = 1.0 - calibration - evaluation
     if train < MIN_TRAIN_FRACTION:
-        raise DemoError(f"gemma_items ({config.gemma_items}) + eval_items ({config.eval_items}) leave "
+        raise DemoError(f"gemma_items ({gemma}) + eval_items ({routed}) leave "
                         f"{max(train, 0):.0%} of the {items} items for training; at least "
                         f"{MIN_TRAIN_FRACTION:.0%} must be left: lower them or give more items")
     return check_fractions({"train": train, "calibration": calibration, "evaluation": evaluation})
@@ -304,13 +328,29 @@ def _inputs(config: DemoConfig, workdir: Path, say: Say) -> DemoInputs:
 
 def _generated(config: DemoConfig, workdir: Path, say: Say) -> DemoInputs:
     data = workdir / "data"
-    items = generate(config.items, config.seed)
-    corpus = write_corpus(items, data / f"corpus-s{config.seed}-n{config.items}.jsonl")
-    labels = write_labels(items, data / f"labels-s{config.seed}-n{config.items}.jsonl")
+    facts = None if config.teacher == "generator" else shipped_facts()
+    count = config.items or (DEFAULT_ITEMS if facts is None else facts.items)
+    if facts is not None and config.teacher == "shipped":
+        check_shipped(facts, config.seed, count)
+    items = generate(count, config.seed)
+    name = f"s{config.seed}-n{count}"
+    corpus = write_corpus(items, data / f"corpus-{name}.jsonl")
     questions = write_questions(data / "questions.json")
     say(f"[1/7] corpus: {len(items)} generated support messages (seed {config.seed}) in {corpus}")
-    return DemoInputs(corpus, questions, labels, workdir / f"labels-{GENERATOR_VERSION}.sqlite",
-                      Teacher(kind="external", model=GENERATOR_TEACHER), GENERATOR_NOTE, len(items))
+    if facts is None:
+        return DemoInputs(corpus, questions, write_labels(items, data / f"labels-{name}.jsonl"),
+                          workdir / f"labels-{GENERATOR_VERSION}.sqlite",
+                          Teacher(kind="external", model=GENERATOR_TEACHER), GENERATOR_NOTE, len(items))
+    if config.teacher == "shipped":
+        labels = shipped_labels([item.id for item in items], data / f"teacher-labels-{name}.jsonl")
+        teacher, note = shipped_teacher(facts), shipped_note(facts)
+    else:
+        labels = label_live(corpus, load_questions(questions), data / f"live-labels-{name}.jsonl",
+                            config.threads, say)
+        teacher = Teacher(kind="external", model=f"{facts.model} labels made live by cascade demo")
+        note = shipped_note(facts).split(";")[0] + "; its labels were made live above"
+    store = workdir / f"labels-{config.teacher}-{file_sha256(labels)[:12]}.sqlite"
+    return DemoInputs(corpus, questions, labels, store, teacher, note, len(items))
 
 
 def _import(run: _Run) -> None:
@@ -319,6 +359,19 @@ def _import(run: _Run) -> None:
     summary = import_labels(run.store, run.inputs.labels, questions)
     run.say(f"[2/7] {run.inputs.note}")
     run.say(f"      {summary.imported} labels ({len(questions)} questions) in the store {run.inputs.store}")
+
+
+def _show_teacher(run: _Run) -> None:
+    """With a real teacher: how it relates to the generator's intent, and (shipped) the model live."""
+    config = run.config
+    if config.teacher == "generator" or config.corpus is not None:
+        return
+    items = generate(run.inputs.items, config.seed)
+    run.say(f"      the teacher's top answer is the one the generator wrote the message for: "
+            f"{agreement_with_generator(items, run.store)}")
+    if config.teacher == "shipped" and config.live_items:
+        show_live(run.inputs.corpus, load_questions(run.inputs.questions), run.store, config.live_items,
+                  config.threads, run.say)
 
 
 def with_gguf_tier(bundle: Bundle, gguf: Path, name: str, n_ctx: int) -> Bundle:

@@ -19,13 +19,13 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from cascade.bundle import Bundle, Manifest
+from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
 from cascade.encoder import Device
 from cascade.errors import CascadeError
 from cascade.placement import Placements
 from cascade.questions import Answer, DecisionResponse, Routing
 from cascade.router import Budget, Cascade
 from cascade.tiers import Item
-from distill.corpus import BadLine, CorpusItem, OnError, read_corpus
 from distill.store import LabelStore
 
 EVALUATION = "evaluation"
@@ -106,7 +106,7 @@ def evaluate_bundle(
     manifest = bundle.manifest
     _check_teacher(manifest, store)
     labels = {qid: store.labels(qid) for qid in manifest.questions}
-    field = text_field or manifest.training.get("text_field", "text")
+    field = text_field or manifest.training.text_field or "text"
     lines = read_corpus(Path(corpus_path), field, on_error, on_bad)
     items, asked = _evaluation_items(bundle, lines, Path(corpus_path), labels)
     budget = budget if budget is not None else Budget()
@@ -225,15 +225,9 @@ def _question(manifest: Manifest, qid: str, rows: list[tuple[bool, str, bool]],
         agreement=_mean(row[0] for row in rows),
         tiers=_shares(tier_names, rows),
         budget_limited=_mean(row[2] for row in rows),
-        target=_target(manifest),
+        target=manifest.calibration.target,
         threshold={name: manifest.threshold(qid, name) for name in tier_names[:-1]},
     )
-
-
-def _target(manifest: Manifest) -> float | None:
-    """The cascade agreement target calibration aimed at, None before calibration."""
-    target = manifest.calibration.get("target")
-    return float(target) if isinstance(target, int | float) else None
 
 
 def _shares(tier_names: list[str], rows: Sequence[tuple[bool, str, bool]]) -> list[TierShare]:

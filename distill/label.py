@@ -18,13 +18,14 @@ from pathlib import Path
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from cascade.checks import is_int
+from cascade.corpus import BadLine, CorpusItem, OnError, check_on_error, count_items, read_corpus
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import ExtraBuffers
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import DecisionRequest, Question
 from cascade.readout import HeadTailExcerpt, Scorer, branch_slots
-from distill.corpus import BadLine, CorpusItem, OnError, check_on_error, count_items, read_corpus
 from distill.store import LabelStore, StoreMismatchError, Teacher
 
 
@@ -155,7 +156,7 @@ def check_label_options(questions: Mapping[str, Question], on_error: str, permut
     check_on_error(on_error)
     if not questions:
         raise RequestError("questions: is empty; ask at least one question")
-    if isinstance(permutations, bool) or not isinstance(permutations, int) or permutations < 1:
+    if not is_int(permutations) or permutations < 1:
         raise RequestError(f"permutations must be a whole number >= 1; got {permutations!r}")
 
 

@@ -28,11 +28,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cascade.checks import is_int
+from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
 from cascade.errors import CascadeError
 from cascade.placement import Placement
 from cascade.questions import Question
 from cascade.readout import HeadTailExcerpt
-from distill.corpus import BadLine, CorpusItem, OnError, read_corpus
 from distill.label import (
     LabelSummary,
     check_label_options,
@@ -71,7 +72,7 @@ class RayOptions:
     def __post_init__(self) -> None:
         for name in ("actors", "batch_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise RayLabelError(f"{name} must be a whole number >= 1; got {value!r}")
 
 

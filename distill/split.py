@@ -12,6 +12,8 @@ import hashlib
 import math
 from collections.abc import Iterable, Mapping
 
+from cascade.checks import is_real
+
 PARTS = ("train", "calibration", "evaluation")
 DEFAULT_FRACTIONS: dict[str, float] = {"train": 0.5, "calibration": 0.25, "evaluation": 0.25}
 DEFAULT_SALT = "cascade-split-v1"
@@ -25,7 +27,7 @@ def check_fractions(fractions: Mapping[str, float]) -> dict[str, float]:
         raise ValueError(f"fractions must map exactly {list(PARTS)} to numbers; got {shown!r}")
     for part in PARTS:
         value = fractions[part]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        if not is_real(value) or not 0 <= value <= 1:
             raise ValueError(f"fractions[{part!r}] must be a number in [0, 1]; got {value!r}")
     total = math.fsum(fractions.values())
     if abs(total - 1.0) > _FRACTION_TOLERANCE:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from cascade.checks import is_finite
 from cascade.errors import CascadeError
 from cascade.questions import Question
 
@@ -297,7 +298,7 @@ def _check_probabilities(probs: Any, where: str) -> dict[str, float]:
     if not isinstance(probs, Mapping) or not probs:
         raise StoreError(f"{where} must be a non-empty object of option -> probability")
     for key, p in probs.items():
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
+        if not is_finite(p) or p < 0:
             raise StoreError(f"{where}[{key!r}] must be a finite number >= 0, got {p!r}")
     total = math.fsum(probs.values())
     if abs(total - 1.0) > SUM_TOLERANCE:

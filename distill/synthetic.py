@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cascade.checks import is_int
 from cascade.errors import CascadeError
 from cascade.questions import Question, parse_request
 
@@ -237,9 +238,9 @@ def demo_questions() -> dict[str, Question]:
 
 def generate(n: int, seed: int = 0) -> list[SyntheticItem]:
     """``n`` messages for ``seed``; item ``i`` depends on (seed, i) only, never on ``n``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_int(n) or n < 1:
         raise SyntheticError(f"n (the number of items) must be a whole number >= 1; got {n!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise SyntheticError(f"seed must be a whole number; got {seed!r}")
     return [_item(seed, index) for index in range(n)]
 
@@ -250,7 +251,7 @@ def item_id(seed: int, index: int) -> str:
 
 
 def write_corpus(items: Iterable[SyntheticItem], path: Path) -> Path:
-    """The corpus as JSONL ``{"id", "text"}`` lines: what ``distill.corpus.read_corpus`` reads."""
+    """The corpus as JSONL ``{"id", "text"}`` lines: what ``cascade.corpus.read_corpus`` reads."""
     return _write_lines(path, ({"id": item.id, "text": item.text} for item in items))
 
 
@@ -263,7 +264,7 @@ def write_labels(items: Iterable[SyntheticItem], path: Path) -> Path:
 
 
 def write_questions(path: Path) -> Path:
-    """The questions file (``{"questions": ...}``) that ``distill.corpus.load_questions`` reads."""
+    """The questions file (``{"questions": ...}``) that ``cascade.corpus.load_questions`` reads."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"questions": QUESTIONS_JSON}, indent=2) + "\n", encoding="utf-8")

@@ -9,17 +9,19 @@ learn the teacher's full distributions, only from the "train" part of the split;
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cascade.bundle import (
     HEADS_NAME,
+    MANIFEST_NAME,
     NGRAMS_NAME,
     SPLIT_NAME,
     Bundle,
@@ -34,21 +36,26 @@ from cascade.bundle import (
     SplitInfo,
     TeacherInfo,
     Tier,
-    file_sha256,
-    write_json_file,
 )
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.checks import is_finite
+from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
+from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles
 from cascade.errors import CascadeError
+from cascade.hashing import file_sha256
 from cascade.heads import Matrix, SoftmaxHead, save_heads
 from cascade.ngrams import NgramFeatures, beside
+from cascade.pins import write_json_file
 from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION, render_state
 from cascade.questions import Question
-from distill.corpus import BadLine, CorpusItem, OnError, read_corpus
+from cascade.sections import FinetuneSection, TrainingSection
+from distill.finetune import FinetuneConfig, check_installed
 from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
 from distill.store import LabelStore, Teacher
 
 MIN_TRAIN_LABELS = 10
+FINETUNED_NAME = "encoder.onnx"
+PARITY_TEXTS = 200
 ENCODER_TIER, TEACHER_TIER = "encoder", "teacher"
 
 Labels = Mapping[str, Mapping[str, float]]
@@ -80,6 +87,7 @@ def train_bundle(
     ngrams: bool = True,
     on_error: OnError = "stop",
     on_bad: Callable[[BadLine], None] | None = None,
+    finetune: FinetuneConfig | None = None,
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
 
@@ -89,49 +97,126 @@ def train_bundle(
     that the bundle can pin the file its top tier runs; ``teacher_placement`` is recorded as that
     tier's default placement (GPU layers, threads), which a router may override. A bad corpus
     line stops training, or with ``on_error="skip"`` goes to ``on_bad`` and its item is left out,
-    as ``read_corpus`` does.
+    as ``read_corpus`` does. With ``finetune``, the encoder itself is first fine-tuned on the
+    train part's labels (distill.finetune, needs the ``finetune`` extra) and served from the
+    bundle as int8 ONNX; the heads are then fitted on its vectors as on the frozen encoder's.
     """
     fractions = check_fractions(fractions)
     _check_arguments(questions, C)
+    if finetune is not None:
+        finetune.check()
+        check_installed()
     top = _top_tier(store.teacher, teacher_model, teacher_placement)
     labels = {qid: store.labels(qid) for qid in questions}
     lines = read_corpus(Path(corpus_path), text_field, on_error, on_bad)
     texts = _labelled_texts(lines, Path(corpus_path), labels, store.path)
-    encoder = encoder if encoder is not None else Encoder()
-    cache = EmbeddingCache(Path(cache_dir) if cache_dir else default_cache_dir(), encoder)
-    vectors = dict(zip(texts, cache.encode(list(texts.values()), progress=progress), strict=True))
     parts = split_ids(texts, fractions, DEFAULT_SALT)
-    grams = NgramFeatures().fit([texts[i] for i in parts["train"]]) if ngrams and parts["train"] else None
-
-    def features(items: list[str]) -> Matrix:
-        return beside(np.stack([vectors[i] for i in items]), grams, [texts[i] for i in items])
-
-    fitted = {qid: _fit_question(qid, q, labels[qid], features, parts, C) for qid, q in questions.items()}
-    heads = {qid: head for qid, (head, _) in fitted.items() if head is not None}
+    encoder = encoder if encoder is not None else Encoder()
     bundle_dir = Path(bundle_dir)
-    save_heads(bundle_dir / HEADS_NAME, heads)
-    infos = {q: info for q, (_, info) in fitted.items()}
-    tiers = [_encoder_tier(encoder, bundle_dir, infos, _save_ngrams(grams, bundle_dir)), top]
-    split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
-                      file=write_json_file(bundle_dir, SPLIT_NAME, parts))
-    training = {"C": C, "ngrams": ngrams, "min_train_labels": MIN_TRAIN_LABELS, "labelled_items": len(texts),
-                "new_embeddings": cache.misses, "embedding_cache": str(cache.path),
-                "text_field": text_field}
-    manifest = _manifest(questions, bundle_dir, tiers, store.teacher, split, training)
-    return Bundle(manifest, bundle_dir, heads).save()
+    with staged(bundle_dir) as stage:
+        tuned = None
+        if finetune is not None:
+            encoder, tuned = _finetuned(encoder, finetune, questions, labels, texts, parts, stage, progress)
+        cache = EmbeddingCache(Path(cache_dir) if cache_dir else default_cache_dir(), encoder)
+        vectors = dict(zip(texts, cache.encode(list(texts.values()), progress=progress), strict=True))
+        grams = NgramFeatures().fit([texts[i] for i in parts["train"]]) if ngrams and parts["train"] else None
+
+        def features(items: list[str]) -> Matrix:
+            return beside(np.stack([vectors[i] for i in items]), grams, [texts[i] for i in items])
+
+        fitted = {qid: _fit_question(qid, q, labels[qid], features, parts, C) for qid, q in questions.items()}
+        heads = {qid: head for qid, (head, _) in fitted.items() if head is not None}
+        save_heads(stage / HEADS_NAME, heads)
+        infos = {q: info for q, (_, info) in fitted.items()}
+        tiers = [_encoder_tier(encoder, stage, infos, _save_ngrams(grams, stage), tuned is not None), top]
+        split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
+                          file=write_json_file(stage, SPLIT_NAME, parts))
+        training = TrainingSection(C=C, ngrams=ngrams, min_train_labels=MIN_TRAIN_LABELS,
+                                   labelled_items=len(texts), new_embeddings=cache.misses,
+                                   embedding_cache=str(cache.path), text_field=text_field, finetune=tuned)
+        manifest = _manifest(questions, bundle_dir.resolve().name, tiers, store.teacher, split, training)
+        Bundle(manifest, stage, heads).save()
+    return Bundle(manifest, bundle_dir, heads)
+
+
+@contextmanager
+def staged(bundle_dir: Path) -> Iterator[Path]:
+    """A hidden folder beside ``bundle_dir`` to build a bundle in, swapped in whole at the end.
+
+    Training takes minutes (fine-tuning, hours): killed half-way, it leaves the previous bundle
+    as it was, or none, never a mix of two. A folder that is not a bundle is never replaced, so
+    a mistyped ``--bundle`` cannot delete someone's files. Leftovers of a killed run (hidden
+    ``.NAME.training-*`` folders) are removed by the next run for the same bundle.
+    """
+    if bundle_dir.exists() and any(bundle_dir.iterdir()) and not (bundle_dir / MANIFEST_NAME).is_file():
+        raise TrainError(f"{bundle_dir} exists and is not a bundle (no {MANIFEST_NAME}); give a new or "
+                         "empty folder, or a bundle to replace")
+    bundle_dir.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{bundle_dir.name}.training-"
+    for stale in bundle_dir.parent.glob(f"{prefix}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    stage = Path(tempfile.mkdtemp(prefix=prefix, dir=bundle_dir.parent))
+    try:
+        yield stage
+        old = stage.with_name(stage.name + "-old")
+        if bundle_dir.exists():
+            os.replace(bundle_dir, old)
+        os.replace(stage, bundle_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _finetuned(
+    encoder: Encoder,
+    config: FinetuneConfig,
+    questions: Mapping[str, Question],
+    labels: Mapping[str, Labels],
+    texts: Mapping[str, str],
+    parts: Mapping[str, list[str]],
+    stage: Path,
+    progress: bool,
+) -> tuple[Encoder, FinetuneSection]:
+    """The encoder fine-tuned on the train part's labels, as int8 ONNX in the bundle folder.
+
+    Only train items teach it (the calibration part must stay unseen for the certificate to
+    hold); the parity check reads calibration texts, which needs no labels.
+    """
+    from distill.finetune import Targets, finetune_body
+    from distill.onnx_export import export_int8
+
+    train = parts["train"]
+    targets = {qid: Targets(_target_rows(qid, q.option_keys(), labels[qid], train))
+               for qid, q in questions.items() if any(item in labels[qid] for item in train)}
+    tokenizer = encoder.files.tokenizer
+    body, record = finetune_body([texts[i] for i in train], targets, tokenizer, config, progress)
+    parity_texts = [texts[i] for i in (parts["calibration"] or train)[:PARITY_TEXTS]]
+    parity = export_int8(body, tokenizer, stage / FINETUNED_NAME, parity_texts, encoder.max_length)
+    tuned = Encoder(EncoderFiles(model=stage / FINETUNED_NAME, tokenizer=tokenizer, name="finetuned"),
+                    device=encoder.device, max_length=encoder.max_length, batch_size=encoder.batch_size)
+    return tuned, record.model_copy(update={"parity": parity})
+
+
+def _target_rows(qid: str, keys: list[str], labels: Labels, items: list[str]) -> np.ndarray:
+    """Teacher probabilities of ``items`` (NaN rows where the question has no label of one)."""
+    labelled = [item for item in items if item in labels]
+    rows = np.full((len(items), len(keys)), np.nan)
+    index = {item: row for row, item in enumerate(items)}
+    rows[[index[item] for item in labelled]] = _label_rows(qid, keys, labels, labelled)
+    return rows
 
 
 def _manifest(
     questions: Mapping[str, Question],
-    bundle_dir: Path,
+    name: str,
     tiers: list[Tier],
     teacher: Teacher,
     split: SplitInfo,
-    training: dict[str, Any],
+    training: TrainingSection,
 ) -> Manifest:
     """A new bundle's manifest: no threshold yet (every question escalates until calibrated)."""
     return Manifest(
-        name=bundle_dir.resolve().name,
+        name=name,
         created_at=datetime.now(timezone.utc),
         questions={qid: question.model_dump(mode="json") for qid, question in questions.items()},
         tiers=tiers,
@@ -146,7 +231,7 @@ def _manifest(
 def _check_arguments(questions: Mapping[str, Question], C: float) -> None:
     if not questions:
         raise TrainError("questions is empty; give at least one question to train a head for")
-    if isinstance(C, bool) or not isinstance(C, (int, float)) or not (math.isfinite(C) and C > 0):
+    if not (is_finite(C) and C > 0):
         raise TrainError(f"C (inverse regularisation strength) must be a number > 0; got {C!r}")
 
 
@@ -194,11 +279,14 @@ def _save_ngrams(grams: NgramFeatures | None, bundle_dir: Path) -> NgramInfo | N
 
 
 def _encoder_tier(
-    encoder: Encoder, bundle_dir: Path, heads: dict[str, HeadInfo], ngrams: NgramInfo | None
+    encoder: Encoder, bundle_dir: Path, heads: dict[str, HeadInfo], ngrams: NgramInfo | None, inside: bool
 ) -> EncoderTier:
+    """``inside``: the encoder model is a file of the bundle (fine-tuned for it), else shared."""
+    model = (BundleFile.of(bundle_dir, encoder.files.model.name) if inside else
+             ModelFile(path=str(encoder.files.model.resolve()), sha256=encoder.sha256))
     return EncoderTier(
         name=ENCODER_TIER,
-        model=ModelFile(path=str(encoder.files.model.resolve()), sha256=encoder.sha256),
+        model=model,
         tokenizer=ModelFile(path=str(encoder.files.tokenizer.resolve()),
                             sha256=file_sha256(encoder.files.tokenizer)),
         max_length=encoder.max_length,

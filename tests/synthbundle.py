@@ -13,8 +13,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 from cascade.bundle import Bundle
+from cascade.corpus import load_questions
 from cascade.encoder import Encoder
-from distill.corpus import load_questions
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.train import train_bundle

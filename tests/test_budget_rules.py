@@ -21,8 +21,8 @@ from cascade.questions import DecisionRequest, DecisionResponse
 from cascade.readout import Scorer
 from cascade.router import Budget, Cascade
 from cascade.tiers import Item
-from distill.calibrate import CalibrationError
-from distill.calibration import calibrate_bundle
+from distill.calibration.maths import CalibrationError
+from distill.calibration.run import calibrate_bundle
 from distill.demo import with_gguf_tier
 from distill.evaluate import evaluate_bundle, format_evaluation
 from distill.store import LabelStore

@@ -21,14 +21,14 @@ from cascade.bundle import (
     Bundle,
     BundleError,
     EncoderTier,
-    file_sha256,
 )
+from cascade.corpus import read_corpus
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
+from cascade.hashing import file_sha256
 from cascade.heads import Matrix
 from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import render_state
-from distill.corpus import read_corpus
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from scipy.optimize import brentq
 from scipy.special import softmax
 from scipy.stats import beta, binom, binomtest
 
-from distill.calibrate import (
+from distill.calibration.maths import (
     CalibrationError,
     apply_temperature,
     budget_keep_mask,

@@ -6,6 +6,7 @@ A calibration rewrites its bundle, so every test calibrates a ``copy_bundle`` of
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +18,10 @@ from tinymodels import silence_llama_logs, tiny_llama_path
 from cascade.bundle import Bundle, GgufTier, Manifest, ModelFile
 from cascade.encoder import Encoder
 from cascade.readout import Scorer
-from distill.calibrate import CalibrationError
-from distill.calibration import (
-    FACTS,
-    CalibrationResult,
-    QuestionTier,
-    calibrate_bundle,
-    in_temperature_part,
-)
+from distill.calibration.fits import in_temperature_part
+from distill.calibration.maths import CalibrationError
+from distill.calibration.results import FACTS, CalibrationResult, QuestionTier
+from distill.calibration.run import calibrate_bundle
 from distill.store import LabelStore, Teacher
 
 TARGET = 0.85
@@ -65,6 +62,7 @@ def test_thresholds_are_written_and_the_bundle_reloads(calibrated: tuple[Bundle,
                                                        ) -> None:
     bundle, result = calibrated
     manifest = Bundle.load(bundle.directory).manifest
+    written = json.loads((bundle.directory / "manifest.json").read_text(encoding="utf-8"))["calibration"]
     for qid in HEADED:
         fit = fit_of(result, qid)
         assert fit.reachable and fit.threshold is not None
@@ -77,18 +75,19 @@ def test_thresholds_are_written_and_the_bundle_reloads(calibrated: tuple[Bundle,
                                 r"agrees with the teacher.*\); T left at 1.0", fit.temperature_note)
         assert fit.lower_bound >= TARGET and fit.agreement >= fit.lower_bound
         assert 0 < fit.kept_share <= 1
-        facts = manifest.calibration["questions"][qid]["encoder"]
-        assert set(facts) == set(FACTS)
-        assert facts["threshold"] == fit.threshold and facts["target"] == TARGET
+        facts = manifest.calibration.questions[qid]["encoder"]
+        assert set(written["questions"][qid]["encoder"]) == set(FACTS)
+        assert facts.threshold == fit.threshold and facts.target == TARGET
         assert result.cascades[qid].answered_by == pytest.approx(
             {"encoder": fit.kept_share, "teacher": 1 - fit.kept_share})
         assert result.cascades[qid].agreement == pytest.approx(fit.agreement)
     assert any(f.temperature != 1.0 for f in result.calibrations)
-    assert (manifest.calibration["target"], manifest.calibration["mode"]) == (TARGET, "agreement")
-    cost = manifest.calibration["costs"]["encoder"]
+    assert (manifest.calibration.target, manifest.calibration.mode) == (TARGET, "agreement")
+    cost = written["costs"]["encoder"]
     assert set(cost) == {"seconds_per_state", "seconds_per_token"}
     assert min(cost.values()) >= 0 and max(cost.values()) > 0
-    assert manifest.calibration["flops_per_second"] == FLOPS
+    assert manifest.calibration.costs["encoder"].model_dump() == cost
+    assert manifest.calibration.flops_per_second == FLOPS
 
 
 def test_questions_without_a_head_or_labels_stay_uncalibrated(
@@ -100,7 +99,7 @@ def test_questions_without_a_head_or_labels_stay_uncalibrated(
     assert reasons["rare"].startswith("the tier does not answer this question (no head)")
     assert reasons["spam"].startswith("no calibration item has a teacher label")
     assert manifest.threshold("rare", "encoder") is None and manifest.threshold("spam", "encoder") is None
-    assert manifest.calibration["skipped"]["rare"]["encoder"] == reasons["rare"]
+    assert manifest.calibration.skipped["rare"]["encoder"] == reasons["rare"]
 
 
 def test_only_calibration_items_are_used(
@@ -141,7 +140,7 @@ def test_an_unreachable_target_says_what_is_reachable(
         assert match and int(match[1]) == fit.n_threshold and int(match[3]) > fit.n_threshold
         assert 0.9 < float(match[2]) < 0.9999
         assert manifest.threshold(qid, "encoder") is None
-        assert manifest.calibration["questions"][qid]["encoder"]["reachable"] is False
+        assert manifest.calibration.questions[qid]["encoder"].reachable is False
         assert result.cascades[qid].answered_by["teacher"] == 1.0
 
 
@@ -157,7 +156,7 @@ def test_budget_mode_keeps_about_the_requested_share(
         assert abs(fit.kept_share - 0.7) <= 1 / fit.n_threshold
         assert fit.message.startswith(f"keeps {fit.kept_share:.1%} of {fit.n_threshold} items")
         assert manifest.threshold(qid, "encoder") == fit.threshold
-    assert (manifest.calibration["mode"], manifest.calibration["escalation_fraction"]) == ("budget", 0.3)
+    assert (manifest.calibration.mode, manifest.calibration.escalation_fraction) == ("budget", 0.3)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +197,7 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
     assert cost.kind == "gguf" and cost.states == result.items < sum(fit_of(result, q, "small").n
                                                                      for q in HEADED)
     assert cost.tokens > cost.states and cost.seconds_per_token > 0
-    assert set(manifest.calibration["costs"]) == {"encoder", "small"}
+    assert set(manifest.calibration.costs) == {"encoder", "small"}
 
 
 def test_a_store_of_another_teacher_is_refused(trained: Bundle, inputs: tuple[Path, Path],

@@ -17,7 +17,7 @@ from tinymodels import tiny_llama_path
 
 from cascade.bundle import Bundle
 
-CASCADE = [sys.executable, "-m", "cascade.cli"]
+CASCADE = [sys.executable, "-m", "distill.cli"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -20,11 +20,14 @@ import pytest
 from tinymodels import silence_llama_logs, tiny_llama_path
 
 from cascade.bundle import Bundle, GgufTier
-from cascade.cli import build_parser, main
+from cascade.errors import CascadeError
+from distill.cli import build_parser, main
 from distill.demo import GEMMA_N_CTX, GENERATOR_NOTE, DemoConfig, DemoError, run_demo
+from distill.demo_teacher import LABELS_FILE, shipped_facts
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 
-SMALL = ["--items", "200", "--gemma-items", "30", "--eval-items", "30", "--target", "0.5"]
+SMALL = ["--items", "200", "--gemma-items", "30", "--eval-items", "30", "--target", "0.5", "--teacher",
+         "generator"]
 """A target low enough for ~20 threshold items to certify: each of the two cheap tiers must
 reach 0.75, which 20 items with at most one disagreement do (0.975, the default's, needs 146)."""
 
@@ -83,7 +86,7 @@ def test_bundle_puts_gemma_between_encoder_and_teacher(demo_run: tuple[Path, str
     assert isinstance(gemma, GgufTier)
     assert (gemma.permutations, gemma.n_ctx) == (1, GEMMA_N_CTX)
     assert Path(gemma.model.path).name.startswith("gemma-3-270m")
-    assert manifest.calibration["target"] == 0.5
+    assert manifest.calibration.target == 0.5
     assert set(manifest.thresholds["department"]) == {"encoder", "gemma"}
 
 
@@ -137,6 +140,30 @@ def test_sizes_that_leave_too_little_to_train_are_refused(tmp_path: Path) -> Non
 def test_bad_settings_name_the_setting(tmp_path: Path, field: str, value: float) -> None:
     with pytest.raises(DemoError, match=field):
         run_demo(DemoConfig(workdir=tmp_path, **{field: value}))  # type: ignore[arg-type]
+
+
+def test_the_default_teacher_is_a_real_llms_shipped_labels(tmp_path: Path) -> None:
+    """The shipped labels are the 1.5B's, checked by content against the facts shipped beside them."""
+    facts = shipped_facts()
+    small = [arg for arg in SMALL if arg not in ("--teacher", "generator")]
+    status, output = _run_cli(["demo", "--workdir", str(tmp_path), *small, "--live-items", "0"])
+    assert status == 0
+    assert f"teacher: {facts.model}, a real LLM" in output and facts.command in output
+    assert GENERATOR_NOTE not in output
+    manifest = Bundle.load(tmp_path / "bundle").manifest
+    assert facts.model in manifest.teacher.model and facts.model_sha256[:12] in manifest.teacher.model
+    ids = {item.id for item in generate(200, 0)}
+    rows = [json.loads(line) for line in LABELS_FILE.open(encoding="utf-8")]
+    assert {row["id"] for row in rows} >= ids
+    assert all(sum(row["probabilities"].values()) == pytest.approx(1.0, abs=1e-4) for row in rows)
+
+
+def test_more_items_than_the_shipped_labels_cover_is_refused(tmp_path: Path) -> None:
+    too_many = shipped_facts().items + 1
+    with pytest.raises(CascadeError, match=f"cover the first {too_many - 1} generated items"):
+        run_demo(DemoConfig(workdir=tmp_path, items=too_many, gemma_items=30, eval_items=30))
+    with pytest.raises(CascadeError, match=r"seed 0; this run generates .* seed 1"):
+        run_demo(DemoConfig(workdir=tmp_path, items=100, seed=1, gemma_items=30, eval_items=30))
 
 
 def test_cli_errors_print_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,10 +12,10 @@ from corpora import TEACHER
 from test_router import COSTS, ENCODER_MS, HEADED, TEACHER_MS, labels, texts, thresholds, trained, variant
 
 from cascade.bundle import Bundle
-from cascade.cli import main
 from cascade.encoder import Encoder
 from cascade.ngrams import beside
 from cascade.router import Budget
+from distill.cli import main
 from distill.evaluate import Evaluation, EvaluationError, evaluate_bundle
 from distill.store import LabelStore, Teacher
 

@@ -10,10 +10,11 @@ import pytest
 from synthbundle import copy_bundle, corpus_ids, train, write_inputs
 
 from cascade.bundle import Bundle
-from cascade.cli import main
 from cascade.encoder import Encoder
-from distill.calibrate import CalibrationError
-from distill.calibration import CalibrationResult, calibrate_bundle
+from distill.calibration.maths import CalibrationError
+from distill.calibration.results import CalibrationResult
+from distill.calibration.run import calibrate_bundle
+from distill.cli import main
 from distill.report import write_report
 from distill.split import part_of
 from distill.store import LabelStore
@@ -68,8 +69,8 @@ def test_family_wise_spends_delta_over_the_questions(family: tuple[Bundle, Calib
     assert result.tier_delta == pytest.approx(DELTA / questions)
     assert {fit.delta for fit in result.calibrations} == {result.tier_delta}
     facts = bundle.manifest.calibration
-    assert (facts["family_wise"], facts["family_size"], facts["tier_delta"]) == (True, questions,
-                                                                                  result.tier_delta)
+    assert (facts.family_wise, facts.family_size, facts.tier_delta) == (True, questions,
+                                                                         result.tier_delta)
 
 
 def test_per_question_is_the_default_and_spends_delta_on_each(
@@ -77,7 +78,7 @@ def test_per_question_is_the_default_and_spends_delta_on_each(
 ) -> None:
     bundle, result = per_question
     assert (result.family_wise, result.tier_delta) == (False, DELTA)
-    assert bundle.manifest.calibration["family_wise"] is False
+    assert bundle.manifest.calibration.family_wise is False
 
 
 def test_family_wise_keeps_no_more_than_per_question(
@@ -123,7 +124,7 @@ def test_cli_family_wise_flag(trained: Bundle, inputs: tuple[Path, Path, Path], 
     assert main(["calibrate", "--bundle", str(bundle.directory), "--corpus", str(inputs[0]),
                  "--store", str(inputs[2]), "--target-agreement", str(TARGET), "--family-wise",
                  "--report", str(tmp_path / "report")]) == 0
-    assert Bundle.load(bundle.directory).manifest.calibration["family_wise"] is True
+    assert Bundle.load(bundle.directory).manifest.calibration.family_wise is True
     out = capsys.readouterr().out
     assert "guarantee family-wise: all 3 questions meet the target at once" in out
     assert "corpus items of the calibration part have no teacher label (skipped by the teacher)" in out
@@ -137,7 +138,7 @@ def test_items_the_teacher_skipped_are_counted_and_reported(
     ids = corpus_ids(inputs[0])
     skipped = [ids[i] for i in UNLABELLED if part_of(ids[i], split.fractions, split.salt) == "calibration"]
     assert skipped and result.unlabelled_items == len(skipped)
-    assert bundle.manifest.calibration["unlabelled_items"] == len(skipped)
+    assert bundle.manifest.calibration.unlabelled_items == len(skipped)
     assert not set(skipped) & set(bundle.split_ids()["calibration"])
     text = guarantee(result, bundle, tmp_path)
     assert f"{len(skipped)} corpus items of the calibration part had no teacher label" in text

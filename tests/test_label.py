@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from tinymodels import tiny_llama_path
 
-from cascade.cli import main
+from cascade.corpus import CorpusError
 from cascade.errors import InputTooLongError
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import parse_request
 from cascade.readout import HeadTailExcerpt, Scorer
-from distill.corpus import CorpusError
+from distill.cli import main
 from distill.label import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore, StoreMismatchError
 
@@ -221,7 +221,7 @@ def test_cli_help_teaches_by_example(capsys) -> None:
 
 def start_cli(argv: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "cascade.cli", *argv], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "distill.cli", *argv], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

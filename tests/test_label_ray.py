@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from test_label import QUESTIONS, ROOT, stored_rows, write_corpus, write_questions
 
-from cascade.cli import main
 from cascade.errors import InputTooLongError
 from cascade.readout import Scorer
+from distill.cli import main
 from distill.label import label_corpus, open_teacher, teacher_of, teacher_of_file
 from distill.label_ray import (
     RayOptions,
@@ -140,7 +140,7 @@ def test_cli_names_an_address_nothing_answers_on(gemma_path: Path, tmp_path: Pat
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{free.getsockname()[1]}"
-    done = subprocess.run([sys.executable, "-m", "cascade.cli", *cli_argv(tmp_path, gemma_path, address, 2)],
+    done = subprocess.run([sys.executable, "-m", "distill.cli", *cli_argv(tmp_path, gemma_path, address, 2)],
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     assert done.returncode == 2
     assert f"RayLabelError: cannot connect to a Ray cluster at '{address}': nothing answers" in done.stderr
@@ -158,7 +158,7 @@ def start_cli(argv: list[str], logs: Path) -> subprocess.Popen:
     """The CLI in its own process, its output in files (Ray's logs could fill a pipe and block)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(logs / "out.txt", "w") as out, open(logs / "err.txt", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "cascade.cli", *argv], env=env, text=True,
+        return subprocess.Popen([sys.executable, "-m", "distill.cli", *argv], env=env, text=True,
                                 stdout=out, stderr=err, stdin=subprocess.DEVNULL)
 
 

@@ -190,7 +190,7 @@ def test_cli_score_refuses_gpu_layers_on_a_cpu_build(tmp_path: Path) -> None:
     request = tmp_path / "req.json"
     request.write_text(json.dumps({"state": "hi",
                                    "questions": {"q": {"type": "noul", "instructions": "Hi?"}}}))
-    result = subprocess.run([sys.executable, "-m", "cascade.cli", "score", "--request", str(request),
+    result = subprocess.run([sys.executable, "-m", "distill.cli", "score", "--request", str(request),
                              "--gpu-layers", "99"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "ModelError: 99 GPU layers asked, but this llama-cpp-python build has no GPU offload" \

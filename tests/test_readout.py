@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from tinymodels import tiny_llama_path, tiny_qwen35_path
 
-from cascade.cli import main
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.orders import balanced_orders
 from cascade.prompts import PROMPT_VERSION, PromptTemplate
 from cascade.questions import DecisionResponse, parse_request
 from cascade.readout import HeadTailExcerpt, Scorer
+from distill.cli import main
 
 PATH_TOLERANCE = 0.15
 F32_TOLERANCE = 1e-4

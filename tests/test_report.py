@@ -13,9 +13,9 @@ from corpora import HEADED, copy_bundle
 from test_calibration import FLOPS, calibrate
 
 from cascade.bundle import Bundle
-from cascade.cli import build_parser, main
 from cascade.encoder import Encoder
-from distill.calibration import CalibrationResult
+from distill.calibration.results import CalibrationResult
+from distill.cli import build_parser, main
 from distill.report import write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -103,7 +103,7 @@ def test_cli_calibrates_prints_a_table_and_writes_the_report(
     assert out[-1] == f"report: {(tmp_path / 'report' / 'report.html').resolve()}"
     manifest = Bundle.load(bundle.directory).manifest
     assert manifest.threshold("urgent", "encoder") is not None
-    assert (manifest.calibration["target"], manifest.calibration["delta"]) == (0.85, 0.1)
+    assert (manifest.calibration.target, manifest.calibration.delta) == (0.85, 0.1)
     page, data = read(tmp_path / "report")
     assert ("For each question on its own: with probability at least 90.0% (1 - delta) over the draw "
             "of the calibration items") in page

@@ -22,16 +22,16 @@ from tinymodels import tiny_llama_path
 
 from cascade.bundle import Bundle, Manifest, ModelFile
 from cascade.calibration_math import TemperatureError, apply_temperature
-from cascade.cli import main
 from cascade.cost import ModelShape, decision_flops
-from cascade.costmodel import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
 from cascade.errors import ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placement
+from cascade.pricing import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
 from cascade.prompts import PROMPT_VERSION, PromptTemplate
 from cascade.questions import DecisionRequest, DecisionResponse
 from cascade.router import Budget, Cascade, RouterError
 from cascade.tiers import Item
+from distill.cli import main
 from distill.store import LabelStore
 
 ENCODER_MS, TEACHER_MS = 1.0, 100.0
@@ -56,11 +56,21 @@ def texts(trained: tuple[Path, Path, Bundle]) -> dict[str, str]:
     return {row["id"]: row["text"] for row in map(json.loads, trained[0].open(encoding="utf-8"))}
 
 
+def facts(**fields: Any) -> dict[str, Any]:
+    """One (question, tier)'s calibration facts, as calibration writes them: a fitted temperature
+    (no ``temperature_note``) and no threshold, with ``fields`` replaced."""
+    return {"n": 100, "n_temperature": 30, "n_threshold": 100, "temperature": 1.0,
+            "temperature_note": None, "ece_before": 0.0, "ece_after": 0.0, "threshold": None,
+            "kept_share": 0.0, "agreement": 1.0, "agreement_kept": None, "lower_bound": 1.0,
+            "reachable": True, "message": "keeps nothing", "method": "ltt", "target": 0.98,
+            "delta": 0.05} | fields
+
+
 def variant(bundle: Bundle, directory: Path, **fields: Any) -> Path:
     """A copy of the bundle whose manifest has ``fields`` replaced; by default, calibration facts
     saying the encoder temperatures of the headed questions were fitted, and measured COSTS."""
     data = bundle.manifest.model_dump(mode="json")
-    fitted = {qid: {"encoder": {"temperature": 1.0, "temperature_note": None}} for qid in HEADED}
+    fitted = {qid: {"encoder": facts()} for qid in HEADED}
     data["calibration"] = {"costs": COSTS, "questions": fitted}
     data.update(fields)
     Bundle(Manifest.model_validate(data), bundle.directory).save(directory)
@@ -159,7 +169,7 @@ def test_a_question_without_a_head_never_runs_the_encoder(
 
 @pytest.mark.parametrize("calibration", [
     {"costs": COSTS},  # fresh from training: placeholder temperatures, no calibration facts
-    {"costs": COSTS, "questions": {"urgent": {"encoder": {"temperature_note": "only 3 items; T left"}}}},
+    {"costs": COSTS, "questions": {"urgent": {"encoder": facts(temperature_note="only 3 items; T left")}}},
 ])
 def test_answers_are_calibrated_only_where_a_temperature_was_fitted(
     calibration: dict, replay: Any, urgent_items: list[Item]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.corpus import load_questions, read_corpus
+from cascade.corpus import load_questions, read_corpus
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import (
     DEPARTMENTS,

@@ -79,10 +79,10 @@ def test_unknown_names_are_refused_with_the_choices() -> None:
 
 
 def test_the_command_lists_the_models_and_refuses_unknown_ones() -> None:
-    listed = subprocess.run([sys.executable, "-m", "cascade.cli", "teacher-model", "--list"],
+    listed = subprocess.run([sys.executable, "-m", "distill.cli", "teacher-model", "--list"],
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0
     assert "qwen2.5-coder-1.5b-instruct" in listed.stdout and "qwen2.5-coder-0.5b-instruct" in listed.stdout
-    unknown = subprocess.run([sys.executable, "-m", "cascade.cli", "teacher-model", "gpt-9"],
+    unknown = subprocess.run([sys.executable, "-m", "distill.cli", "teacher-model", "gpt-9"],
                              capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and unknown.stderr.startswith("ModelError: no packaged model")

@@ -27,12 +27,13 @@ from corpora import (
     write_training_inputs,
 )
 
-from cascade.bundle import NGRAMS_NAME, Bundle, ExternalTier, GgufTier, file_sha256
-from cascade.cli import build_parser, main
+from cascade.bundle import NGRAMS_NAME, Bundle, ExternalTier, GgufTier
 from cascade.encoder import EmbeddingCache, Encoder
+from cascade.hashing import file_sha256
 from cascade.ngrams import NgramFeatures, beside
 from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION
+from distill.cli import build_parser, main
 from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
 from distill.store import Teacher
 from distill.train import MIN_TRAIN_LABELS, TrainError
@@ -113,7 +114,7 @@ def test_manifest_describes_the_training(bundle: Bundle, inputs: tuple[Path, Pat
     assert manifest.prompt_version == PROMPT_VERSION
     assert all(manifest.threshold(q, "encoder") is None for q in QUESTIONS)
     assert manifest.temperature("department", "encoder") == 1.0
-    assert manifest.training["labelled_items"] == N_ITEMS
+    assert manifest.training.labelled_items == N_ITEMS
     assert manifest.parsed_questions() == QUESTIONS
 
 
@@ -121,8 +122,8 @@ def test_retraining_embeds_nothing_new(
     bundle: Bundle, inputs: tuple[Path, Path], encoder: Encoder, cache_dir: Path, tmp_path: Path
 ) -> None:
     again = train(*inputs, tmp_path / "again", encoder, cache_dir, C=0.5)
-    assert again.manifest.training["new_embeddings"] == 0
-    assert again.manifest.training["C"] == 0.5
+    assert again.manifest.training.new_embeddings == 0
+    assert again.manifest.training.C == 0.5
     assert len(EmbeddingCache(cache_dir, encoder)) >= N_ITEMS
     assert again.split_ids() == bundle.split_ids()
 
@@ -132,7 +133,7 @@ def test_ngrams_are_learnt_from_the_train_part_only(
 ) -> None:
     texts = {r["id"]: r["text"].strip() for r in read_jsonl(inputs[0])}
     expected = NgramFeatures().fit([texts[i] for i in bundle.split_ids()["train"]])
-    assert bundle.ngrams is not None and bundle.manifest.training["ngrams"] is True
+    assert bundle.ngrams is not None and bundle.manifest.training.ngrams is True
     np.testing.assert_array_equal(bundle.ngrams.idf_, expected.idf_)
     widths = {head.n_features_in_ for head in bundle.heads.values()}
     assert widths == {encoder.dim + bundle.ngrams.n_features}

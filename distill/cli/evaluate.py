@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cascade.cli.common import (
+from distill.cli.common import (
     add_budget_arguments,
     add_on_error_argument,
     add_placement_arguments,

@@ -1,4 +1,4 @@
-"""Calibration: temperature scaling, and acceptance thresholds with a finite-sample guarantee.
+"""The maths of calibration: temperature scaling, and thresholds with a finite-sample guarantee.
 
 A tier answers a question when its confidence (the top probability after temperature scaling)
 clears that question's threshold; otherwise the question escalates, and the last tier, the
@@ -16,7 +16,6 @@ is the teacher's argmax label per row (or its (n, k) probability rows where soft
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,6 +27,7 @@ from scipy.stats import beta
 
 from cascade.calibration_math import TemperatureError
 from cascade.calibration_math import apply_temperature as runtime_temperature
+from cascade.checks import is_finite, is_integer, is_real
 from cascade.errors import CascadeError
 
 ROW_SUM_TOLERANCE = 1e-4
@@ -114,7 +114,7 @@ def apply_temperature(scores: Any, temperature: float, *, kind: ScoreKind = "pro
             return runtime_temperature(_check_probs(scores), temperature)
         except TemperatureError as exc:
             raise CalibrationError(str(exc)) from None
-    if not _is_real(temperature) or not temperature > 0 or not math.isfinite(temperature):
+    if not (is_finite(temperature) and temperature > 0):
         raise CalibrationError(f"temperature must be a finite float > 0; got {temperature!r}")
     return np.asarray(softmax(_log_scores(scores, kind) / temperature, axis=1))
 
@@ -139,7 +139,7 @@ def reliability_curve(probs: Any, teacher: Any, bins: int = 15) -> dict[str, Any
     Empty bins are left out, so every value is a plain float or int and the dict goes to JSON
     as it is; ``ece`` is included so that a report cannot show a curve and a different ECE.
     """
-    if not _is_integer(bins) or bins < 1:
+    if not is_integer(bins) or bins < 1:
         raise CalibrationError(f"bins must be an int >= 1; got {bins!r}")
     confidence, correct = confidence_and_agreement(probs, teacher)
     edges = np.linspace(0.0, 1.0, bins + 1)
@@ -165,9 +165,9 @@ def clopper_pearson_lower(successes: int, n: int, delta: float) -> float:
     So P(p < L) <= delta over repeated samples. 0 when there are no successes; delta ** (1 / n)
     when every trial succeeded, which is why a high target needs a minimum number of items.
     """
-    if not _is_integer(n) or n < 0:
+    if not is_integer(n) or n < 0:
         raise CalibrationError(f"n must be an int >= 0; got {n!r}")
-    if not _is_integer(successes) or not 0 <= successes <= n:
+    if not is_integer(successes) or not 0 <= successes <= n:
         raise CalibrationError(f"successes must be an int in [0, n={n}]; got {successes!r}")
     _check_open_unit("delta", delta)
     return float(_cp_lower(np.asarray([successes]), n, delta)[0])
@@ -442,23 +442,15 @@ def _check_scores(confidence: Any, correct: Any) -> tuple[np.ndarray, np.ndarray
 
 
 def _check_open_unit(name: str, value: Any) -> None:
-    if not _is_real(value) or not 0 < value < 1:
+    if not is_real(value) or not 0 < value < 1:
         raise CalibrationError(f"{name} must be a float in (0, 1); got {value!r}")
 
 
 def _check_fraction(value: Any) -> None:
-    if not _is_real(value) or not 0 <= value <= 1:
+    if not is_real(value) or not 0 <= value <= 1:
         raise CalibrationError(f"escalation_fraction must be a float in [0, 1]; got {value!r}")
 
 
 def _check_bounds(bounds: tuple[float, float]) -> None:
-    if len(bounds) != 2 or not all(_is_real(b) and b > 0 for b in bounds) or not bounds[0] < bounds[1]:
+    if len(bounds) != 2 or not all(is_real(b) and b > 0 for b in bounds) or not bounds[0] < bounds[1]:
         raise CalibrationError(f"bounds must be (low, high) with 0 < low < high; got {bounds!r}")
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

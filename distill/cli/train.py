@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cascade.cli.common import add_on_error_argument, report_skipped, whole_number
+from distill.cli.common import add_on_error_argument, report_skipped, whole_number
+from distill.finetune import FinetuneConfig, FinetuneError
 
 DESCRIPTION = """\
 Embed every corpus item the label store has teacher labels for (once: vectors are cached, so a
@@ -15,17 +16,38 @@ probabilities; each head reads the item's embedding with its hashed word 1-2 gra
 (--no-ngrams: the embedding alone). Writes a bundle folder: manifest.json (tiers, pinned model
 files, questions, thresholds to be calibrated), heads.npz, ngrams.npz and split.json. A question
 with too few train labels, or a single answer among them, gets no head and starts at the next
-tier."""
+tier.
+
+--finetune first trains the encoder itself on the train part's teacher probabilities (one head
+per question, soft cross-entropy, a held-out tenth picking the epoch), exports it as int8 ONNX
+into the bundle (encoder.onnx, sha256-pinned) and fits the heads on its vectors; routing,
+calibration and evaluation then use it as they use the shared encoder. It needs the finetune
+extra (pip install 'cascade-router[finetune]': torch 2.13.0 CPU and the float MiniLM) and takes
+about 12 minutes per 2,000 AG News items on one core here (see BENCHMARKS.md for what it buys).
+The bundle is built beside --bundle and swapped in whole, so an interrupted run leaves the
+previous bundle as it was."""
 EPILOG = """\
 example:
   cascade train --questions q.json --corpus emails.jsonl --store labels.sqlite \\
       --bundle models/support-v1 --teacher-model qwen3.5-4b-q4_k_m.gguf"""
 
 
+def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
+    defaults = FinetuneConfig()
+    tuning = {"epochs": args.epochs, "seed": args.seed, "threads": args.threads}
+    if not args.finetune:
+        given = [f"--{name}" for name, value in tuning.items() if value is not None]
+        if given:
+            raise FinetuneError(f"{', '.join(given)} set how the encoder is fine-tuned; add --finetune")
+        return None
+    return FinetuneConfig(epochs=args.epochs or defaults.epochs, seed=args.seed or defaults.seed,
+                          threads=args.threads)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
+    from cascade.corpus import load_questions
     from cascade.encoder import Encoder
     from cascade.placement import Placement
-    from distill.corpus import load_questions
     from distill.store import LabelStore
     from distill.train import default_cache_dir, train_bundle
 
@@ -37,6 +59,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             cache_dir=args.cache_dir or default_cache_dir(), teacher_model=args.teacher_model,
             teacher_placement=Placement(gpu_layers=args.teacher_gpu_layers),
             ngrams=args.ngrams, on_error=args.on_error, on_bad=report_skipped,
+            finetune=_finetune_config(args),
         )
     tier = bundle.manifest.encoder_tier
     heads = tier.heads if tier is not None else {}
@@ -86,6 +109,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher-gpu-layers", type=whole_number(0), metavar="N",
                    help="record N GPU layers as the teacher tier's default placement (decide, "
                    "calibrate and evaluate use it unless given --gpu-layers); default: none (CPU)")
+    p.add_argument("--finetune", action="store_true",
+                   help="fine-tune the encoder on the teacher's labels and serve it from the bundle as "
+                   "int8 ONNX (needs the finetune extra; minutes to hours on a CPU)")
+    p.add_argument("--epochs", type=whole_number(1), metavar="N",
+                   help=f"with --finetune: most epochs; a held-out tenth stops earlier when it stops "
+                   f"improving (default {FinetuneConfig().epochs})")
+    p.add_argument("--seed", type=whole_number(0), metavar="S",
+                   help="with --finetune: seed of the shuffles, the held-out tenth and the heads' "
+                   "initial weights; the same seed and threads give the same encoder (default 0)")
+    p.add_argument("--threads", type=whole_number(1), metavar="N",
+                   help="with --finetune: torch threads (default: all cores; on a shared machine 1 "
+                   "runs faster than oversubscribed cores)")
     p.add_argument("--cache-dir", type=Path, metavar="DIR",
                    help="embedding cache folder (default: ~/.cache/cascade)")
     p.set_defaults(run=_cmd_train)

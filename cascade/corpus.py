@@ -1,4 +1,7 @@
-"""The inputs of a labelling run: a JSONL corpus of states and a questions file.
+"""Reading corpora: a JSONL corpus of states and a questions file.
+
+Routing reads them (``cascade decide``) as much as labelling, training and calibration do, so
+they live in the runtime package and the offline one imports them from here.
 
 A corpus holds one JSON object per line, ``{"id": "e1", "text": "..."}``, where the text field
 (named by the caller) is text or a JSON object/array, i.e. a System One state. A corpus can be

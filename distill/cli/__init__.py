@@ -3,7 +3,8 @@
 Each subcommand is a module here with ``add_parser(subparsers)``, registered in ``COMMANDS``; the
 modules import the library lazily, so ``cascade --help`` starts fast. Errors a user can fix
 (``CascadeError``) are printed as one ``Type: message`` line with exit status 2; a traceback means
-a bug. This is the top of the stack: it may call ``distill`` (offline work) as well as ``cascade``.
+a bug. This is the top of the stack, so it lives in ``distill``: it calls offline work as well as
+the runtime, and ``cascade`` (which a user who only routes installs alone) never imports it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from cascade.cli import calibrate, decide, demo, evaluate, label, roofline, score, teacher_model, train
 from cascade.errors import CascadeError
+from distill.cli import calibrate, decide, demo, evaluate, label, roofline, score, teacher_model, train
 
 Command = Callable[[argparse.Namespace], int]
 COMMANDS = {"score": score.add_parser, "roofline": roofline.add_parser, "label": label.add_parser,

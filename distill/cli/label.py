@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cascade.cli.common import add_placement_arguments, whole_number
+from distill.cli.common import add_placement_arguments, whole_number
 
 if TYPE_CHECKING:
     from cascade.questions import Question
@@ -74,8 +74,8 @@ def _cmd_label(args: argparse.Namespace) -> int:
 
 
 def _label(args: argparse.Namespace) -> int:
+    from cascade.corpus import load_questions
     from cascade.readout import HeadTailExcerpt
-    from distill.corpus import load_questions
 
     ray_only = [flag for flag in ("actors", "batch_size") if getattr(args, flag) is not None]
     if ray_only and not args.ray:
@@ -113,7 +113,7 @@ def _label_here(args: argparse.Namespace, questions: dict[str, Question],
 def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
                   excerpt: HeadTailExcerpt | None) -> LabelSummary:
     """Label on a Ray cluster's actors; this process reads the corpus and writes the store."""
-    from cascade.cli.common import placement_of
+    from distill.cli.common import placement_of
     from distill.label import teacher_of_file
     from distill.label_ray import (
         RayOptions,
@@ -133,7 +133,7 @@ def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
 
 
 def _import(args: argparse.Namespace) -> int:
-    from distill.corpus import load_questions
+    from cascade.corpus import load_questions
     from distill.store import LabelStore, Teacher, import_labels, removed_on_failure
 
     questions = load_questions(args.questions)

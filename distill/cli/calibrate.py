@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cascade.cli.common import add_on_error_argument, add_placement_arguments, placement_of, report_skipped
+from distill.cli.common import add_on_error_argument, add_placement_arguments, placement_of, report_skipped
 
 if TYPE_CHECKING:
-    from distill.calibration import CalibrationResult
+    from distill.calibration.results import CalibrationResult
 
 DESCRIPTION = """\
 Run every cheap tier of a bundle on its held-out calibration items (never the items the heads
@@ -34,7 +34,7 @@ example:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from cascade.bundle import Bundle
-    from distill.calibration import calibrate_bundle
+    from distill.calibration.run import calibrate_bundle
     from distill.report import write_report
     from distill.store import LabelStore
 

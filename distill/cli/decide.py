@@ -9,14 +9,14 @@ from collections import Counter
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from cascade.cli.common import (
+from cascade.errors import CascadeError, RequestError
+from distill.cli.common import (
     add_budget_arguments,
     add_on_error_argument,
     add_placement_arguments,
     placement_of,
     report_skipped,
 )
-from cascade.errors import CascadeError, RequestError
 
 if TYPE_CHECKING:
     from cascade.router import Budget, Cascade
@@ -40,9 +40,9 @@ example:
 def _cmd_decide(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from cascade.corpus import count_items, read_corpus
     from cascade.router import Budget, Cascade
     from cascade.tiers import Item
-    from distill.corpus import count_items, read_corpus
 
     if args.batch_size < 1:
         raise RequestError(f"--batch-size must be at least 1; got {args.batch_size}")
@@ -55,7 +55,7 @@ def _cmd_decide(args: argparse.Namespace) -> int:
                       accept_other_teacher=args.accept_other_teacher) as cascade, \
             args.out.open("a", encoding="utf-8") as out, \
             tqdm(total=count_items(args.corpus), initial=len(done), unit="item") as bar:
-        field = args.text_field or cascade.manifest.training.get("text_field", "text")
+        field = args.text_field or cascade.manifest.training.text_field or "text"
         batch: list[Item] = []
         for row in read_corpus(args.corpus, field, args.on_error, report_skipped):
             if row.id in done:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cascade.cli.common import add_on_error_argument, add_placement_arguments
+from distill.cli.common import add_on_error_argument, add_placement_arguments
 
 DESCRIPTION = """\
 Run every step of the cascade, end to end, on embedded defaults:
   1. a corpus: support messages generated from parts (seeded), or your --corpus
-  2. teacher labels: the generator's labels imported as an external teacher (a stand-in for a
-     4B teacher: the agreement and shares are real, the teacher is not a 4B), or your --labels
+  2. teacher labels: by default a real LLM's, Qwen2.5-Coder-1.5B-Instruct, made once with
+     `cascade label` and shipped with the project, with a few items scored live by the model
+     where the teachers extra is installed (--teacher live labels every item now; --teacher
+     generator uses the corpus generator's own labels), or your --labels
   3. the encoder tier trained on them
   4. a bundle with the embedded gemma-3-270m GGUF as a readout tier between encoder and teacher
   5. thresholds calibrated for the --target agreement with the teacher
@@ -23,13 +25,15 @@ nothing it depends on changed, the calibrated bundle (--force rebuilds it)."""
 EPILOG = """\
 examples:
   cascade demo
-  cascade demo --items 600 --gemma-items 80 --eval-items 80 --workdir /tmp/demo
+  cascade demo --teacher live          # label the corpus with the 1.5B now (about an hour)
+  cascade demo --teacher generator --items 2000
+  cascade demo --teacher generator --items 600 --gemma-items 80 --eval-items 80 --workdir /tmp/demo
   cascade demo --corpus emails.jsonl --questions q.json --labels labels.jsonl"""
 
 
-_CONFIG_FIELDS = ("workdir", "items", "seed", "gemma_items", "eval_items", "target", "delta",
-                  "family_wise", "threads", "gpu_layers", "extra_buffers", "gguf", "corpus",
-                  "questions", "labels", "force", "on_error")
+_CONFIG_FIELDS = ("workdir", "items", "seed", "teacher", "live_items", "gemma_items", "eval_items",
+                  "target", "delta", "family_wise", "threads", "gpu_layers", "extra_buffers", "gguf",
+                  "corpus", "questions", "labels", "force", "on_error")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -57,12 +61,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workdir", type=Path, metavar="DIR",
                    help="where every file of the run goes (default runs/demo)")
-    p.add_argument("--items", type=int, metavar="N", help="messages to generate (default 2000)")
+    p.add_argument("--items", type=int, metavar="N",
+                   help="messages to generate (default: the shipped teacher labels' count; 2000 with "
+                   "--teacher generator)")
     p.add_argument("--seed", type=int, help="generator seed (default 0)")
+    p.add_argument("--teacher", choices=("shipped", "generator", "live"),
+                   help="whose labels teach and calibrate the cascade: the real 1.5B LLM's shipped "
+                   "labels (default shipped), the corpus generator's, or the 1.5B labelling now "
+                   "(needs pip install 'cascade-router[teachers]')")
+    p.add_argument("--live-items", type=int, metavar="N",
+                   help="with the shipped labels: items the 1.5B scores live beside them, when the "
+                   "teachers extra is installed; 0: none (default 3)")
     p.add_argument("--gemma-items", type=int, metavar="N",
-                   help="calibration items, each scored by gemma: its main cost (default 300)")
+                   help="calibration items, each scored by gemma: its main cost (default 300, or 30%% "
+                   "of fewer than 1000 items)")
     p.add_argument("--eval-items", type=int, metavar="N",
-                   help="evaluation items routed through the cascade (default 200)")
+                   help="evaluation items routed through the cascade (default 200, or 20%% of fewer than "
+                   "1000 items)")
     p.add_argument("--target", type=float, metavar="P",
                    help="agreement with the teacher to calibrate for (default 0.95)")
     p.add_argument("--delta", type=float, metavar="D",

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from cascade.cli.common import add_placement_arguments, placement_of, read_request
+from distill.cli.common import add_placement_arguments, placement_of, read_request
 
 
 def _cmd_score(args: argparse.Namespace) -> int:

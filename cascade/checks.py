@@ -1,0 +1,34 @@
+"""The number checks every public boundary shares, written once.
+
+``True`` is an ``int`` to Python, and a flag passed where a number belongs is always a mistake,
+so no check accepts a bool. ``is_real``, ``is_integer`` and ``is_finite`` accept any registered
+number type (``numpy.float32``, ``numpy.int64``, ``fractions.Fraction``), as scikit-learn's
+parameter checks do; ``is_int`` only Python's own, for counts handed to code that takes
+nothing else (a tokenizer's lengths, a random seed).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, TypeGuard
+
+
+def is_real(value: Any) -> TypeGuard[float]:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_integer(value: Any) -> TypeGuard[int]:
+    """An integral number (int, numpy integer), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    """A Python int, not a bool (nor a numpy integer)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> TypeGuard[float]:
+    """A real number that is neither infinite nor NaN."""
+    return is_real(value) and math.isfinite(value)

@@ -1,0 +1,80 @@
+"""The inputs of a calibration run: the teacher's labels of the calibration items, and their states.
+
+Labels come from the label store the bundle was trained from, states from the corpus it was
+trained on; either one from elsewhere is refused, since a threshold certifies agreement with one
+teacher on one distribution of items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cascade.bundle import Manifest, SplitInfo
+from cascade.corpus import BadLine, OnError, read_corpus
+from cascade.questions import Question
+from cascade.tiers import Item
+from distill.calibration.maths import CalibrationError
+from distill.split import part_of
+from distill.store import LabelStore
+
+Labels = Mapping[str, Mapping[str, int]]
+"""question id -> calibration item id -> the teacher's answer (argmax, option_keys index)."""
+
+
+def check_teacher(manifest: Manifest, store: LabelStore) -> None:
+    """Thresholds certify agreement with ONE teacher: the one whose labels trained the bundle."""
+    ours, theirs = manifest.teacher.model_dump(), store.teacher.model_dump()
+    if ours != theirs:
+        raise CalibrationError(f"label store {store.path} holds labels of the teacher {theirs}, but "
+                               f"bundle {manifest.name!r} was trained on labels of {ours}; calibrate "
+                               "with the store the bundle was trained from")
+
+
+def calibration_labels(
+    store: LabelStore, questions: Mapping[str, Question], ids: Sequence[str], name: str
+) -> dict[str, dict[str, int]]:
+    """question id -> calibration item id -> the teacher's answer (argmax, option_keys index)."""
+    wanted = set(ids)
+    labels: dict[str, dict[str, int]] = {}
+    for qid, question in questions.items():
+        keys = question.option_keys()
+        rows = {item: probs for item, probs in store.labels(qid).items() if item in wanted}
+        for item, probs in rows.items():
+            if sorted(probs) != sorted(keys):
+                raise CalibrationError(f"the stored label of item {item!r} for question {qid!r} has "
+                                       f"options {sorted(probs)}, but the bundle's question has "
+                                       f"{keys}: the store does not belong to this bundle")
+        labels[qid] = {item: int(np.argmax([probs[k] for k in keys])) for item, probs in rows.items()}
+    if not any(labels.values()):
+        raise CalibrationError(f"none of the {len(wanted)} calibration items of bundle {name!r} has "
+                               f"a teacher label in {store.path}; give the store the bundle was "
+                               "trained from")
+    return labels
+
+
+def calibration_items(
+    corpus: Path, text_field: str, labels: Labels, split: SplitInfo,
+    on_error: OnError, on_bad: Callable[[BadLine], None] | None,
+) -> tuple[list[Item], int]:
+    """The labelled calibration items' states, in corpus order (every one must be found), and
+    how many corpus items fall in the calibration part with no teacher label at all.
+
+    The split places an id by its hash alone, so an item the teacher skipped (too long for its
+    context, or failed) has a part too: counting those says what calibration never saw.
+    """
+    wanted = set().union(*(set(rows) for rows in labels.values()))
+    items, unlabelled = [], 0
+    for row in read_corpus(corpus, text_field, on_error, on_bad):
+        if row.id in wanted:
+            items.append(Item(row.id, row.state))
+        elif part_of(row.id, split.fractions, split.salt) == "calibration":
+            unlabelled += 1
+    missing = wanted - {item.id for item in items}
+    if missing:
+        raise CalibrationError(f"{len(missing)} of the {len(wanted)} calibration items are not in "
+                               f"corpus {corpus} (for example {min(missing)!r}); give the corpus "
+                               "the bundle was trained on")
+    return items, unlabelled

@@ -1,0 +1,51 @@
+"""What a calibration run writes into its bundle's manifest: thresholds, temperatures, facts."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from cascade.bundle import Manifest
+from cascade.sections import CalibrationSection, MeasuredCost, QuestionFacts, ReplayShares
+from distill.calibration.fits import TEMPERATURE_SALT
+from distill.calibration.results import CalibrationResult
+
+
+def calibration_section(result: CalibrationResult) -> CalibrationSection:
+    """The manifest's ``calibration`` section: settings, per-question facts, costs."""
+    questions: dict[str, dict[str, QuestionFacts]] = {}
+    for fit in result.calibrations:
+        questions.setdefault(fit.question, {})[fit.tier] = fit.facts()
+    skipped: dict[str, dict[str, str]] = {}
+    for skip in result.skipped:
+        skipped.setdefault(skip.question, {})[skip.tier] = skip.reason
+    return CalibrationSection(
+        calibrated_at=datetime.now(timezone.utc).isoformat(),
+        mode=result.mode, target=result.target, delta=result.delta,
+        escalation_fraction=result.escalation_fraction, cheap_tiers=result.cheap_tiers,
+        tier_target=result.tier_target, tier_delta=result.tier_delta, items=result.items,
+        family_wise=result.family_wise, family_size=result.family_size,
+        unlabelled_items=result.unlabelled_items,
+        temperature_share=result.temperature_share, temperature_salt=TEMPERATURE_SALT,
+        questions=questions, skipped=skipped,
+        cascade={qid: ReplayShares.model_validate(shares.model_dump(exclude={"question"}))
+                 for qid, shares in result.cascades.items()},
+        costs={name: MeasuredCost(seconds_per_state=cost.seconds_per_state,
+                                  seconds_per_token=cost.seconds_per_token)
+               for name, cost in result.costs.items()},
+        flops_per_second=result.flops_per_second,
+    )
+
+
+def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
+    """The manifest with the new thresholds, temperatures and facts, validated again."""
+    thresholds = {qid: dict(row) for qid, row in manifest.thresholds.items()}
+    temperatures = {qid: dict(row) for qid, row in manifest.temperatures.items()}
+    for skip in result.skipped:
+        thresholds.setdefault(skip.question, {})[skip.tier] = None
+        temperatures.setdefault(skip.question, {})[skip.tier] = 1.0
+    for fit in result.calibrations:
+        thresholds.setdefault(fit.question, {})[fit.tier] = fit.threshold
+        temperatures.setdefault(fit.question, {})[fit.tier] = fit.temperature
+    data = manifest.model_dump() | {"thresholds": thresholds, "temperatures": temperatures,
+                                    "calibration": calibration_section(result).model_dump()}
+    return Manifest.model_validate(data)

@@ -1,0 +1,130 @@
+"""What a calibration run decides and measures: the schemas of its result.
+
+The manifest keeps the facts of each (question, tier) (``cascade.sections.QuestionFacts``); the
+result adds the figures a report draws from them (reliability and coverage curves, confusion).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from cascade.sections import QuestionFacts
+
+FACTS = tuple(QuestionFacts.model_fields)
+"""The fields of a QuestionTier that go into the manifest (the figures stay in the report)."""
+
+
+class TierCost(BaseModel):
+    """What running a cheap tier on the calibration items cost on this machine.
+
+    ``seconds_per_state`` and ``seconds_per_token`` add up, as in the router's cost model: a
+    state of t tokens costs ``seconds_per_state + t * seconds_per_token``. ``kind`` is the tier's
+    kind in the manifest.
+    """
+
+    tier: str
+    kind: str
+    states: int
+    tokens: int
+    seconds: float
+    batches: int
+    seconds_per_state: float
+    seconds_per_token: float
+
+
+class QuestionTier(BaseModel):
+    """One question calibrated on one cheap tier, with the figures a report draws.
+
+    The threshold is on the tier's RAW top probability and is certified on all n items
+    (``n_threshold``): the temperature never moves which answers are kept, so no item has to be
+    set aside from the certificate for it; in budget mode ``n_threshold`` counts the items that
+    reach the tier, the ones its threshold is set on and its ``kept_share`` and ``agreement``
+    are over. ``agreement`` is the cascade agreement on those items
+    (escalated items count as agreeing: the teacher answers them); ``agreement_kept`` the agreement
+    on kept items only (None when nothing is kept). ``target`` and ``delta`` are this tier's share
+    of the budget. The coverage curve is over all n items; ECEs and reliability curves over the
+    ``n - n_temperature`` items the temperature was not fitted on. ``confusion[i][j]`` counts items
+    the teacher answered option i and the tier option j (temperature does not move an argmax).
+    """
+
+    question: str
+    tier: str
+    n: int
+    n_temperature: int
+    n_threshold: int
+    temperature: float
+    temperature_note: str | None
+    ece_before: float
+    ece_after: float
+    threshold: float | None
+    kept_share: float
+    agreement: float
+    agreement_kept: float | None
+    lower_bound: float
+    reachable: bool
+    message: str
+    method: str
+    target: float | None
+    delta: float
+    reliability_before: dict[str, Any]
+    reliability_after: dict[str, Any]
+    curve: dict[str, list[float]]
+    confusion: list[list[int]]
+
+    def facts(self) -> QuestionFacts:
+        return QuestionFacts.model_validate(self.model_dump(include=set(FACTS)))
+
+
+class CascadeShares(BaseModel):
+    """The whole cascade replayed on one question's threshold-part items with the new thresholds."""
+
+    question: str
+    n: int
+    answered_by: dict[str, float]
+    agreement: float
+
+
+class Skipped(BaseModel):
+    """A (question, tier) left uncalibrated: its threshold stays None (always escalate)."""
+
+    question: str
+    tier: str
+    reason: str
+
+
+class CalibrationResult(BaseModel):
+    """Everything a calibration run decided and measured; the manifest keeps its facts.
+
+    ``family_size`` counts the questions with calibration labels, the ones a certificate is
+    about; ``family_wise`` says whether delta was split over them (all hold at once) or spent
+    on each (each holds on its own). ``unlabelled_items`` counts corpus items of the
+    calibration part with no teacher label at all (the teacher skipped them: over-long, or
+    failed under ``--on-error skip``): they never entered calibration, so nothing here is
+    certified about items like them, though the router still answers them.
+    """
+
+    bundle: str
+    name: str
+    target: float
+    delta: float
+    escalation_fraction: float | None
+    tier_target: float
+    tier_delta: float
+    cheap_tiers: list[str]
+    teacher_tier: str
+    items: int
+    temperature_share: float
+    calibrations: list[QuestionTier]
+    cascades: dict[str, CascadeShares]
+    skipped: list[Skipped]
+    costs: dict[str, TierCost]
+    flops_per_second: float
+    family_wise: bool = False
+    family_size: int = 1
+    unlabelled_items: int = 0
+
+    @property
+    def mode(self) -> Literal["agreement", "budget"]:
+        return "agreement" if self.escalation_fraction is None else "budget"

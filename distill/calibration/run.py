@@ -1,0 +1,163 @@
+"""The calibration run: temperatures, acceptance thresholds and tier costs from held-out items.
+
+Only the bundle's "calibration" part is used: the heads never saw it, so what the tiers do on it
+is what they will do on new items. Thresholds are on each tier's RAW top probability, a score
+fixed before any calibration item was drawn, so every calibration item certifies them: the
+finite-sample certificate assumes exactly that, and a score fitted on the same items would
+spend part of it. The temperature only rescales the probabilities answers report (and orders
+escalations under a budget); it never moves which answers are kept. It is fitted on a part of
+the calibration items picked by a hash of their id (30%), and its reliability diagrams are
+drawn on the rest.
+
+With several cheap tiers (the encoder tier and GGUF middle tiers), the error budget
+``1 - target`` and ``delta`` are split evenly across them: each tier is certified to disagree
+with the teacher on at most ``(1 - target) / m`` of all items at level ``delta / m``. A tier in
+the cascade sees only what earlier tiers escalated, so its disagreement there is at most its
+disagreement on all items; and by the union bound all m certificates hold together with
+probability at least ``1 - delta``, so the cascade agrees with the teacher on at least
+``target`` of new items with that probability.
+
+That statement is per question: each question spends its own ``delta``, so with Q questions
+all Q statements hold together only with probability at least ``1 - Q x delta``. With
+``family_wise=True`` delta is split over the Q questions too (Bonferroni: each (question, tier)
+certificate at level ``delta / (m x Q)``), and then all Q hold at once with probability at
+least ``1 - delta``, at a cost in coverage that the report shows.
+
+In budget mode each cheap tier escalates the given share F of the calibration items that
+reach it (its threshold is set on those, after the tiers below it have kept theirs), so the
+teacher answers about ``F ** m`` of them; the agreement that follows is reported.
+
+A GGUF middle tier is scored on every question of the bundle at once per state, through a
+scorer that decodes as many branches together as the router's: the router asks it exactly
+that batch (``cascade.router.Cascade._shape``), so the numbers certified are the ones routing
+reads, not those of another batch shape.
+
+This module ties the steps together; each lives in its own module of this package: ``inputs``
+(labels and items), ``scoring`` (running and timing a tier), ``fits`` (per question and tier,
+and the replay), ``manifest`` (what is written back), ``maths`` (the statistics) and
+``results`` (what the run returns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from cascade.bundle import Bundle
+from cascade.checks import is_finite
+from cascade.corpus import BadLine, OnError
+from cascade.cost import measure_cpu_flops
+from cascade.encoder import Encoder
+from cascade.placement import Placements
+from cascade.readout import Scorer
+from cascade.tierkinds import Build, RouterError, build_tiers, close_tiers
+from cascade.tiers import Tier
+from distill.calibration.fits import TEMPERATURE_SHARE, fit_all, replay
+from distill.calibration.inputs import calibration_items, calibration_labels, check_teacher
+from distill.calibration.manifest import updated_manifest
+from distill.calibration.maths import CalibrationError
+from distill.calibration.results import CalibrationResult
+from distill.calibration.scoring import score_tier
+from distill.store import LabelStore
+
+
+def calibrate_bundle(
+    bundle: Bundle,
+    corpus_path: Path,
+    store: LabelStore,
+    target: float = 0.98,
+    delta: float = 0.05,
+    escalation_fraction: float | None = None,
+    text_field: str = "text",
+    progress: bool = True,
+    *,
+    encoder: Encoder | None = None,
+    scorers: Mapping[str, Scorer] | None = None,
+    flops_per_second: float | None = None,
+    placement: Placements = None,
+    family_wise: bool = False,
+    on_error: OnError = "stop",
+    on_bad: Callable[[BadLine], None] | None = None,
+) -> CalibrationResult:
+    """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
+
+    Thresholds are certified for ``target`` agreement with the teacher at level ``delta``; with
+    ``escalation_fraction`` (budget mode) each cheap tier instead escalates that share of what
+    it sees and the agreement that follows is reported. A target that cannot be certified
+    leaves the threshold None and the result's message says what is reachable. ``encoder`` and
+    ``scorers`` (tier name -> open Scorer) reuse loaded models; they must be the pinned files.
+    ``placement`` says where the GGUF tiers it opens run (cascade.placement).
+    ``flops_per_second`` is this machine's throughput for roofline costs of tiers without a
+    measurement (an external teacher); measured with numpy when not given. ``family_wise``
+    splits ``delta`` over the questions too, so that every question meets the target at once
+    with probability ``1 - delta`` (by default each does on its own); not with a budget mode,
+    which certifies nothing. A bad corpus line stops the run, or with ``on_error="skip"`` goes
+    to ``on_bad``, as ``read_corpus`` does (a calibration item on it is then reported missing).
+    """
+    _check_arguments(target, delta, escalation_fraction, family_wise)
+    if flops_per_second is not None and not (is_finite(flops_per_second) and flops_per_second > 0):
+        raise CalibrationError(f"flops_per_second must be a number > 0; got {flops_per_second!r}")
+    manifest = bundle.manifest
+    check_teacher(manifest, store)
+    bundle.verify()
+    questions = manifest.parsed_questions()
+    labels = calibration_labels(store, questions, bundle.split_ids()["calibration"], manifest.name)
+    items, unlabelled = calibration_items(Path(corpus_path), text_field, labels, manifest.split,
+                                          on_error, on_bad)
+    cheap = manifest.tiers[:-1]
+    if not cheap:
+        raise CalibrationError(f"bundle {manifest.name!r} has only its top tier: there is no cheap "
+                               "tier to calibrate; train one with `cascade train`")
+    family = sum(1 for rows in labels.values() if rows)
+    tier_target = 1 - (1 - target) / len(cheap)
+    tier_delta = delta / len(cheap) / (family if family_wise else 1)
+    tiers = _open(bundle, Build(placements=placement, encoder=encoder, scorers=scorers or {}))
+    try:
+        scored = [score_tier(tier, spec.kind, items, labels, questions, progress)
+                  for tier, spec in zip(tiers, cheap, strict=True)]
+    finally:
+        close_tiers(tiers)
+    names, teacher = [spec.name for spec in cheap], manifest.tiers[-1].name
+    fits, skipped = fit_all(names, [probs for probs, _ in scored], labels, list(questions),
+                            tier_target, tier_delta, escalation_fraction)
+    result = CalibrationResult(
+        bundle=str(bundle.directory.resolve()), name=manifest.name, target=target, delta=delta,
+        escalation_fraction=escalation_fraction, tier_target=tier_target, tier_delta=tier_delta,
+        cheap_tiers=names, teacher_tier=teacher, items=len(items),
+        temperature_share=TEMPERATURE_SHARE,
+        calibrations=[fit.result for qid in questions for fit in fits.get(qid, {}).values()],
+        cascades={qid: replay(qid, names, by_tier, teacher) for qid, by_tier in fits.items()},
+        skipped=skipped, costs={cost.tier: cost for _, cost in scored},
+        flops_per_second=flops_per_second if flops_per_second is not None else measure_cpu_flops(),
+        family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
+    )
+    Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
+    return result
+
+
+def _check_arguments(target: float, delta: float, escalation_fraction: float | None,
+                     family_wise: bool) -> None:
+    for name, value in (("target", target), ("delta", delta)):
+        if not is_finite(value) or not 0 < value < 1:
+            raise CalibrationError(f"{name} must be a number in (0, 1); got {value!r}")
+    if escalation_fraction is not None and (
+        not is_finite(escalation_fraction) or not 0 <= escalation_fraction <= 1
+    ):
+        raise CalibrationError(f"escalation_fraction must be None or a number in [0, 1]; got "
+                               f"{escalation_fraction!r}")
+    if not isinstance(family_wise, bool):
+        raise CalibrationError(f"family_wise must be True or False; got {family_wise!r}")
+    if family_wise and escalation_fraction is not None:
+        raise CalibrationError("family_wise splits delta over the questions' certificates, and budget "
+                               "mode (escalation_fraction) certifies nothing; give one or the other")
+
+
+def _open(bundle: Bundle, build: Build) -> list[Tier]:
+    """The bundle's cheap tiers, built as the router builds them (``cascade.tierkinds``): a GGUF
+    tier's scorer decodes the batches the router's does, since the batch shape moves the numbers
+    and thresholds must certify the ones routing reads. A model the caller gave that is not the
+    one its tier pins is refused."""
+    try:
+        return build_tiers(bundle, build, bundle.manifest.tiers[:-1])
+    except RouterError as exc:
+        raise CalibrationError(str(exc)) from None

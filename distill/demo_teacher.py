@@ -1,0 +1,155 @@
+"""The demo's real LLM teacher: Qwen2.5-Coder-1.5B-Instruct, shipped as its labels and shown live.
+
+Labelling the demo corpus with the 1.5B takes about 3.5 s per message on two cores (three
+questions each), far past the demo's five minutes, so its labels of the generated corpus's first
+items were made once with ``cascade label`` and ship in ``distill/data/`` (the command, the
+model's sha256 and the prompt version are in the file beside them). The demo imports them as the
+teacher's labels and, where the ``teachers`` extra is installed, scores a few items live with the
+same model to show the teacher running and that it gives the shipped answers. ``--teacher live``
+labels the whole corpus with the model instead, and says first how long that will take.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from cascade.corpus import count_items, read_corpus
+from cascade.errors import CascadeError
+from cascade.prompts import PROMPT_VERSION
+from cascade.questions import DecisionRequest, Question
+from cascade.readout import Scorer
+from distill.label import label_corpus, open_teacher, teacher_of
+from distill.store import LabelStore, Teacher, export_labels
+from distill.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, SyntheticItem
+from distill.teachers import teacher_path
+
+DATA = Path(__file__).parent / "data"
+LABELS_FILE = DATA / "demo-labels.qwen2.5-coder-1.5b.jsonl"
+FACTS_FILE = DATA / "demo-labels.qwen2.5-coder-1.5b.json"
+MODEL_NAME = "qwen2.5-coder-1.5b-instruct"
+LIVE_ITEMS = 3
+
+Say = Callable[[str], None]
+
+
+class ShippedLabels(BaseModel):
+    """How the shipped labels were made: enough to remake them and to know what they are."""
+
+    model: str
+    model_sha256: str
+    prompt_version: str
+    generator_version: str
+    seed: int
+    items: int
+    command: str
+    seconds_per_item: float
+    threads: int
+
+
+def shipped_facts() -> ShippedLabels:
+    return ShippedLabels.model_validate_json(FACTS_FILE.read_text(encoding="utf-8"))
+
+
+def check_shipped(facts: ShippedLabels, seed: int, items: int) -> None:
+    """The shipped labels fit only the corpus and prompts they were made for; say so, not guess."""
+    if items > facts.items:
+        raise CascadeError(f"the shipped teacher labels cover the first {facts.items} generated items; "
+                           f"{items} were asked. Use --items {facts.items} or fewer, --teacher live "
+                           "to label more now, or --teacher generator")
+    if facts.generator_version != GENERATOR_VERSION or facts.seed != seed:
+        raise CascadeError(f"the shipped teacher labels are of the {facts.generator_version} corpus with "
+                           f"seed {facts.seed}; this run generates {GENERATOR_VERSION} with seed {seed}. "
+                           "Use --teacher generator, or --teacher live to label it now")
+    if facts.prompt_version != PROMPT_VERSION:
+        raise CascadeError(f"the shipped teacher labels were made with prompt {facts.prompt_version}, "
+                           f"this cascade prompts with {PROMPT_VERSION}; remake them with: {facts.command}")
+
+
+def shipped_teacher(facts: ShippedLabels) -> Teacher:
+    """External: the demo runs without the 1.1 GB model, so its top tier is the labels themselves."""
+    name = (f"{facts.model} labels shipped with cascade-router (model sha256 {facts.model_sha256[:12]}, "
+            f"prompt {facts.prompt_version})")
+    return Teacher(kind="external", model=name)
+
+
+def shipped_labels(ids: Sequence[str], out: Path) -> Path:
+    """The shipped rows of ``ids``, as a labels file the demo imports."""
+    wanted = set(ids)
+    with LABELS_FILE.open(encoding="utf-8") as rows, out.open("w", encoding="utf-8") as kept:
+        for line in rows:
+            if json.loads(line)["id"] in wanted:
+                kept.write(line)
+    return out
+
+
+def shipped_note(facts: ShippedLabels) -> str:
+    return (f"teacher: {facts.model}, a real LLM (logit readout, sha256 {facts.model_sha256[:12]}); its "
+            f"labels of these items were made once with `{facts.command}` ({facts.seconds_per_item:.1f} s "
+            f"per item, {facts.threads} CPU thread(s)) and ship in distill/data/. A 1.5B, not a 4B: the "
+            "shares and agreement are real, the cost is priced for a 4B teacher")
+
+
+def label_live(corpus: Path, questions: dict[str, Question], out: Path, threads: int | None,
+               say: Say) -> Path:
+    """Label ``corpus`` with the real model now (resumable), exported to ``out`` for import."""
+    model = teacher_path(MODEL_NAME)
+    facts = shipped_facts()
+    items = count_items(corpus)
+    say(f"      labelling {items} items live with {MODEL_NAME}: about "
+        f"{items * facts.seconds_per_item / 60:.0f} minutes at the pace the shipped labels were made "
+        f"({facts.seconds_per_item:.1f} s per item, {facts.threads} threads); Ctrl-C stops it, a re-run "
+        "resumes")
+    scorer = open_teacher(model, questions, n_ctx=1024, n_threads=threads)
+    try:
+        with LabelStore(out.with_suffix(".sqlite"), teacher_of(scorer)) as store:
+            summary = label_corpus(scorer, questions, corpus, store)
+            if summary.interrupted:
+                raise CascadeError(f"live labelling interrupted after {summary.labelled} items; run the "
+                                   "same command again to resume")
+            export_labels(store, out)
+    finally:
+        scorer.close()
+    return out
+
+
+def agreement_with_generator(items: Sequence[SyntheticItem], store: LabelStore) -> str:
+    """How often the teacher's top answer is the one the generator wrote each message for."""
+    parts = []
+    for qid in QUESTIONS_JSON:
+        labels = store.labels(qid)
+        pairs = [(max(labels[item.id], key=labels[item.id].__getitem__),
+                  max(item.labels[qid], key=item.labels[qid].__getitem__))
+                 for item in items if item.id in labels]
+        if pairs:
+            parts.append(f"{qid} {sum(a == b for a, b in pairs) / len(pairs):.0%}")
+    return ", ".join(parts)
+
+
+def show_live(corpus: Path, questions: dict[str, Question], store: LabelStore, count: int,
+              threads: int | None, say: Say) -> None:
+    """Score the first ``count`` items with the real model beside their shipped labels."""
+    try:
+        model = teacher_path(MODEL_NAME)
+    except CascadeError as exc:
+        say(f"      live teacher: not shown ({exc})")
+        return
+    scorer = Scorer(model, n_ctx=1024, max_branches=len(questions), n_threads=threads)
+    try:
+        for item in list(read_corpus(corpus))[:count]:
+            started = time.perf_counter()
+            answers = scorer.score(DecisionRequest(state=item.state, questions=questions)).answers
+            seconds = time.perf_counter() - started
+            parts = []
+            for qid, answer in answers.items():
+                shipped = store.labels(qid).get(item.id, {})
+                top = max(answer.probabilities, key=answer.probabilities.__getitem__)
+                parts.append(f"{qid}={top} {answer.probabilities[top]:.2f} "
+                             f"(shipped {shipped.get(top, float('nan')):.2f})")
+            say(f"      live {MODEL_NAME} on {item.id} in {seconds:.1f} s: {', '.join(parts)}")
+    finally:
+        scorer.close()

