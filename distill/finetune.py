@@ -44,7 +44,11 @@ class FinetuneError(CascadeError, ValueError):
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """How to train. The defaults were chosen on AG News teacher labels (BENCHMARKS.md)."""
+    """How to train; the defaults are what BENCHMARKS.md measured on AG News teacher labels.
+
+    ``max_length`` bounds the tokens training reads per item (the served encoder reads its own
+    ``max_length``, 256); most AG News items fit in it whole.
+    """
 
     epochs: int = 4
     batch_size: int = 16
