@@ -102,7 +102,7 @@ def label_live(corpus: Path, questions: dict[str, Question], out: Path, threads:
     items = count_items(corpus)
     say(f"      labelling {items} items live with {MODEL_NAME}: about "
         f"{items * facts.seconds_per_item / 60:.0f} minutes at the pace the shipped labels were made "
-        f"({facts.seconds_per_item:.1f} s per item, {facts.threads} threads); Ctrl-C stops it, a re-run "
+        f"({facts.seconds_per_item:.1f} s per item, {facts.threads} thread(s)); Ctrl-C stops it, a re-run "
         "resumes")
     scorer = open_teacher(model, questions, n_ctx=1024, n_threads=threads)
     try:
