@@ -47,9 +47,9 @@ from distill.demo_teacher import (
     label_live,
     shipped_facts,
     shipped_labels,
-    shipped_note,
     shipped_teacher,
     show_live,
+    teacher_note,
 )
 from distill.evaluate import Evaluation, evaluate_bundle, format_evaluation
 from distill.report import write_report
@@ -343,12 +343,12 @@ def _generated(config: DemoConfig, workdir: Path, say: Say) -> DemoInputs:
                           Teacher(kind="external", model=GENERATOR_TEACHER), GENERATOR_NOTE, len(items))
     if config.teacher == "shipped":
         labels = shipped_labels([item.id for item in items], data / f"teacher-labels-{name}.jsonl")
-        teacher, note = shipped_teacher(facts), shipped_note(facts)
+        teacher, note = shipped_teacher(facts), teacher_note(facts, live=False)
     else:
         labels = label_live(corpus, load_questions(questions), data / f"live-labels-{name}.jsonl",
                             config.threads, say)
         teacher = Teacher(kind="external", model=f"{facts.model} labels made live by cascade demo")
-        note = shipped_note(facts).split(";")[0] + "; its labels were made live above"
+        note = teacher_note(facts, live=True)
     store = workdir / f"labels-{config.teacher}-{file_sha256(labels)[:12]}.sqlite"
     return DemoInputs(corpus, questions, labels, store, teacher, note, len(items))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from itertools import islice
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -87,11 +88,14 @@ def shipped_labels(ids: Sequence[str], out: Path) -> Path:
     return out
 
 
-def shipped_note(facts: ShippedLabels) -> str:
+def teacher_note(facts: ShippedLabels, live: bool) -> str:
+    """What the output says of the teacher: a real LLM, how its labels were made, what it is not."""
+    made = ("made live above" if live else
+            f"made once with `{facts.command}` ({facts.seconds_per_item:.1f} s per item, "
+            f"{facts.threads} CPU thread(s)) and ship in distill/data/")
     return (f"teacher: {facts.model}, a real LLM (logit readout, sha256 {facts.model_sha256[:12]}); its "
-            f"labels of these items were made once with `{facts.command}` ({facts.seconds_per_item:.1f} s "
-            f"per item, {facts.threads} CPU thread(s)) and ship in distill/data/. A 1.5B, not a 4B: the "
-            "shares and agreement are real, the cost is priced for a 4B teacher")
+            f"labels of these items were {made}. A 1.5B, not a 4B: the shares and agreement are real, "
+            "the cost is priced for a 4B teacher")
 
 
 def label_live(corpus: Path, questions: dict[str, Question], out: Path, threads: int | None,
@@ -140,7 +144,7 @@ def show_live(corpus: Path, questions: dict[str, Question], store: LabelStore, c
         return
     scorer = Scorer(model, n_ctx=1024, max_branches=len(questions), n_threads=threads)
     try:
-        for item in list(read_corpus(corpus))[:count]:
+        for item in islice(read_corpus(corpus), count):
             started = time.perf_counter()
             answers = scorer.score(DecisionRequest(state=item.state, questions=questions)).answers
             seconds = time.perf_counter() - started

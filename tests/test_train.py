@@ -262,3 +262,10 @@ def test_split_is_stable_when_items_are_added() -> None:
 def test_bad_fractions_are_refused(fractions: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         split_ids(["a"], fractions)
+
+
+def test_train_help_states_the_fine_tunes_default_epochs() -> None:
+    from distill.cli import train as train_command
+    from distill.finetune import FinetuneConfig
+
+    assert FinetuneConfig().epochs == train_command.DEFAULT_EPOCHS

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from cascade.sections import QuestionFacts
 
@@ -34,8 +34,9 @@ class TierCost(BaseModel):
     seconds_per_token: float
 
 
-class QuestionTier(BaseModel):
-    """One question calibrated on one cheap tier, with the figures a report draws.
+class QuestionTier(QuestionFacts):
+    """One question calibrated on one cheap tier: the facts the manifest keeps, and the figures a
+    report draws. Lax where the manifest's facts are strict: it is made in memory, not read back.
 
     The threshold is on the tier's RAW top probability and is certified on all n items
     (``n_threshold``): the temperature never moves which answers are kept, so no item has to be
@@ -49,25 +50,10 @@ class QuestionTier(BaseModel):
     the teacher answered option i and the tier option j (temperature does not move an argmax).
     """
 
+    model_config = ConfigDict(extra="ignore", strict=False)
+
     question: str
     tier: str
-    n: int
-    n_temperature: int
-    n_threshold: int
-    temperature: float
-    temperature_note: str | None
-    ece_before: float
-    ece_after: float
-    threshold: float | None
-    kept_share: float
-    agreement: float
-    agreement_kept: float | None
-    lower_bound: float
-    reachable: bool
-    message: str
-    method: str
-    target: float | None
-    delta: float
     reliability_before: dict[str, Any]
     reliability_after: dict[str, Any]
     curve: dict[str, list[float]]

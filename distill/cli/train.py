@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distill.cli.common import add_on_error_argument, report_skipped, whole_number
-from distill.finetune import FinetuneConfig, FinetuneError
+
+if TYPE_CHECKING:
+    from distill.finetune import FinetuneConfig
+
+DEFAULT_EPOCHS = 4
+"""FinetuneConfig's default, stated here so that ``cascade --help`` need not import the library
+(a test checks the two agree)."""
 
 DESCRIPTION = """\
 Embed every corpus item the label store has teacher labels for (once: vectors are cached, so a
@@ -33,6 +40,8 @@ example:
 
 
 def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
+    from distill.finetune import FinetuneConfig, FinetuneError
+
     defaults = FinetuneConfig()
     tuning = {"epochs": args.epochs, "seed": args.seed, "threads": args.threads}
     if not args.finetune:
@@ -114,7 +123,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "int8 ONNX (needs the finetune extra; minutes to hours on a CPU)")
     p.add_argument("--epochs", type=whole_number(1), metavar="N",
                    help=f"with --finetune: most epochs; a held-out tenth stops earlier when it stops "
-                   f"improving (default {FinetuneConfig().epochs})")
+                   f"improving (default {DEFAULT_EPOCHS})")
     p.add_argument("--seed", type=whole_number(0), metavar="S",
                    help="with --finetune: seed of the shuffles, the held-out tenth and the heads' "
                    "initial weights; the same seed and threads give the same encoder (default 0)")
