@@ -29,7 +29,7 @@ from typing import Literal, get_args
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from cascade.bundle import Bundle, BundleError, GgufTier, Manifest, ModelFile
+from cascade.bundle import Bundle, BundleError, GgufTier
 from cascade.checks import is_int
 from cascade.corpus import BadLine, OnError, count_items, load_questions
 from cascade.encoder import Encoder
@@ -56,7 +56,7 @@ from distill.report import write_report
 from distill.split import check_fractions
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import GENERATOR_VERSION, generate, write_corpus, write_labels, write_questions
-from distill.train import train_bundle
+from distill.train import middle_tier, train_bundle
 
 DEMO_VERSION = "demo-v2"
 """Part of the reuse fingerprint: a change to how the demo builds its bundle invalidates reuse."""
@@ -204,23 +204,22 @@ def _calibrated(run: _Run) -> tuple[CalibrationResult, bool]:
         run.say(f"[3-5/7] reusing the calibrated bundle {run.bundle_dir} (same corpus, labels, models "
                 "and settings; --force rebuilds it)")
         return previous, True
-    bundle = _train(run, encoder)
     tier = GEMMA_TIER if "gemma" in gguf.name.lower() else OTHER_GGUF_TIER
-    bundle = with_gguf_tier(bundle, gguf, tier, GEMMA_N_CTX)
+    bundle = _train(run, encoder, middle_tier(gguf, tier, GEMMA_N_CTX))
     run.say(f"[4/7] bundle {run.bundle_dir}: encoder -> {tier} ({gguf.name}, logit readout) -> teacher")
     result = _calibrate(run, bundle, encoder, tier, gguf)
     _remember(Path(config.workdir), run.bundle_dir, fingerprint, result)
     return result, False
 
 
-def _train(run: _Run, encoder: Encoder) -> Bundle:
+def _train(run: _Run, encoder: Encoder, middle: GgufTier) -> Bundle:
     run.say("[3/7] training the encoder tier on the teacher's labels of the train part")
     questions = load_questions(run.inputs.questions)
     with run.timed("train"):
         bundle = train_bundle(questions, run.inputs.corpus, run.store, run.bundle_dir, encoder=encoder,
                               fractions=run.fractions, cache_dir=Path(run.config.workdir) / "cache",
                               progress=run.config.progress, on_error=run.config.on_error,
-                              on_bad=run.skip)
+                              on_bad=run.skip, middle=[middle])
     tier = bundle.manifest.encoder_tier
     for qid, info in (tier.heads if tier is not None else {}).items():
         agreement = "no head: " + str(info.skipped) if info.held_out_agreement is None else (
@@ -372,21 +371,6 @@ def _show_teacher(run: _Run) -> None:
     if config.teacher == "shipped" and config.live_items:
         show_live(run.inputs.corpus, load_questions(run.inputs.questions), run.store, config.live_items,
                   config.threads, run.say)
-
-
-def with_gguf_tier(bundle: Bundle, gguf: Path, name: str, n_ctx: int) -> Bundle:
-    """The bundle with a GGUF readout tier inserted just below its top tier, saved.
-
-    Its thresholds start at None (never keep) until calibration sets them, like a new head's.
-    """
-    manifest = bundle.manifest
-    data = manifest.model_dump(mode="json")
-    tier = GgufTier(name=name, model=ModelFile.of(gguf), n_ctx=n_ctx, permutations=1)
-    data["tiers"].insert(len(data["tiers"]) - 1, tier.model_dump(mode="json"))
-    for qid in manifest.questions:
-        data["thresholds"].setdefault(qid, {})[name] = None
-        data["temperatures"].setdefault(qid, {})[name] = 1.0
-    return Bundle(Manifest.model_validate(data), bundle.directory, bundle.heads).save()
 
 
 def _fingerprint(run: _Run, encoder: Encoder, gguf: Path) -> str:

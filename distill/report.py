@@ -25,11 +25,11 @@ HTML_NAME, JSON_NAME = "report.html", "report.json"
 
 @dataclass(frozen=True)
 class _TeacherCost:
-    """The teacher's estimated seconds per decision, and how they were estimated."""
+    """The teacher's seconds per decision, whether they were measured or estimated, and how."""
 
-    params: float
     tokens_per_state: float
     seconds_per_decision: float
+    source: str
     assumption: str
 
 
@@ -61,6 +61,23 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
 
 
 def _teacher_cost(result: CalibrationResult, bundle: Bundle) -> _TeacherCost:
+    """The teacher's seconds per decision: timed on calibration items where it could run here,
+    else its roofline on this machine."""
+    cost = result.teacher_cost
+    if cost is None:
+        return _roofline_teacher(result, bundle)
+    tokens = cost.tokens / max(cost.states, 1)
+    seconds = cost.seconds_per_state + tokens * cost.seconds_per_token
+    assumption = (
+        f"Teacher tier {result.teacher_tier!r} measured on {cost.states} calibration states on this "
+        f"machine, each asked all the bundle's questions in one prefill: {cost.seconds_per_state * 1e3:.1f} "
+        f"ms per state + {tokens:.1f} tokens x {cost.seconds_per_token * 1e3:.3f} ms = "
+        f"{seconds * 1e3:.1f} ms per decision. " + _CHEAP_MEASURED
+    )
+    return _TeacherCost(tokens, seconds, "measured", assumption)
+
+
+def _roofline_teacher(result: CalibrationResult, bundle: Bundle) -> _TeacherCost:
     """The roofline of a teacher decision on this machine: 2 x weights x tokens / FLOP/s.
 
     A GGUF teacher's matmul weights come from its file; an external one is taken to be the 4B
@@ -74,17 +91,21 @@ def _teacher_cost(result: CalibrationResult, bundle: Bundle) -> _TeacherCost:
     tokens = first.tokens / max(first.states, 1)
     seconds = 2.0 * params * tokens / result.flops_per_second
     assumption = (
-        f"Teacher tier {result.teacher_tier!r} ({who}) estimated, not measured: 2 x {params:.3g} weights x "
+        f"Teacher tier {result.teacher_tier!r} ({who}) estimated, not measured "
+        f"({result.teacher_cost_note or 'not timed'}): 2 x {params:.3g} weights x "
         f"{tokens:.1f} tokens per state / {result.flops_per_second:.3g} FLOP/s (this machine's numpy "
         f"float32 matmul throughput) = {seconds * 1e3:.1f} ms per decision. The tokens are the "
         f"{first.tier} tier's count per state; the teacher's prompt adds its template and the "
-        "question, so its cost and the saving are understated. Cheap tiers are measured on the "
-        "calibration items on this machine (seconds per state + tokens x seconds per token). A "
-        "question's cascade cost counts each cheap tier that can keep its answer for the share "
-        "of items reaching it, and the teacher for the share escalated, as if it were the only "
-        "question asked."
+        "question, so its cost and the saving are understated. " + _CHEAP_MEASURED
     )
-    return _TeacherCost(params, tokens, seconds, assumption)
+    return _TeacherCost(tokens, seconds, "roofline estimate", assumption)
+
+
+_CHEAP_MEASURED = (
+    "Cheap tiers are measured on the calibration items on this machine (seconds per state + "
+    "tokens x seconds per token). A question's cascade cost counts each cheap tier that can keep "
+    "its answer for the share of items reaching it, and the teacher for the share escalated, as if "
+    "it were the only question asked.")
 
 
 def _option_keys(bundle: Bundle) -> dict[str, list[str]]:
@@ -213,10 +234,13 @@ def _cost_rows(result: CalibrationResult, teacher: _TeacherCost) -> list[dict[st
          "seconds_per_decision": tier_seconds(result, name)}
         for name, cost in result.costs.items()
     ]
-    rows.append({"tier": result.teacher_tier, "kind": "teacher", "source": "roofline estimate",
-                 "states": None, "tokens_per_state": teacher.tokens_per_state,
-                 "seconds_per_state": 0.0,
-                 "seconds_per_token": teacher.seconds_per_decision / max(teacher.tokens_per_state, 1e-9),
+    measured = result.teacher_cost
+    rows.append({"tier": result.teacher_tier, "kind": "teacher", "source": teacher.source,
+                 "states": measured.states if measured else None,
+                 "tokens_per_state": teacher.tokens_per_state,
+                 "seconds_per_state": measured.seconds_per_state if measured else 0.0,
+                 "seconds_per_token": (measured.seconds_per_token if measured else
+                                       teacher.seconds_per_decision / max(teacher.tokens_per_state, 1e-9)),
                  "seconds_per_decision": teacher.seconds_per_decision})
     return rows
 

@@ -9,10 +9,11 @@ learn the teacher's full distributions, only from the "train" part of the split;
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,6 +89,7 @@ def train_bundle(
     on_error: OnError = "stop",
     on_bad: Callable[[BadLine], None] | None = None,
     finetune: FinetuneConfig | None = None,
+    middle: Sequence[GgufTier] = (),
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
 
@@ -100,9 +102,12 @@ def train_bundle(
     as ``read_corpus`` does. With ``finetune``, the encoder itself is first fine-tuned on the
     train part's labels (distill.finetune, needs the ``finetune`` extra) and served from the
     bundle as int8 ONNX; the heads are then fitted on its vectors as on the frozen encoder's.
+    ``middle`` (``middle_tier``) are GGUF readout tiers to stand, in order, between the encoder
+    and the teacher; like the heads they keep nothing until ``cascade calibrate`` certifies them.
     """
     fractions = check_fractions(fractions)
     _check_arguments(questions, C)
+    _check_middle(middle)
     if finetune is not None:
         finetune.check()
         check_installed()
@@ -128,7 +133,8 @@ def train_bundle(
         heads = {qid: head for qid, (head, _) in fitted.items() if head is not None}
         save_heads(stage / HEADS_NAME, heads)
         infos = {q: info for q, (_, info) in fitted.items()}
-        tiers = [_encoder_tier(encoder, stage, infos, _save_ngrams(grams, stage), tuned is not None), top]
+        first = _encoder_tier(encoder, stage, infos, _save_ngrams(grams, stage), tuned is not None)
+        tiers = [first, *middle, top]
         split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
                           file=write_json_file(stage, SPLIT_NAME, parts))
         training = TrainingSection(C=C, ngrams=ngrams, min_train_labels=MIN_TRAIN_LABELS,
@@ -146,25 +152,45 @@ def staged(bundle_dir: Path) -> Iterator[Path]:
     Training takes minutes (fine-tuning, hours): killed half-way, it leaves the previous bundle
     as it was, or none, never a mix of two. A folder that is not a bundle is never replaced, so
     a mistyped ``--bundle`` cannot delete someone's files. Leftovers of a killed run (hidden
-    ``.NAME.training-*`` folders) are removed by the next run for the same bundle.
+    ``.NAME.training-*`` folders) are removed by the next run for the same bundle. Runs for one
+    bundle hold a lock on ``.NAME.training.lock`` while they work (the kernel lets go of it when a
+    run dies, however it dies), so a second one is refused rather than deleting the first one's
+    folder or swapping a bundle in under it.
     """
     if bundle_dir.exists() and any(bundle_dir.iterdir()) and not (bundle_dir / MANIFEST_NAME).is_file():
         raise TrainError(f"{bundle_dir} exists and is not a bundle (no {MANIFEST_NAME}); give a new or "
                          "empty folder, or a bundle to replace")
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{bundle_dir.name}.training-"
-    for stale in bundle_dir.parent.glob(f"{prefix}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    stage = Path(tempfile.mkdtemp(prefix=prefix, dir=bundle_dir.parent))
-    try:
-        yield stage
-        old = stage.with_name(stage.name + "-old")
-        if bundle_dir.exists():
-            os.replace(bundle_dir, old)
-        os.replace(stage, bundle_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    with _training_lock(bundle_dir):
+        for stale in bundle_dir.parent.glob(f"{prefix}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        stage = Path(tempfile.mkdtemp(prefix=prefix, dir=bundle_dir.parent))
+        try:
+            yield stage
+            old = stage.with_name(stage.name + "-old")
+            if bundle_dir.exists():
+                os.replace(bundle_dir, old)
+            os.replace(stage, bundle_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextmanager
+def _training_lock(bundle_dir: Path) -> Iterator[None]:
+    """An exclusive lock for training ``bundle_dir``, or TrainError if another run holds it."""
+    path = bundle_dir.parent / f".{bundle_dir.name}.training.lock"
+    with path.open("a", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TrainError(f"another `cascade train` is writing {bundle_dir} now (it holds {path}); "
+                             "wait for it to finish, or give another --bundle") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _finetuned(
@@ -220,12 +246,34 @@ def _manifest(
         created_at=datetime.now(timezone.utc),
         questions={qid: question.model_dump(mode="json") for qid, question in questions.items()},
         tiers=tiers,
-        thresholds={qid: {ENCODER_TIER: None} for qid in questions},
-        temperatures={qid: {ENCODER_TIER: 1.0, TEACHER_TIER: 1.0} for qid in questions},
+        thresholds={qid: {tier.name: None for tier in tiers[:-1]} for qid in questions},
+        temperatures={qid: {tier.name: 1.0 for tier in tiers} for qid in questions},
         teacher=TeacherInfo.model_validate(teacher.model_dump()),
         split=split,
         training=training,
     )
+
+
+def middle_tier(model: Path, name: str | None = None, n_ctx: int = 4096) -> GgufTier:
+    """A GGUF logit-readout tier for ``train_bundle(middle=...)``, pinned by sha256.
+
+    Named after its file unless ``name`` is given: the name is what answers report in
+    ``answered_by``. ``n_ctx`` bounds the prompt it reads (a longer state escalates past it).
+    """
+    model = Path(model)
+    if not model.is_file():
+        raise TrainError(f"middle tier model {model} not found; give the path of a GGUF file")
+    if not (isinstance(n_ctx, int) and n_ctx > 0):
+        raise TrainError(f"n_ctx of a middle tier must be a whole number > 0; got {n_ctx!r}")
+    return GgufTier(name=name or model.stem, model=ModelFile.of(model), n_ctx=n_ctx)
+
+
+def _check_middle(middle: Sequence[GgufTier]) -> None:
+    names = [tier.name for tier in middle]
+    for name in names:
+        if name in (ENCODER_TIER, TEACHER_TIER) or names.count(name) > 1:
+            raise TrainError(f"middle tier name {name!r} is taken (by the {name} tier or another middle "
+                             "tier); give each middle tier its own name (middle_tier(name=...))")
 
 
 def _check_arguments(questions: Mapping[str, Question], C: float) -> None:

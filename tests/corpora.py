@@ -16,14 +16,14 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from cascade.bundle import Bundle
+from cascade.bundle import Bundle, Manifest
 from cascade.encoder import Encoder
 from cascade.questions import parse_request
 from distill.split import part_of
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import QUESTIONS_JSON as DEMO_QUESTIONS
 from distill.synthetic import SyntheticItem, generate, write_corpus
-from distill.train import train_bundle
+from distill.train import middle_tier, train_bundle
 
 N_ITEMS, N_URGENT, N_SPAM, N_RARE_PER_PART = 300, 240, 60, 4
 SEED = 0
@@ -97,3 +97,14 @@ def train(corpus: Path, store_path: Path, bundle_dir: Path, encoder: Encoder, ca
 def copy_bundle(bundle: Bundle, directory: Path) -> Bundle:
     """A copy a test may calibrate or damage, leaving the session's bundle as trained."""
     return Bundle(bundle.manifest, bundle.directory).save(directory)
+
+
+def copy_with_middle(bundle: Bundle, directory: Path, gguf: Path, name: str, n_ctx: int) -> Bundle:
+    """A copy with a GGUF readout tier just below the top (it keeps nothing until calibrated), as
+    ``cascade train --middle`` builds one, without training again."""
+    data = bundle.manifest.model_dump(mode="json")
+    data["tiers"].insert(len(data["tiers"]) - 1, middle_tier(gguf, name, n_ctx).model_dump(mode="json"))
+    for qid in data["questions"]:
+        data["thresholds"].setdefault(qid, {})[name] = None
+        data["temperatures"].setdefault(qid, {})[name] = 1.0
+    return Bundle(Manifest.model_validate(data), bundle.directory).save(directory)

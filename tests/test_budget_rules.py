@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from corpora import copy_with_middle
 from synthbundle import copy_bundle, train, write_inputs
 from tinymodels import silence_llama_logs, tiny_llama_path
 
@@ -23,7 +24,6 @@ from cascade.router import Budget, Cascade
 from cascade.tiers import Item
 from distill.calibration.maths import CalibrationError
 from distill.calibration.run import calibrate_bundle
-from distill.demo import with_gguf_tier
 from distill.evaluate import evaluate_bundle, format_evaluation
 from distill.store import LabelStore
 
@@ -61,7 +61,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def with_middle(tmp_path_factory: pytest.TempPathFactory, trained: Bundle, tiny: Path) -> Bundle:
     """encoder -> small (the tiny random GGUF) -> teacher."""
-    return with_gguf_tier(copy_bundle(trained, tmp_path_factory.mktemp("middle")), tiny, "small", 1024)
+    return copy_with_middle(trained, tmp_path_factory.mktemp("middle") / "b", tiny, "small", 1024)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_a_gguf_middle_tier_reads_the_batch_calibration_certified(
 ) -> None:
     """Asked one question, gemma still decodes every question of the bundle in one fan-out, as
     calibration scores it: its answer is the one a full request gives, to the last bit."""
-    bundle = with_gguf_tier(copy_bundle(trained, tmp_path / "g"), gemma_path, "small", 1024)
+    bundle = copy_with_middle(trained, tmp_path / "g", gemma_path, "small", 1024)
     cascade = load(bundle, {"urgent": {"small": 0.0}})
     scorer: Scorer = cascade.tiers[1].scorer
     questions = cascade.questions

@@ -18,10 +18,13 @@ from tinymodels import silence_llama_logs, tiny_llama_path
 from cascade.bundle import Bundle, GgufTier, Manifest, ModelFile
 from cascade.encoder import Encoder
 from cascade.readout import Scorer
+from cascade.router import Cascade
 from distill.calibration.fits import in_temperature_part
 from distill.calibration.maths import CalibrationError
 from distill.calibration.results import FACTS, CalibrationResult, QuestionTier
 from distill.calibration.run import calibrate_bundle
+from distill.cli import main
+from distill.report import write_report
 from distill.store import LabelStore, Teacher
 
 TARGET = 0.85
@@ -200,6 +203,78 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
     assert set(manifest.calibration.costs) == {"encoder", "small"}
 
 
+@pytest.fixture(scope="module")
+def gguf_topped(tmp_path_factory: pytest.TempPathFactory, trained: Bundle, tiny_llama: Path) -> Bundle:
+    """The trained bundle with a runnable teacher: a pinned GGUF as its top tier."""
+    data = trained.manifest.model_dump()
+    top = GgufTier(name="teacher", model=ModelFile.of(tiny_llama), n_ctx=1024)
+    data["tiers"] = [data["tiers"][0], top.model_dump()]
+    folder = tmp_path_factory.mktemp("gguf") / "b"
+    return Bundle(Manifest.model_validate(data), trained.directory).save(folder)
+
+
+def test_a_gguf_teacher_is_timed_and_the_router_prices_it_as_measured(
+    gguf_topped: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tmp_path: Path
+) -> None:
+    bundle = copy_bundle(gguf_topped, tmp_path / "b")
+    result = calibrate(bundle, *inputs, encoder, target=TARGET, teacher_items=5)
+    cost = result.teacher_cost
+    assert cost is not None and (cost.tier, cost.kind, cost.states) == ("teacher", "gguf", 5)
+    # every question of a state in one prefill: the template and question blocks are counted
+    assert cost.tokens > 5 * len(HEADED) and cost.seconds > 0
+    assert cost.seconds_per_state + cost.seconds_per_token > 0  # the fit may put all of it on one
+    assert result.teacher_cost_note == "measured on 5 calibration states on this machine"
+    assert set(result.costs) == {"encoder"}  # the cheap tiers' costs, as before
+    manifest = Bundle.load(bundle.directory).manifest
+    stored = manifest.calibration.costs["teacher"]
+    assert (stored.seconds_per_state, stored.seconds_per_token) == (cost.seconds_per_state,
+                                                                    cost.seconds_per_token)
+    with Cascade.load(bundle.directory, flops_per_second=FLOPS, threads=1) as cascade:
+        priced = cascade.costs.cost("teacher")
+    assert (priced.source, priced.seconds_per_token) == ("measured", cost.seconds_per_token)
+    data = json.loads(write_report(result, bundle, tmp_path / "report").with_name("report.json").read_text())
+    row = next(row for row in data["costs"] if row["kind"] == "teacher")
+    assert (row["source"], row["states"]) == ("measured", 5)
+    assert data["cost_assumption"].startswith("Teacher tier 'teacher' measured on 5 calibration states")
+
+
+def test_a_teacher_is_priced_on_the_roofline_where_it_is_not_timed(
+    gguf_topped: Bundle, calibrated: tuple[Bundle, CalibrationResult], inputs: tuple[Path, Path],
+    encoder: Encoder, tmp_path: Path
+) -> None:
+    _, external = calibrated
+    assert external.teacher_cost is None
+    assert external.teacher_cost_note == ("the top tier 'teacher' is known by its labels only (kind "
+                                          "'external'), so there is no model to time here: priced on "
+                                          "the roofline")
+    bundle = copy_bundle(gguf_topped, tmp_path / "b")
+    result = calibrate(bundle, *inputs, encoder, target=TARGET, teacher_items=0)
+    assert result.teacher_cost is None and result.teacher_cost_note.startswith("not timed (teacher_items=0)")
+    assert "teacher" not in Bundle.load(bundle.directory).manifest.calibration.costs
+
+
+def test_cli_times_the_teacher_on_the_items_asked(gguf_topped: Bundle, inputs: tuple[Path, Path],
+                                                  tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bundle = copy_bundle(gguf_topped, tmp_path / "b")
+    args = ["calibrate", "--bundle", str(bundle.directory), "--corpus", str(inputs[0]), "--store",
+            str(inputs[1]), "--target-agreement", str(TARGET), "--report", str(tmp_path / "r"),
+            "--threads", "1"]
+    assert main([*args, "--teacher-items", "2"]) == 0
+    assert "teacher cost: measured on 2 calibration states on this machine" in capsys.readouterr().out
+    assert main([*args, "--teacher-items", "0"]) == 0
+    assert "teacher cost: not timed (teacher_items=0): priced on the roofline" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*args, "--teacher-items", "-1"])
+    assert "--teacher-items: must be 0 or more; got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.5])
+def test_a_bad_teacher_items_is_refused(trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder,
+                                        bad: object) -> None:
+    with pytest.raises(CalibrationError, match=rf"teacher_items must be a whole number >= 0; got {bad!r}"):
+        calibrate(trained, *inputs, encoder, teacher_items=bad)
+
+
 def test_a_store_of_another_teacher_is_refused(trained: Bundle, inputs: tuple[Path, Path],
                                                encoder: Encoder, tmp_path: Path) -> None:
     other = Teacher(kind="external", model="someone else's labels")
@@ -233,3 +308,10 @@ def test_bad_arguments_are_refused_before_any_work(
     with pytest.raises(CalibrationError, match=message):
         calibrate(trained, *inputs, encoder, **kwargs)
     assert (trained.directory / "manifest.json").read_bytes() == before
+
+
+def test_calibrates_help_states_the_libraries_default_teacher_items() -> None:
+    from distill.calibration import run
+    from distill.cli import calibrate as calibrate_command
+
+    assert calibrate_command.TEACHER_ITEMS == run.TEACHER_ITEMS

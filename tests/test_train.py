@@ -26,6 +26,7 @@ from corpora import (
     write_jsonl,
     write_training_inputs,
 )
+from tinymodels import tiny_llama_path
 
 from cascade.bundle import NGRAMS_NAME, Bundle, ExternalTier, GgufTier
 from cascade.encoder import EmbeddingCache, Encoder
@@ -36,7 +37,7 @@ from cascade.prompts import PROMPT_VERSION
 from distill.cli import build_parser, main
 from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
 from distill.store import Teacher
-from distill.train import MIN_TRAIN_LABELS, TrainError
+from distill.train import MIN_TRAIN_LABELS, TrainError, staged
 
 # part_of("item-0") ... part_of("item-7"), pinned: a changed split would move calibrated items
 GOLDEN_PARTS = ["evaluation", "evaluation", "evaluation", "train", "evaluation", "evaluation", "train",
@@ -228,6 +229,31 @@ def test_cli_prints_a_table_and_the_bundle(
     Bundle.load(tmp_path / "cli")
 
 
+def test_cli_trains_a_gguf_middle_tier_that_keeps_nothing_until_calibrated(
+    inputs: tuple[Path, Path], cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps({"questions": QUESTIONS_JSON}))
+    middle = tiny_llama_path(tmp_path)
+    corpus, store = inputs
+    args = ["train", "--questions", str(questions), "--corpus", str(corpus), "--store", str(store),
+            "--bundle", str(tmp_path / "cli"), "--cache-dir", str(cache_dir)]
+    assert main([*args, "--middle", str(middle), "--middle-n-ctx", "512"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2] == f"tiers: encoder -> {middle.stem} -> teacher"
+    manifest = Bundle.load(tmp_path / "cli").manifest
+    tier = manifest.tiers[1]
+    assert isinstance(tier, GgufTier) and (tier.name, tier.n_ctx) == (middle.stem, 512)
+    assert tier.model.sha256 == file_sha256(middle)
+    assert all(manifest.threshold(qid, middle.stem) is None for qid in manifest.questions)
+    assert main([*args, "--middle", str(middle), "--middle", str(middle)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"TrainError: middle tier name {middle.stem!r} is taken (by the {middle.stem} tier or another "
+        "middle tier); give each middle tier its own name (middle_tier(name=...))")
+    assert main([*args, "--middle", str(tmp_path / "absent.gguf")]) == 2
+    assert f"middle tier model {tmp_path / 'absent.gguf'} not found" in capsys.readouterr().err
+    assert Bundle.load(tmp_path / "cli").manifest.tiers[1].name == middle.stem  # refused runs wrote nothing
+
+
 def test_cli_help_has_an_example(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
@@ -269,3 +295,26 @@ def test_train_help_states_the_fine_tunes_default_epochs() -> None:
     from distill.finetune import FinetuneConfig
 
     assert FinetuneConfig().epochs == train_command.DEFAULT_EPOCHS
+
+
+def test_a_second_training_of_one_bundle_is_refused_and_touches_nothing(tmp_path: Path) -> None:
+    import fcntl
+
+    target = tmp_path / "bundle"
+    target.mkdir()
+    (target / "manifest.json").write_text("{}", encoding="utf-8")
+    leftover = tmp_path / ".bundle.training-killed"
+    leftover.mkdir()
+    with (tmp_path / ".bundle.training.lock").open("a", encoding="utf-8") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first run, still at work
+        refused = pytest.raises(TrainError, match=r"another `cascade train` is writing .*bundle now \(it "
+                                r"holds .*\.bundle\.training\.lock\); wait for it to finish, or give another "
+                                r"--bundle")
+        with refused, staged(target):
+            pass
+        assert leftover.is_dir() and (target / "manifest.json").read_text(encoding="utf-8") == "{}"
+    with staged(target) as stage:  # once it is done, the next run cleans up and swaps in
+        (stage / "manifest.json").write_text('{"new": 1}', encoding="utf-8")
+    assert not leftover.exists()
+    assert (target / "manifest.json").read_text(encoding="utf-8") == '{"new": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bundle.training.lock", "bundle"]

@@ -29,9 +29,9 @@ def calibration_section(result: CalibrationResult) -> CalibrationSection:
         questions=questions, skipped=skipped,
         cascade={qid: ReplayShares.model_validate(shares.model_dump(exclude={"question"}))
                  for qid, shares in result.cascades.items()},
-        costs={name: MeasuredCost(seconds_per_state=cost.seconds_per_state,
-                                  seconds_per_token=cost.seconds_per_token)
-               for name, cost in result.costs.items()},
+        costs={cost.tier: MeasuredCost(seconds_per_state=cost.seconds_per_state,
+                                       seconds_per_token=cost.seconds_per_token)
+               for cost in [*result.costs.values(), *filter(None, [result.teacher_cost])]},
         flops_per_second=result.flops_per_second,
     )
 

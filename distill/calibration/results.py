@@ -17,7 +17,7 @@ FACTS = tuple(QuestionFacts.model_fields)
 
 
 class TierCost(BaseModel):
-    """What running a cheap tier on the calibration items cost on this machine.
+    """What running a tier on the calibration items cost on this machine.
 
     ``seconds_per_state`` and ``seconds_per_token`` add up, as in the router's cost model: a
     state of t tokens costs ``seconds_per_state + t * seconds_per_token``. ``kind`` is the tier's
@@ -110,6 +110,8 @@ class CalibrationResult(BaseModel):
     family_wise: bool = False
     family_size: int = 1
     unlabelled_items: int = 0
+    teacher_cost: TierCost | None = None
+    teacher_cost_note: str = ""
 
     @property
     def mode(self) -> Literal["agreement", "budget"]:

@@ -32,6 +32,11 @@ scorer that decodes as many branches together as the router's: the router asks i
 that batch (``cascade.router.Cascade._shape``), so the numbers certified are the ones routing
 reads, not those of another batch shape.
 
+A teacher that can run here (a GGUF top tier) is timed on a few calibration items the same way,
+so that the router's cost model and the report price it from seconds measured on this machine
+rather than from its weights on the roofline; a teacher known only by its labels cannot be, and
+the result says why (``teacher_cost_note``).
+
 This module ties the steps together; each lives in its own module of this package: ``inputs``
 (labels and items), ``scoring`` (running and timing a tier), ``fits`` (per question and tier,
 and the replay), ``manifest`` (what is written back), ``maths`` (the statistics) and
@@ -50,15 +55,20 @@ from cascade.cost import measure_cpu_flops
 from cascade.encoder import Encoder
 from cascade.placement import Placements
 from cascade.readout import Scorer
-from cascade.tierkinds import Build, RouterError, build_tiers, close_tiers
-from cascade.tiers import Tier
+from cascade.tierkinds import Build, RouterError, build_tiers, close_tiers, kind_of
+from cascade.tiers import Item, Tier
 from distill.calibration.fits import TEMPERATURE_SHARE, fit_all, replay
-from distill.calibration.inputs import calibration_items, calibration_labels, check_teacher
+from distill.calibration.inputs import Labels, calibration_items, calibration_labels, check_teacher
 from distill.calibration.manifest import updated_manifest
 from distill.calibration.maths import CalibrationError
-from distill.calibration.results import CalibrationResult
+from distill.calibration.results import CalibrationResult, TierCost
 from distill.calibration.scoring import score_tier
 from distill.store import LabelStore
+
+TEACHER_ITEMS = 16
+"""Calibration items a runnable teacher is timed on: enough for its seconds per state and per
+token to settle (a readout's cost is nearly linear in tokens), few enough that a 4B on a CPU
+adds about a minute."""
 
 
 def calibrate_bundle(
@@ -78,6 +88,7 @@ def calibrate_bundle(
     family_wise: bool = False,
     on_error: OnError = "stop",
     on_bad: Callable[[BadLine], None] | None = None,
+    teacher_items: int = TEACHER_ITEMS,
 ) -> CalibrationResult:
     """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
 
@@ -93,8 +104,11 @@ def calibrate_bundle(
     with probability ``1 - delta`` (by default each does on its own); not with a budget mode,
     which certifies nothing. A bad corpus line stops the run, or with ``on_error="skip"`` goes
     to ``on_bad``, as ``read_corpus`` does (a calibration item on it is then reported missing).
+    ``teacher_items`` calibration items time a GGUF teacher (0: price it on the roofline).
     """
     _check_arguments(target, delta, escalation_fraction, family_wise)
+    if not isinstance(teacher_items, int) or isinstance(teacher_items, bool) or teacher_items < 0:
+        raise CalibrationError(f"teacher_items must be a whole number >= 0; got {teacher_items!r}")
     if flops_per_second is not None and not (is_finite(flops_per_second) and flops_per_second > 0):
         raise CalibrationError(f"flops_per_second must be a number > 0; got {flops_per_second!r}")
     manifest = bundle.manifest
@@ -111,12 +125,14 @@ def calibrate_bundle(
     family = sum(1 for rows in labels.values() if rows)
     tier_target = 1 - (1 - target) / len(cheap)
     tier_delta = delta / len(cheap) / (family if family_wise else 1)
-    tiers = _open(bundle, Build(placements=placement, encoder=encoder, scorers=scorers or {}))
+    build = Build(placements=placement, encoder=encoder, scorers=scorers or {})
+    tiers = _open(bundle, build)
     try:
         scored = [score_tier(tier, spec.kind, items, labels, questions, progress)
                   for tier, spec in zip(tiers, cheap, strict=True)]
     finally:
         close_tiers(tiers)
+    teacher_cost, teacher_note = _time_teacher(bundle, build, items[:teacher_items], labels, progress)
     names, teacher = [spec.name for spec in cheap], manifest.tiers[-1].name
     fits, skipped = fit_all(names, [probs for probs, _ in scored], labels, list(questions),
                             tier_target, tier_delta, escalation_fraction)
@@ -130,6 +146,7 @@ def calibrate_bundle(
         skipped=skipped, costs={cost.tier: cost for _, cost in scored},
         flops_per_second=flops_per_second if flops_per_second is not None else measure_cpu_flops(),
         family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
+        teacher_cost=teacher_cost, teacher_cost_note=teacher_note,
     )
     Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
     return result
@@ -150,6 +167,29 @@ def _check_arguments(target: float, delta: float, escalation_fraction: float | N
     if family_wise and escalation_fraction is not None:
         raise CalibrationError("family_wise splits delta over the questions' certificates, and budget "
                                "mode (escalation_fraction) certifies nothing; give one or the other")
+
+
+def _time_teacher(bundle: Bundle, build: Build, items: list[Item], labels: Labels,
+                  progress: bool) -> tuple[TierCost | None, str]:
+    """The top tier's measured cost on ``items``, or None and why it could not be measured.
+
+    It is asked every question of the bundle per state, as when a whole state escalates; its
+    answers are not used (the store's labels are the teacher's).
+    """
+    top = bundle.manifest.tiers[-1]
+    if not items:
+        return None, "not timed (teacher_items=0): priced on the roofline"
+    try:
+        kind_of(top).check_top(top, bundle.manifest.name, build)
+    except RouterError:
+        return None, (f"the top tier {top.name!r} is known by its labels only (kind {top.kind!r}), "
+                      "so there is no model to time here: priced on the roofline")
+    [tier] = build_tiers(bundle, build, [top])
+    try:
+        _, cost = score_tier(tier, top.kind, items, labels, bundle.manifest.parsed_questions(), progress)
+    finally:
+        close_tiers([tier])
+    return cost, f"measured on {cost.states} calibration states on this machine"
 
 
 def _open(bundle: Bundle, build: Build) -> list[Tier]:

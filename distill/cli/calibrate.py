@@ -6,7 +6,17 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distill.cli.common import add_on_error_argument, add_placement_arguments, placement_of, report_skipped
+from distill.cli.common import (
+    add_on_error_argument,
+    add_placement_arguments,
+    placement_of,
+    report_skipped,
+    whole_number,
+)
+
+TEACHER_ITEMS = 16
+"""``distill.calibration.run.TEACHER_ITEMS``, repeated so that --help imports no library (a test
+holds them equal)."""
 
 if TYPE_CHECKING:
     from distill.calibration.results import CalibrationResult
@@ -25,7 +35,8 @@ then keeps less). Where the target cannot be certified the threshold stays empty
 nothing) and the table says what is reachable. With --escalation-fraction, each cheap tier
 instead escalates that share of the items that reach it (with m cheap tiers the teacher answers
 about F^m of them) and the agreement that follows is reported. Also
-measures each tier's cost, and writes report.html (self-contained) and report.json."""
+measures each tier's cost on this machine, the teacher's too where the bundle pins its GGUF
+(--teacher-items), and writes report.html (self-contained) and report.json."""
 EPILOG = """\
 example:
   cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
@@ -44,7 +55,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             bundle, args.corpus, store, target=args.target_agreement, delta=args.delta,
             escalation_fraction=args.escalation_fraction, text_field=args.text_field,
             placement=placement_of(args), family_wise=args.family_wise, on_error=args.on_error,
-            on_bad=report_skipped,
+            on_bad=report_skipped, teacher_items=args.teacher_items,
         )
     path = write_report(result, Bundle.load(args.bundle), args.report)
     _print_table(result)
@@ -76,6 +87,7 @@ def _print_table(result: CalibrationResult) -> None:
         print(f"{skip.question} / {skip.tier}: {skip.reason}")
     if result.escalation_fraction is None:
         print(_scope(result))
+    print(f"teacher cost: {result.teacher_cost_note}")
     if result.unlabelled_items:
         print(f"{result.unlabelled_items} corpus items of the calibration part have no teacher label "
               "(skipped by the teacher): not calibrated on, not covered, still routed")
@@ -118,6 +130,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="folder for report.html and report.json (created)")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="corpus field holding each state (default: text)")
+    p.add_argument("--teacher-items", type=whole_number(0), default=TEACHER_ITEMS, metavar="N",
+                   help="calibration items to time the teacher on, where the bundle pins its GGUF, so "
+                   "that budgets and the report price it as measured here (default "
+                   f"{TEACHER_ITEMS}; 0: price it from its weights on the roofline). A teacher known "
+                   "by its labels only is always priced on the roofline")
     add_on_error_argument(p)
     add_placement_arguments(p)
     p.set_defaults(run=_cmd_calibrate)
+

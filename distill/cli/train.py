@@ -58,7 +58,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.encoder import Encoder
     from cascade.placement import Placement
     from distill.store import LabelStore
-    from distill.train import default_cache_dir, train_bundle
+    from distill.train import default_cache_dir, middle_tier, train_bundle
 
     questions = load_questions(args.questions)
     with LabelStore.open_existing(args.store) as store:
@@ -69,6 +69,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             teacher_placement=Placement(gpu_layers=args.teacher_gpu_layers),
             ngrams=args.ngrams, on_error=args.on_error, on_bad=report_skipped,
             finetune=_finetune_config(args),
+            middle=[middle_tier(path, n_ctx=args.middle_n_ctx) for path in args.middle],
         )
     tier = bundle.manifest.encoder_tier
     heads = tier.heads if tier is not None else {}
@@ -81,6 +82,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
         print("  ".join([*cells, row[4]]))
+    print(f"tiers: {' -> '.join(tier.name for tier in bundle.manifest.tiers)}")
     print(f"bundle: {bundle.directory.resolve()}")
     return 0
 
@@ -118,6 +120,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher-gpu-layers", type=whole_number(0), metavar="N",
                    help="record N GPU layers as the teacher tier's default placement (decide, "
                    "calibrate and evaluate use it unless given --gpu-layers); default: none (CPU)")
+    p.add_argument("--middle", type=Path, action="append", default=[], metavar="MODEL.gguf",
+                   help="a GGUF logit-readout tier between the encoder and the teacher, named after its "
+                   "file (repeat for several, cheapest first); it keeps nothing until `cascade "
+                   "calibrate` certifies its thresholds, and is worth it only where it answers enough "
+                   "escalations to pay for reading all of them (BENCHMARKS.md measures a 0.5B)")
+    p.add_argument("--middle-n-ctx", type=whole_number(1), default=4096, metavar="N",
+                   help="context size of the middle tiers (default 4096)")
     p.add_argument("--finetune", action="store_true",
                    help="fine-tune the encoder on the teacher's labels and serve it from the bundle as "
                    "int8 ONNX (needs the finetune extra; minutes to hours on a CPU)")

@@ -1,0 +1,278 @@
+"""The real-teacher goals in one command: the cascade against Qwen2.5-Coder-1.5B, from committed labels.
+
+Reads label exports of bench/labels/ (ids and full probability vectors; texts and gold labels
+are joined back from ../shared/data by id): the teacher's (the 1.5B) and, with ``--middle``, a
+cheaper GGUF's (the 0.5B) on the same items, read by the same prompt. Each of ``--resplits``
+random 50/25/25 splits (the permutations of bench/teacher_goals.py for the same seed) fits the
+library's head (MiniLM vectors with hashed word n-grams beside them) on the train part and
+certifies thresholds on the raw top probability on the calibration part, as ``cascade
+calibrate`` does: with m cheap tiers each is certified on all calibration items to disagree on at
+most (1 - target) / m of them at level delta / m. Everything is measured on the evaluation part.
+
+Cascades, for each label source (the teacher's probabilities, and gold labels standing in for
+the teacher on the same items, so the difference a real teacher makes is visible):
+
+- encoder -> teacher;
+- encoder -> 0.5B -> teacher (with ``--middle``): the 0.5B answers what the encoder escalates.
+
+Encoders: the shipped frozen MiniLM, and with ``--finetune SOURCE...`` MiniLM fine-tuned on each
+split's train part for those label sources (``cascade train --finetune``'s defaults). A
+fine-tune takes minutes of CPU, so each split's vectors are cached under ~/.cache/cascade-bench
+by labels file, source, seed, split and settings: an interrupted run resumes where it stopped.
+
+Costs are measured, never priced by roofline: CPU seconds per item of the teacher, the middle
+GGUF and each encoder on ``--cost-items`` of these items, one thread each, interleaved item by
+item in this process. The cascade's cost per item is encoder + share reaching the middle x
+middle + share escalated x teacher, over the teacher alone.
+
+    PYTHONPATH=. .venv/bin/python -m bench.goals --task ag_news \\
+        --labels bench/labels/ag_news.qwen2.5-coder-1.5b.jsonl \\
+        --middle bench/labels/ag_news.qwen2.5-coder-0.5b.jsonl --resplits 10 --finetune teacher
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.encoder_quality import CACHE_DIR, TASKS, Task
+from bench.teacher_goals import GOAL_COST, GOAL_KEPT, Items, load_items, markdown, read_export
+from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
+from cascade.heads import SoftmaxHead
+from cascade.ngrams import NgramFeatures, beside
+from cascade.questions import parse_request
+from cascade.readout import Scorer
+from distill.calibration.maths import threshold_for_agreement
+from distill.finetune import FinetuneConfig, Targets, finetune_body
+from distill.onnx_export import export_int8
+from distill.teachers import teacher_path
+
+TARGET, DELTA = 0.98, 0.05
+TEACHER, MIDDLE = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+SOURCES = {"teacher": "teacher, soft", "gold": "gold"}
+FINETUNED_DIR = CACHE_DIR / "finetuned"
+
+
+@dataclass(frozen=True)
+class Parts:
+    train: np.ndarray
+    calibration: np.ndarray
+    evaluation: np.ndarray
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One cascade on one split's evaluation part."""
+
+    encoder: float  # share the encoder keeps
+    middle: float  # share the middle tier keeps (0 without one)
+    agreement: float  # realised agreement with the source
+    reach_middle: float  # share the middle tier reads
+
+    @property
+    def cheap(self) -> float:
+        return self.encoder + self.middle
+
+
+def parts_of(order: np.ndarray) -> Parts:
+    n = len(order)
+    return Parts(order[: n // 2], order[n // 2: 3 * n // 4], order[3 * n // 4:])
+
+
+def head_probabilities(items: Items, emb: np.ndarray, source: str, parts: Parts
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """The library's head on ``emb`` (+ n-grams), fitted on the train part: calibration and
+    evaluation probabilities."""
+    grams = NgramFeatures().fit([items.texts[i] for i in parts.train])
+
+    def features(rows: np.ndarray) -> np.ndarray:
+        return beside(emb[rows], grams, [items.texts[i] for i in rows])
+
+    head = SoftmaxHead(C=1.0, max_iter=5000).fit(features(parts.train), items.targets[source][parts.train])
+    return head.predict_proba(features(parts.calibration)), head.predict_proba(features(parts.evaluation))
+
+
+def certified(cal: np.ndarray, truth: np.ndarray, target: float, delta: float) -> float:
+    """The lowest raw-top-probability threshold certified on the calibration items (inf: none)."""
+    chosen = threshold_for_agreement(cal.max(axis=1), cal.argmax(axis=1) == truth, target, delta)
+    return chosen.threshold if chosen.threshold is not None else np.inf
+
+
+def cascade_outcome(encoder: tuple[np.ndarray, np.ndarray], middle: tuple[np.ndarray, np.ndarray] | None,
+                    truth: np.ndarray, parts: Parts) -> Outcome:
+    """Thresholds certified as ``cascade calibrate`` sets them, then the cascade on the evaluation
+    part: each cheap tier keeps what clears its threshold among what reaches it."""
+    tiers = [encoder] if middle is None else [encoder, middle]
+    tier_target, tier_delta = 1 - (1 - TARGET) / len(tiers), DELTA / len(tiers)
+    cal_truth, ev_truth = truth[parts.calibration], truth[parts.evaluation]
+    reaching = np.ones(len(parts.evaluation), dtype=bool)
+    kept, wrong = [], 0
+    for cal, ev in tiers:
+        keep = reaching & (ev.max(axis=1) >= certified(cal, cal_truth, tier_target, tier_delta))
+        kept.append(float(keep.mean()))
+        wrong += int((keep & (ev.argmax(axis=1) != ev_truth)).sum())
+        reaching &= ~keep
+    reach_middle = 1 - kept[0] if middle is not None else 0.0
+    return Outcome(kept[0], kept[1] if middle is not None else 0.0, 1 - wrong / len(ev_truth), reach_middle)
+
+
+def labels_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def finetuned(items: Items, labels: Path, source: str, seed: int, number: int, parts: Parts,
+              config: FinetuneConfig) -> np.ndarray:
+    """All items' vectors from MiniLM fine-tuned on this split's train part, cached per split."""
+    key = f"{labels_digest(labels)} {source} {seed} {number} {config!r}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:20]
+    cached = FINETUNED_DIR / f"{key}.npy"
+    if cached.exists():
+        return np.load(cached)
+    FINETUNED_DIR.mkdir(parents=True, exist_ok=True)
+    tokenizer = default_encoder_files().tokenizer
+    texts = [items.texts[i] for i in parts.train]
+    started = time.perf_counter()
+    body, record = finetune_body(texts, {"q": Targets(items.targets[source][parts.train])}, tokenizer, config)
+    with tempfile.TemporaryDirectory() as work:
+        onnx = Path(work) / "encoder.onnx"
+        parity = export_int8(body, tokenizer, onnx, texts[:200], 256)
+        emb = Encoder(EncoderFiles(model=onnx, tokenizer=tokenizer)).encode(items.texts)
+        shutil.copyfile(onnx, FINETUNED_DIR / "last.onnx")
+    print(f"  split {number}: fine-tuned on {source} in {time.perf_counter() - started:.0f} s, best epoch "
+          f"{record.best_epoch}, int8 parity {parity.min_cosine:.4f}", flush=True)
+    np.save(cached.with_suffix(".tmp.npy"), emb)
+    cached.with_suffix(".tmp.npy").replace(cached)
+    return emb
+
+
+def measured_seconds(items: Items, task: Task, count: int, middle: bool, finetuned_file: Path | None
+                     ) -> dict[str, float]:
+    """CPU seconds per item of each part, one thread each, interleaved item by item."""
+    request = {"state": "-", "questions": task.questions}
+    tokenizer = default_encoder_files().tokenizer
+    encoders = {"encoder (frozen, shipped)": Encoder(threads=1)}
+    if finetuned_file is not None:
+        files = EncoderFiles(model=finetuned_file, tokenizer=tokenizer)
+        encoders["encoder (fine-tuned int8)"] = Encoder(files, threads=1)
+    models = {"teacher": TEACHER, **({"middle": MIDDLE} if middle else {})}
+    scorers = {name: Scorer(teacher_path(model), n_ctx=2048, max_branches=1, n_threads=1)
+               for name, model in models.items()}
+    spent: dict[str, list[float]] = {name: [] for name in [*scorers, *encoders]}
+    try:
+        for text in items.texts[:count]:
+            for name, scorer in scorers.items():
+                started = time.process_time()
+                scorer.score(parse_request(request | {"state": text}))
+                spent[name].append(time.process_time() - started)
+            for name, encoder in encoders.items():
+                started = time.process_time()
+                encoder.encode([text])
+                spent[name].append(time.process_time() - started)
+    finally:
+        for scorer in scorers.values():
+            scorer.close()
+    return {name: statistics.mean(values) for name, values in spent.items()}
+
+
+def summary(name: str, runs: list[Outcome], costs: list[float], middle: bool) -> list[str]:
+    def cell(values: list[float], fmt: str, worst: float) -> str:
+        return f"{statistics.mean(values):{fmt}} (worst {worst:{fmt}})"
+
+    cheap = [r.cheap for r in runs]
+    agreement = [r.agreement for r in runs]
+    return [name, f"{statistics.mean(r.encoder for r in runs):.1%}",
+            f"{statistics.mean(r.middle for r in runs):.1%}" if middle else "-",
+            cell(cheap, ".1%", min(cheap)), cell(agreement, ".4f", min(agreement)),
+            f"{sum(a < TARGET for a in agreement)}/{len(runs)}", cell(costs, ".3f", max(costs))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=[task.name for task in TASKS], required=True)
+    parser.add_argument("--labels", type=Path, required=True, metavar="TEACHER.jsonl")
+    parser.add_argument("--middle", type=Path, metavar="MIDDLE.jsonl",
+                        help="the 0.5B's export on the same items: adds encoder -> 0.5B -> teacher")
+    parser.add_argument("--resplits", type=int, default=10)
+    parser.add_argument("--finetune", nargs="*", choices=sorted(SOURCES), default=[],
+                        help="label sources to fine-tune MiniLM on per split (cached; minutes each)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while fine-tuning (default 1)")
+    parser.add_argument("--cost-items", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    task = next(task for task in TASKS if task.name == args.task)
+    items = load_items(args.labels, task, EmbeddingCache(CACHE_DIR, Encoder()))
+    middle = _middle_probabilities(args.middle, task, items) if args.middle else None
+    config = FinetuneConfig(seed=args.seed, threads=args.threads)
+    gold = float((items.truth["teacher, soft"] == items.truth["gold"]).mean())
+    print(f"{len(items.ids)} {task.name} items labelled by {TEACHER}, which agrees with gold on {gold:.1%}; "
+          f"target {TARGET}, delta {DELTA}; {args.resplits} random 50/25/25 re-splits (seed {args.seed})",
+          flush=True)
+    if middle is not None:
+        agree = float((middle.argmax(axis=1) == items.truth["teacher, soft"]).mean())
+        print(f"middle tier {MIDDLE}: its top answer is the teacher's on {agree:.1%} of the items")
+    rng = np.random.default_rng(args.seed)
+    runs: dict[tuple[str, str, bool], list[Outcome]] = {}
+    for number, order in enumerate((rng.permutation(len(items.ids)) for _ in range(args.resplits)), 1):
+        parts = parts_of(order)
+        for name, source in SOURCES.items():
+            encoders = {"frozen": items.emb}
+            if name in args.finetune:
+                encoders["fine-tuned"] = finetuned(items, args.labels, source, args.seed, number, parts,
+                                                   config)
+            truth = items.truth[source]
+            for encoder, emb in encoders.items():
+                probs = head_probabilities(items, emb, source, parts)
+                runs.setdefault((name, encoder, False), []).append(cascade_outcome(probs, None, truth, parts))
+                if middle is not None:
+                    pair = (middle[parts.calibration], middle[parts.evaluation])
+                    outcome = cascade_outcome(probs, pair, truth, parts)
+                    runs.setdefault((name, encoder, True), []).append(outcome)
+        print(f"split {number}/{args.resplits} done", flush=True)
+    tuned = FINETUNED_DIR / "last.onnx" if args.finetune else None
+    seconds = measured_seconds(items, task, args.cost_items, middle is not None, tuned)
+    _report(runs, seconds, args.cost_items, middle is not None, task)
+
+
+def _middle_probabilities(path: Path, task: Task, items: Items) -> np.ndarray:
+    """The middle GGUF's probabilities in the teacher export's item order; every item needed."""
+    ids, probs = read_export(path, task)
+    row = {item: i for i, item in enumerate(ids)}
+    missing = [item for item in items.ids if item not in row]
+    if missing:
+        raise SystemExit(f"{path} lacks {len(missing)} of the teacher's {len(items.ids)} items "
+                         f"(first: {missing[0]}): label them all with the middle model first")
+    return probs[[row[item] for item in items.ids]]
+
+
+def _report(runs: dict[tuple[str, str, bool], list[Outcome]], seconds: dict[str, float], count: int,
+            middle: bool, task: Task) -> None:
+    teacher = seconds["teacher"]
+    print(f"\nmeasured on {count} items, CPU seconds per item, one thread each: "
+          + ", ".join(f"{name} {value:.4f}" for name, value in seconds.items()))
+    rows = []
+    for (source, encoder, with_middle), outcomes in runs.items():
+        encoder_seconds = seconds["encoder (fine-tuned int8)" if encoder == "fine-tuned" else
+                                  "encoder (frozen, shipped)"]
+        costs = [(encoder_seconds + o.reach_middle * seconds.get("middle", 0.0)) / teacher + (1 - o.cheap)
+                 for o in outcomes]
+        chain = f"{encoder} encoder -> {'0.5B -> ' if with_middle else ''}teacher"
+        rows.append(summary(f"{source}: {chain}", outcomes, costs, middle))
+    header = ["labels: cascade", "encoder keeps", "0.5B keeps", "cheaper tiers keep: mean (worst)",
+              "realised agreement: mean (worst)", f"splits below {TARGET}",
+              "cost / teacher alone: mean (worst)"]
+    print(markdown(header, rows))
+    print(f"goals ({task.name}, teacher labels): cheaper tiers keep >= {GOAL_KEPT:.0%}, agreement >= "
+          f"{TARGET} on every split, cost <= {GOAL_COST} of the teacher alone, measured")
+
+
+if __name__ == "__main__":
+    main()
