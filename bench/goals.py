@@ -265,7 +265,7 @@ def _report(runs: dict[tuple[str, str, bool], list[Outcome]], seconds: dict[str,
         costs = [(encoder_seconds + o.reach_middle * seconds.get("middle", 0.0)) / teacher + (1 - o.cheap)
                  for o in outcomes]
         chain = f"{encoder} encoder -> {'0.5B -> ' if with_middle else ''}teacher"
-        rows.append(summary(f"{source}: {chain}", outcomes, costs, middle))
+        rows.append(summary(f"{source}: {chain}", outcomes, costs, with_middle))
     header = ["labels: cascade", "encoder keeps", "0.5B keeps", "cheaper tiers keep: mean (worst)",
               "realised agreement: mean (worst)", f"splits below {TARGET}",
               "cost / teacher alone: mean (worst)"]
