@@ -138,4 +138,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_on_error_argument(p)
     add_placement_arguments(p)
     p.set_defaults(run=_cmd_calibrate)
-
