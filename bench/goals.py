@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.encoder_quality import CACHE_DIR, TASKS, Task
+from bench.finetune import finetuned_vectors
 from bench.teacher_goals import GOAL_COST, GOAL_KEPT, Items, load_items, markdown, read_export
 from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
 from cascade.heads import SoftmaxHead
@@ -51,8 +52,7 @@ from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import parse_request
 from cascade.readout import Scorer
 from distill.calibration.maths import threshold_for_agreement
-from distill.finetune import FinetuneConfig, Targets, finetune_body
-from distill.onnx_export import export_int8
+from distill.finetune import FinetuneConfig
 from distill.teachers import teacher_path
 
 TARGET, DELTA = 0.98, 0.05
@@ -128,26 +128,18 @@ def labels_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def finetuned(items: Items, labels: Path, source: str, seed: int, number: int, parts: Parts,
+def finetuned(items: Items, digest: str, source: str, seed: int, number: int, parts: Parts,
               config: FinetuneConfig) -> np.ndarray:
-    """All items' vectors from MiniLM fine-tuned on this split's train part, cached per split."""
-    key = f"{labels_digest(labels)} {source} {seed} {number} {config!r}"
-    key = hashlib.sha256(key.encode()).hexdigest()[:20]
+    """All items' vectors from MiniLM fine-tuned on this split's train part (bench.finetune's
+    ``finetuned_vectors``), cached per split by the labels file's ``digest`` and the settings."""
+    key = hashlib.sha256(f"{digest} {source} {seed} {number} {config!r}".encode()).hexdigest()[:20]
     cached = FINETUNED_DIR / f"{key}.npy"
     if cached.exists():
         return np.load(cached)
     FINETUNED_DIR.mkdir(parents=True, exist_ok=True)
-    tokenizer = default_encoder_files().tokenizer
-    texts = [items.texts[i] for i in parts.train]
-    started = time.perf_counter()
-    body, record = finetune_body(texts, {"q": Targets(items.targets[source][parts.train])}, tokenizer, config)
     with tempfile.TemporaryDirectory() as work:
-        onnx = Path(work) / "encoder.onnx"
-        parity = export_int8(body, tokenizer, onnx, texts[:200], 256)
-        emb = Encoder(EncoderFiles(model=onnx, tokenizer=tokenizer)).encode(items.texts)
+        emb, _, onnx = finetuned_vectors(items, source, parts.train, Path(work), config)
         shutil.copyfile(onnx, FINETUNED_DIR / "last.onnx")
-    print(f"  split {number}: fine-tuned on {source} in {time.perf_counter() - started:.0f} s, best epoch "
-          f"{record.best_epoch}, int8 parity {parity.min_cosine:.4f}", flush=True)
     np.save(cached.with_suffix(".tmp.npy"), emb)
     cached.with_suffix(".tmp.npy").replace(cached)
     return emb
@@ -212,6 +204,7 @@ def main() -> None:
     items = load_items(args.labels, task, EmbeddingCache(CACHE_DIR, Encoder()))
     middle = _middle_probabilities(args.middle, task, items) if args.middle else None
     config = FinetuneConfig(seed=args.seed, threads=args.threads)
+    digest = labels_digest(args.labels)
     gold = float((items.truth["teacher, soft"] == items.truth["gold"]).mean())
     print(f"{len(items.ids)} {task.name} items labelled by {TEACHER}, which agrees with gold on {gold:.1%}; "
           f"target {TARGET}, delta {DELTA}; {args.resplits} random 50/25/25 re-splits (seed {args.seed})",
@@ -226,8 +219,7 @@ def main() -> None:
         for name, source in SOURCES.items():
             encoders = {"frozen": items.emb}
             if name in args.finetune:
-                encoders["fine-tuned"] = finetuned(items, args.labels, source, args.seed, number, parts,
-                                                   config)
+                encoders["fine-tuned"] = finetuned(items, digest, source, args.seed, number, parts, config)
             truth = items.truth[source]
             for encoder, emb in encoders.items():
                 probs = head_probabilities(items, emb, source, parts)
