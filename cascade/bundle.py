@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from cascade.calibration_math import ThresholdScore
 from cascade.checks import is_int
 from cascade.encoder import EncoderFiles
 from cascade.errors import BundleError, ModelError
@@ -51,7 +52,7 @@ from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
 from cascade.sections import CalibrationSection, TrainingSection
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 HEADS_NAME = "heads.npz"
 NGRAMS_NAME = "ngrams.npz"
@@ -217,15 +218,22 @@ class SplitInfo(_Strict):
 
 
 class Manifest(_Strict):
-    """Everything a router needs to know about a bundle, as plain JSON."""
+    """Everything a router needs to know about a bundle, as plain JSON.
 
-    schema_version: Literal[1] = 1
+    Schema 2 added ``threshold_on``: the score its thresholds are compared with. A schema-1
+    bundle's thresholds are on the top probability and are read as such; calibrating it again
+    makes it schema 2, so a cascade that predates the margin refuses it rather than read margins
+    as top probabilities.
+    """
+
+    schema_version: Literal[1, 2] = 2
     name: str = Field(min_length=1)
     created_at: datetime
     prompt_version: str = PROMPT_VERSION
     questions: dict[str, dict[str, Any]] = Field(min_length=1)
     tiers: list[Tier] = Field(min_length=1)
-    # question -> tier -> lowest RAW top probability kept (None: never accept)
+    threshold_on: ThresholdScore = "margin"
+    # question -> tier -> lowest RAW score (``threshold_on``) kept (None: never accept)
     thresholds: dict[str, dict[str, float | None]] = {}
     temperatures: dict[str, dict[str, float]] = {}  # question -> tier -> T (absent: 1.0)
     calibration: CalibrationSection = CalibrationSection()
@@ -235,8 +243,19 @@ class Manifest(_Strict):
 
     _parsed: dict[str, Question] = PrivateAttr(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_one_scores(cls, data: Any) -> Any:
+        """A schema-1 manifest has no ``threshold_on``: its thresholds are on the top probability."""
+        if isinstance(data, dict) and data.get("schema_version") == 1:
+            data = {"threshold_on": "top", **data}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
+        if self.schema_version == 1 and self.threshold_on != "top":
+            raise ValueError("a schema-1 manifest's thresholds are on the top probability; "
+                             f"threshold_on {self.threshold_on!r} needs schema_version 2")
         try:
             self._parsed = _QUESTIONS.validate_python(self.questions)
         except ValidationError as exc:

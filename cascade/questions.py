@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
+from cascade.calibration_math import ThresholdScore
 from cascade.errors import RequestError
 
 OPTION_LETTERS = "ABCDEFGHIJKLMNOP"
@@ -143,8 +144,10 @@ class Routing(BaseModel):
 
     ``threshold`` is the one the answer cleared (or, when ``budget_limited``, failed: the budget
     could not pay to escalate it); None for the top tier, which answers whatever its confidence.
-    It is compared with ``raw_confidence``, the tier's top probability before temperature scaling
-    (the answer's ``confidence`` is after it): thresholds are certified on raw scores.
+    It is compared with ``raw_score``, the tier's raw probabilities (before temperature scaling)
+    reduced to the score named by ``threshold_on``: ``margin``, the top probability's lead over
+    the runner-up, or ``top``, the top probability (a schema-1 bundle). ``raw_confidence`` is the
+    raw top probability; the answer's ``confidence`` is the top probability after temperature.
     ``cost_ms`` is this answer's share of the predicted cost of every tier it went through.
     ``input_cut`` says how the answering tier shortened the state (e.g. the encoder's token
     limit), None when it read it whole. ``certified`` is False when the cascade escalates to
@@ -158,6 +161,8 @@ class Routing(BaseModel):
     cost_ms: float
     threshold: float | None
     raw_confidence: float
+    raw_score: float
+    threshold_on: ThresholdScore
     calibrated: bool
     budget_limited: bool = False
     input_cut: str | None = None

@@ -2,8 +2,9 @@
 
 At every tier only the questions still open are answered (a GGUF middle tier reads them within
 the batch of all questions that calibration certified: ``Cascade._shape``). A tier's raw
-distribution is scaled by the (question, tier) temperature, its confidence is the top
-probability, and the answer is kept when that clears the (question, tier) threshold (None: never
+distribution is scaled by the (question, tier) temperature, and the answer is kept when its raw
+score (the bundle's ``threshold_on``: the top probability's margin over the runner-up, or the top
+probability itself in a schema-1 bundle) clears the (question, tier) threshold (None: never
 kept); the top tier answers what reaches it, whatever its confidence. A question a tier cannot
 answer (no head) starts one tier up.
 
@@ -29,7 +30,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from cascade.bundle import Bundle, Manifest
-from cascade.calibration_math import apply_temperature
+from cascade.calibration_math import apply_temperature, threshold_score
 from cascade.checks import is_finite, is_real
 from cascade.costmodel import BatchCost, CostModel
 from cascade.encoder import Device
@@ -88,6 +89,7 @@ class _Pick:
     tier: int
     raw: np.ndarray
     probs: np.ndarray
+    score: float  # what the threshold is compared with: ``threshold_score`` of ``raw``
     threshold: float | None
     calibrated: bool
     readout: Readout | None = None
@@ -96,14 +98,14 @@ class _Pick:
 
     @property
     def accepted(self) -> bool:
-        """Thresholds are certified on the tier's raw top probability (by ``cascade calibrate``)."""
-        return self.threshold is not None and float(self.raw.max()) >= self.threshold
+        """Thresholds are certified on the tier's raw score (by ``cascade calibrate``)."""
+        return self.threshold is not None and self.score >= self.threshold
 
     @property
     def doubt(self) -> tuple[float, float]:
         """What orders escalations under a budget: the smaller, the sooner it escalates.
 
-        First, how far the raw confidence falls short of its threshold, negated: a distance on
+        First, how far the raw score falls short of its threshold, negated: a distance on
         the scale the threshold was certified on, which means the same for a yes/no question as
         for a 16-way one, where a confidence (raw or calibrated) does not (0.6 is sure among 16
         options, a coin toss between 2). An answer without a threshold has no certified level
@@ -111,7 +113,7 @@ class _Pick:
         guess, as a share of the way to certainty, so that option counts cancel there too.
         """
         top, k = float(self.raw.max()), len(self.raw)
-        shortfall = math.inf if self.threshold is None else self.threshold - top
+        shortfall = math.inf if self.threshold is None else self.threshold - self.score
         return -shortfall, (top - 1 / k) / (1 - 1 / k)
 
 
@@ -312,8 +314,9 @@ class Cascade:
                 probs = apply_temperature(raw, self.manifest.temperature(qid, tier.name))
                 threshold = None if top else self.manifest.threshold(qid, tier.name)
                 readout = reply.readouts[i].get(qid)
-                run.picks[i][qid] = _Pick(t, raw, probs, threshold, self._fitted(qid, t), readout,
-                                          reply.cuts[i])
+                score = float(threshold_score(raw, self.manifest.threshold_on))
+                run.picks[i][qid] = _Pick(t, raw, probs, score, threshold, self._fitted(qid, t),
+                                          readout, reply.cuts[i])
                 run.answered[t][i].append(qid)
 
     def _shape(self, t: int, qids: Sequence[str]) -> list[str]:
@@ -383,6 +386,7 @@ class Cascade:
             pick = run.picks[i][qid]
             routing = Routing(tier=self.tiers[pick.tier].name, cost_ms=shares[qid],
                               threshold=pick.threshold, raw_confidence=float(pick.raw.max()),
+                              raw_score=pick.score, threshold_on=self.manifest.threshold_on,
                               calibrated=pick.calibrated,
                               budget_limited=pick.budget_limited, input_cut=pick.cut,
                               certified=self.certified, over_budget=(i, qid) in run.over_budget)

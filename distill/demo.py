@@ -249,10 +249,10 @@ def _calibrate(run: _Run, bundle: Bundle, encoder: Encoder, tier: str, gguf: Pat
 
 def _say_thresholds(result: CalibrationResult, say: Say) -> None:
     """Per question, the share of calibration answers each cheap tier may keep, and from what
-    confidence."""
+    raw margin (the score thresholds are certified on)."""
     for fit in result.calibrations:
         keeps = ("keeps nothing (target not reachable)" if fit.threshold is None else
-                 f"keeps {fit.kept_share:.1%} (raw confidence >= {fit.threshold:.3f})")
+                 f"keeps {fit.kept_share:.1%} (raw margin >= {fit.threshold:.3f})")
         say(f"      {fit.question} on {fit.tier}: {keeps}")
 
 

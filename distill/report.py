@@ -359,8 +359,9 @@ figure {{ margin: 0; }} figure img {{ width: 100%; height: auto; border: 1px sol
 <body>
 <h1>Calibration report: {name}</h1>
 <p class="meta">Bundle {bundle}<br>Cascade {tiers}; {mode}; {items} calibration items
-(all of them certify the thresholds, on each tier's raw top probability; {temperature} of them fit
-the temperatures, whose reliability diagrams are drawn on the other {rest}).</p>
+(all of them certify the thresholds, on each tier's raw margin: its top probability's lead over
+the runner-up; {temperature} of them fit the temperatures, whose reliability diagrams are drawn
+on the other {rest}).</p>
 <div class="box"><h2>What the guarantee means</h2><p>{guarantee}</p>
 <p>What it does not promise:</p><ul>{not_promised}</ul></div>
 <h2>Summary</h2>

@@ -117,7 +117,7 @@ def _coverage(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figur
                label=_chosen_label(fit))
     floor = min([*curve["lower_bound"], fit.target or 1.0, 1.0])
     ax.set(xlim=(-0.02, 1.02), ylim=(max(0.0, floor - 0.05), 1.005),
-           xlabel="coverage: share kept (threshold on the raw top probability)",
+           xlabel="coverage: share kept (threshold on the raw margin)",
            ylabel="cascade agreement with the teacher",
            title=f"{fit.question} / {fit.tier}: coverage vs agreement")
     ax.legend(loc="lower left", fontsize=8)

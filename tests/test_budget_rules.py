@@ -109,11 +109,11 @@ def routed(responses: list[DecisionResponse]) -> dict[tuple[int, str], Any]:
 
 
 def doubt_order(unsure: Mapping[tuple[int, str], Any]) -> list[tuple[int, str]]:
-    """Most doubtful first: the largest shortfall of raw confidence below the threshold; ties by
+    """Most doubtful first: the largest shortfall of raw score below the threshold; ties by
     item and question position."""
     def key(k: tuple[int, str]) -> tuple[float, int, int]:
         r = unsure[k]
-        return (-(r.threshold - r.raw_confidence), k[0], HEADED.index(k[1]))
+        return (-(r.threshold - r.raw_score), k[0], HEADED.index(k[1]))
     return sorted(unsure, key=key)
 
 

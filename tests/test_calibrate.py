@@ -15,6 +15,8 @@ from scipy.optimize import brentq
 from scipy.special import softmax
 from scipy.stats import beta, binom, binomtest
 
+from cascade.calibration_math import threshold_score
+from cascade.errors import CascadeError
 from distill.calibration.maths import (
     CalibrationError,
     apply_temperature,
@@ -247,6 +249,18 @@ def test_apply_temperature_keeps_the_answer_and_gives_distributions() -> None:
         np.testing.assert_array_equal(scaled.argmax(axis=1), probs.argmax(axis=1))
     np.testing.assert_allclose(apply_temperature(probs, 1.0), probs, atol=1e-12)
     np.testing.assert_allclose(apply_temperature(logits, 2.0, kind="logits"), softmax(logits / 2, axis=1))
+
+
+def test_the_margin_is_the_lead_over_the_runner_up_and_ranks_two_options_as_the_top_does() -> None:
+    rows = np.array([[0.6, 0.35, 0.05, 0.0], [0.6, 0.13, 0.14, 0.13], [0.25, 0.25, 0.25, 0.25]])
+    np.testing.assert_allclose(threshold_score(rows, "margin"), [0.25, 0.46, 0.0])
+    np.testing.assert_allclose(threshold_score(rows, "top"), [0.6, 0.6, 0.25])
+    assert float(threshold_score(rows[1], "margin")) == pytest.approx(0.46)  # one row
+    p = np.random.default_rng(0).uniform(size=200)
+    binary = np.stack([p, 1 - p], axis=1)
+    np.testing.assert_allclose(threshold_score(binary, "margin"), 2 * threshold_score(binary, "top") - 1)
+    with pytest.raises(CascadeError, match="a margin needs at least 2 options; got 1"):
+        threshold_score(np.ones((3, 1)), "margin")
 
 
 def test_temperature_on_a_bound_warns() -> None:

@@ -19,6 +19,7 @@ from cascade.bundle import Bundle, GgufTier, Manifest, ModelFile
 from cascade.encoder import Encoder
 from cascade.readout import Scorer
 from cascade.router import Cascade
+from cascade.tiers import Item
 from distill.calibration.fits import in_temperature_part
 from distill.calibration.maths import CalibrationError
 from distill.calibration.results import FACTS, CalibrationResult, QuestionTier
@@ -91,6 +92,40 @@ def test_thresholds_are_written_and_the_bundle_reloads(calibrated: tuple[Bundle,
     assert min(cost.values()) >= 0 and max(cost.values()) > 0
     assert manifest.calibration.costs["encoder"].model_dump() == cost
     assert manifest.calibration.flops_per_second == FLOPS
+
+
+def test_the_router_keeps_exactly_what_calibration_certified(
+    calibrated: tuple[Bundle, CalibrationResult], inputs: tuple[Path, Path]
+) -> None:
+    """Calibration and routing reduce a tier's raw probabilities to the same score (the margin,
+    which on the multi-option questions keeps other items than the top probability would)."""
+    bundle, result = calibrated
+    manifest = Bundle.load(bundle.directory).manifest
+    assert (manifest.schema_version, manifest.threshold_on) == (2, "margin")
+    texts = {row["id"]: row["text"] for row in read_jsonl(inputs[0])}
+    with LabelStore.open_existing(inputs[1]) as store:
+        labels = {qid: store.labels(qid) for qid in manifest.questions}
+    with Cascade.load(bundle.directory, labels=labels) as cascade:
+        for qid in HEADED:
+            ids = [i for i in bundle.split_ids()["calibration"] if i in labels[qid]]
+            responses = cascade.decide_batch([Item(i, texts[i]) for i in ids], questions=[qid])
+            kept = [r.answers[qid].routing.tier == "encoder" for r in responses]
+            assert sum(kept) / len(ids) == pytest.approx(fit_of(result, qid).kept_share)
+
+
+def test_calibrating_a_schema_one_bundle_moves_its_thresholds_to_the_margin(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tmp_path: Path
+) -> None:
+    data = trained.manifest.model_dump(mode="json") | {"schema_version": 1, "threshold_on": "top"}
+    data["thresholds"] = {qid: {"encoder": 0.5} for qid in data["thresholds"]}
+    old = Bundle(Manifest.model_validate(data), trained.directory).save(tmp_path / "b")
+    assert Bundle.load(old.directory).manifest.threshold("rare", "encoder") == 0.5
+    result = calibrate(old, *inputs, encoder, target=TARGET)
+    manifest = Bundle.load(old.directory).manifest
+    assert (manifest.schema_version, manifest.threshold_on) == (2, "margin")
+    rewritten = {f.question: f.threshold for f in result.calibrations}
+    rewritten |= {skip.question: None for skip in result.skipped}
+    assert {qid: manifest.threshold(qid, "encoder") for qid in manifest.questions} == rewritten
 
 
 def test_questions_without_a_head_or_labels_stay_uncalibrated(

@@ -21,7 +21,7 @@ from corpora import HEADED
 from tinymodels import tiny_llama_path
 
 from cascade.bundle import Bundle, Manifest, ModelFile
-from cascade.calibration_math import TemperatureError, apply_temperature
+from cascade.calibration_math import TemperatureError, apply_temperature, threshold_score
 from cascade.cost import ModelShape, decision_flops
 from cascade.errors import ModelError, RequestError
 from cascade.hashing import file_sha256
@@ -211,22 +211,33 @@ def test_temperature_scales_confidence_but_never_the_answer(
             cold.answers["department"].confidence)
 
 
-def test_thresholds_are_compared_with_the_raw_confidence(
-    replay: Any, trained: tuple, texts: Mapping
+@pytest.mark.parametrize("schema", [{}, {"schema_version": 1, "threshold_on": "top"}],
+                         ids=["margin", "schema-1 top probability"])
+def test_thresholds_are_compared_with_the_raw_score_the_bundle_names(
+    replay: Any, trained: tuple, texts: Mapping, schema: dict[str, Any]
 ) -> None:
-    """Calibration certifies thresholds on raw scores; a temperature must not move what is kept."""
-    items = evaluation_items(trained[2], texts, 20)
+    """Calibration certifies thresholds on a raw score; a temperature must not move what is kept,
+    and a schema-1 bundle's thresholds stay on the top probability it was certified on."""
+    items = evaluation_items(trained[2], texts, 40)
     plain = replay(thresholds=thresholds(0.0)).decide_batch(items, questions=["department"])
-    raw = [r.answers["department"].routing.raw_confidence for r in plain]  # exactly what is compared
+    kind = schema.get("threshold_on", "margin")
+    routings = [r.answers["department"].routing for r in plain]  # exactly what is compared:
+    raw = [r.raw_score if kind == "margin" else r.raw_confidence for r in routings]
+    assert raw == pytest.approx([float(threshold_score(probabilities(r, "department"), kind)) for r in plain])
     threshold = sorted(raw)[len(raw) // 2]
+    other = "top" if kind == "margin" else "margin"
+    others = [float(threshold_score(probabilities(r, "department"), other)) for r in plain]
+    # the two scores keep different items at this threshold, so the test tells them apart
+    assert [s >= threshold for s in raw] != [s >= sorted(others)[len(others) // 2] for s in others]
     hot = replay(thresholds={"department": {"encoder": threshold}},
-                 temperatures={"department": {"encoder": 3.0}})
+                 temperatures={"department": {"encoder": 3.0}}, **schema)
     kept = []
-    for confidence, response in zip(raw, hot.decide_batch(items, questions=["department"]), strict=True):
+    for score, response in zip(raw, hot.decide_batch(items, questions=["department"]), strict=True):
         answer = response.answers["department"]
-        assert answer.routing.tier == ("encoder" if confidence >= threshold else "teacher")
+        assert answer.routing.tier == ("encoder" if score >= threshold else "teacher")
         if answer.routing.tier == "encoder":
-            assert answer.routing.raw_confidence == pytest.approx(confidence)
+            assert answer.routing.raw_score == pytest.approx(score)
+            assert answer.routing.threshold_on == kind
             kept.append(answer)
     # kept although the reported (flattened) confidence is below the threshold
     assert len(kept) >= 10 and any(answer.confidence < threshold for answer in kept)

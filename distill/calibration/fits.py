@@ -1,8 +1,9 @@
 """Calibrating each (question, cheap tier) on its items, and replaying the cascade with the results.
 
 Per (question, tier): the temperature on a part of the items picked by a hash of their id
-(TEMPERATURE_SHARE), its reliability on the rest; the threshold on the RAW top probability,
-certified on all of them (``maths.threshold_for_agreement``), or in budget mode set on the items
+(TEMPERATURE_SHARE), its reliability on the rest; the threshold on the RAW score the router
+compares (``cascade.calibration_math.CERTIFIED_SCORE``: the top probability's margin), certified
+on all of them (``maths.threshold_for_agreement``), or in budget mode set on the items
 that reach the tier (``maths.threshold_for_budget``); the coverage curve and the confusion
 matrix the report draws. Then each question's items are routed through the new thresholds to
 see which tier answers them and how often the cascade agrees with the teacher.
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from cascade.calibration_math import CERTIFIED_SCORE, threshold_score
 from distill.calibration.inputs import Labels
 from distill.calibration.maths import (
     ThresholdResult,
@@ -96,7 +98,7 @@ def _calibrate(
     escalation_fraction: float | None,
     reach: set[str] | None = None,
 ) -> Fit | Skipped:
-    """Temperature on one part, its reliability on the other; the raw-confidence threshold and
+    """Temperature on one part, its reliability on the other; the raw-score threshold and
     coverage on all items. Skipped when impossible.
 
     In budget mode the threshold is set on the items in ``reach`` (those the tiers below this
@@ -117,7 +119,8 @@ def _calibrate(
     fitting = [i for i in ids if in_temperature_part(i)]
     temperature, note = _temperature(probs, labels, fitting)
     every, teacher_every = _stack(probs, ids), _labels(labels, ids)
-    confidence, correct = confidence_and_agreement(every, teacher_every)
+    _, correct = confidence_and_agreement(every, teacher_every)
+    confidence = threshold_score(every, CERTIFIED_SCORE)
     seen = np.asarray([reach is None or i in reach for i in ids])
     if escalation_fraction is None:
         chosen = threshold_for_agreement(confidence, correct, target, delta)
@@ -163,7 +166,7 @@ def _temperature(
 ) -> tuple[float, str | None]:
     """T fitted on the items ``ids``, or 1.0 with the reason when they cannot pin it down.
 
-    T never touches the guarantee (thresholds are on raw confidences); a T at a search bound
+    T never touches the guarantee (thresholds are on raw scores); a T at a search bound
     would only squash the probabilities answers report into ties.
     """
     if len(ids) < MIN_TEMPERATURE_ITEMS:

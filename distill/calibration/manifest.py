@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from cascade.bundle import Manifest
+from cascade.bundle import SCHEMA_VERSION, Manifest
+from cascade.calibration_math import CERTIFIED_SCORE
 from cascade.sections import CalibrationSection, MeasuredCost, QuestionFacts, ReplayShares
 from distill.calibration.fits import TEMPERATURE_SALT
 from distill.calibration.results import CalibrationResult
@@ -37,7 +38,11 @@ def calibration_section(result: CalibrationResult) -> CalibrationSection:
 
 
 def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
-    """The manifest with the new thresholds, temperatures and facts, validated again."""
+    """The manifest with the new thresholds, temperatures and facts, validated again.
+
+    A run rewrites every (question, cheap tier) threshold, so all of them are then on
+    ``CERTIFIED_SCORE`` (schema 2), whatever score an older bundle's were on.
+    """
     thresholds = {qid: dict(row) for qid, row in manifest.thresholds.items()}
     temperatures = {qid: dict(row) for qid, row in manifest.temperatures.items()}
     for skip in result.skipped:
@@ -46,6 +51,7 @@ def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
     for fit in result.calibrations:
         thresholds.setdefault(fit.question, {})[fit.tier] = fit.threshold
         temperatures.setdefault(fit.question, {})[fit.tier] = fit.temperature
-    data = manifest.model_dump() | {"thresholds": thresholds, "temperatures": temperatures,
+    data = manifest.model_dump() | {"schema_version": SCHEMA_VERSION, "threshold_on": CERTIFIED_SCORE,
+                                    "thresholds": thresholds, "temperatures": temperatures,
                                     "calibration": calibration_section(result).model_dump()}
     return Manifest.model_validate(data)

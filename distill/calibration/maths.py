@@ -1,13 +1,14 @@
 """The maths of calibration: temperature scaling, and thresholds with a finite-sample guarantee.
 
-A tier answers a question when its confidence (the top probability after temperature scaling)
-clears that question's threshold; otherwise the question escalates, and the last tier, the
-teacher, always answers. Only answers a tier *keeps* can disagree with the teacher, so for a
-threshold ``t`` the cascade's disagreement on an item is the loss ``1{confidence >= t and the tier
-is wrong}``, and the cascade agreement is one minus its mean. Choosing ``t`` where the empirical
-agreement on calibration data just meets the target would miss the target about half the time
-on new data; the thresholds here are certified instead, so that the agreement on new data from
-the same distribution is at least the target with probability at least ``1 - delta``.
+A tier answers a question when its confidence (a score of its raw probabilities: the router's
+``cascade.calibration_math.threshold_score``) clears that question's threshold; otherwise the
+question escalates, and the last tier, the teacher, always answers. Only answers a tier *keeps*
+can disagree with the teacher, so for a threshold ``t`` the cascade's disagreement on an item is
+the loss ``1{confidence >= t and the tier is wrong}``, and the cascade agreement is one minus
+its mean. Choosing ``t`` where the empirical agreement on calibration data just meets the target
+would miss the target about half the time on new data; the thresholds here are certified
+instead, so that the agreement on new data from the same distribution is at least the target
+with probability at least ``1 - delta``.
 
 Everything here is pure numpy/scipy on arrays: ``probs`` are (n, k) probability rows, ``teacher``
 is the teacher's argmax label per row (or its (n, k) probability rows where soft labels help).
@@ -309,7 +310,7 @@ def _summary(threshold: float, kept: int, wrong: int, n: int, lower: float) -> d
 
 def _kept_message(result: dict[str, Any], n: int, delta: float, goal: str) -> str:
     return (
-        f"keeps {result['kept_share']:.1%} of {n} items (confidence >= {result['threshold']:.6g}); "
+        f"keeps {result['kept_share']:.1%} of {n} items (score >= {result['threshold']:.6g}); "
         f"cascade agreement >= {result['lower_bound']:.4f} with {1 - delta:.0%} confidence "
         f"({goal}; empirical {result['agreement_cascade']:.4f})"
     )

@@ -38,7 +38,8 @@ class QuestionTier(QuestionFacts):
     """One question calibrated on one cheap tier: the facts the manifest keeps, and the figures a
     report draws. Lax where the manifest's facts are strict: it is made in memory, not read back.
 
-    The threshold is on the tier's RAW top probability and is certified on all n items
+    The threshold is on the tier's RAW score (the top probability's margin over the runner-up:
+    ``cascade.calibration_math.CERTIFIED_SCORE``) and is certified on all n items
     (``n_threshold``): the temperature never moves which answers are kept, so no item has to be
     set aside from the certificate for it; in budget mode ``n_threshold`` counts the items that
     reach the tier, the ones its threshold is set on and its ``kept_share`` and ``agreement``

@@ -1,7 +1,8 @@
 """The calibration run: temperatures, acceptance thresholds and tier costs from held-out items.
 
 Only the bundle's "calibration" part is used: the heads never saw it, so what the tiers do on it
-is what they will do on new items. Thresholds are on each tier's RAW top probability, a score
+is what they will do on new items. Thresholds are on each tier's RAW probabilities reduced to one
+score, the top probability's lead over the runner-up (``cascade.calibration_math``): a score
 fixed before any calibration item was drawn, so every calibration item certifies them: the
 finite-sample certificate assumes exactly that, and a score fitted on the same items would
 spend part of it. The temperature only rescales the probabilities answers report (and orders

@@ -24,19 +24,19 @@ if TYPE_CHECKING:
 DESCRIPTION = """\
 Run every cheap tier of a bundle on its held-out calibration items (never the items the heads
 were trained on), compare with the teacher's labels, and write into the bundle, per question and
-tier: an acceptance threshold on the tier's raw top probability, set on all of the items, and a
-temperature (fitted on 30% of them) that rescales the probabilities answers report without
-moving which answers are kept. A threshold is certified per question: with probability >= 1 -
-delta over the calibration draw, that question's answers agree with the teacher on at least the
-target share of new items from the same distribution. Each question spends its own delta, so
-with Q questions all hold together only with probability >= 1 - Q x delta; --family-wise splits
-delta over the questions so that all hold at once with probability >= 1 - delta (the cascade
-then keeps less). Where the target cannot be certified the threshold stays empty (the tier keeps
-nothing) and the table says what is reachable. With --escalation-fraction, each cheap tier
-instead escalates that share of the items that reach it (with m cheap tiers the teacher answers
-about F^m of them) and the agreement that follows is reported. Also
-measures each tier's cost on this machine, the teacher's too where the bundle pins its GGUF
-(--teacher-items), and writes report.html (self-contained) and report.json."""
+tier: an acceptance threshold on the tier's raw margin (its top probability's lead over the
+runner-up), set on all of the items, and a temperature (fitted on 30% of them) that rescales the
+probabilities answers report without moving which answers are kept. A threshold is certified per
+question: with probability >= 1 - delta over the calibration draw, that question's answers agree
+with the teacher on at least the target share of new items from the same distribution. Each
+question spends its own delta, so with Q questions all hold together only with probability >= 1
+- Q x delta; --family-wise splits delta over the questions so that all hold at once with
+probability >= 1 - delta (the cascade then keeps less). Where the target cannot be certified the
+threshold stays empty (the tier keeps nothing) and the table says what is reachable. With
+--escalation-fraction, each cheap tier instead escalates that share of the items that reach it
+(with m cheap tiers the teacher answers about F^m of them) and the agreement that follows is
+reported. Also measures each tier's cost on this machine, the teacher's too where the bundle
+pins its GGUF (--teacher-items), and writes report.html (self-contained) and report.json."""
 EPILOG = """\
 example:
   cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
