@@ -46,6 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
@@ -116,7 +117,7 @@ def certified(cal: np.ndarray, truth: np.ndarray, target: float, delta: float, s
 
 
 def cascade_outcome(encoder: tuple[np.ndarray, np.ndarray], middle: tuple[np.ndarray, np.ndarray] | None,
-                    truth: np.ndarray, parts: Parts, score: ThresholdScore = CERTIFIED_SCORE) -> Outcome:
+                    truth: np.ndarray, parts: Parts, score: ThresholdScore) -> Outcome:
     """Thresholds certified as ``cascade calibrate`` sets them, then the cascade on the evaluation
     part: each cheap tier keeps what clears its threshold among what reaches it."""
     tiers = [encoder] if middle is None else [encoder, middle]
@@ -211,7 +212,7 @@ def main() -> None:
                         help="label sources to fine-tune MiniLM on per split (cached; minutes each)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads while fine-tuning (default 1)")
     parser.add_argument("--cost-items", type=int, default=20)
-    parser.add_argument("--scores", nargs="+", choices=["margin", "top"], default=[CERTIFIED_SCORE],
+    parser.add_argument("--scores", nargs="+", choices=get_args(ThresholdScore), default=[CERTIFIED_SCORE],
                         help="raw scores to certify thresholds on, side by side (default: the "
                              f"library's, {CERTIFIED_SCORE})")
     parser.add_argument("--seed", type=int, default=0)

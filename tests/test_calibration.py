@@ -153,7 +153,7 @@ def test_only_calibration_items_are_used(
         fit = fit_of(result, qid)
         assert fit.n == len(ids) and sum(map(sum, fit.confusion)) == len(ids)
         assert fit.n_temperature == sum(map(in_temperature_part, ids))
-        assert fit.n_threshold == fit.n  # raw-confidence thresholds: every item certifies
+        assert fit.n_threshold == fit.n  # raw-score thresholds: every item certifies
         assert sum(fit.reliability_after["count"]) == fit.n - fit.n_temperature
     # wrong labels for every other item, and a corpus of calibration items only: same outcome
     others = set(parts["train"]) | set(parts["evaluation"])
