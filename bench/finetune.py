@@ -37,7 +37,8 @@ from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles, default_encod
 from cascade.heads import Matrix, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
 from distill.calibration.maths import threshold_for_agreement
-from distill.finetune import FinetuneConfig, Targets, finetune_body, import_torch
+from distill.finetune import FinetuneConfig, finetune_body
+from distill.finetune_base import Targets, import_torch
 from distill.onnx_export import export_int8
 
 SOURCES = {"teacher": "teacher, soft", "gold": "gold"}

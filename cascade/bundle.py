@@ -52,7 +52,10 @@ from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
 from cascade.sections import CalibrationSection, TrainingSection
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+VECTORS_ALONE_SCHEMA = 3
+"""The first schema whose thresholds certify encoder vectors computed from each text alone
+(``cascade.encoder``); before it, an encoder with dynamic int8 activations ran in batches."""
 MANIFEST_NAME = "manifest.json"
 HEADS_NAME = "heads.npz"
 NGRAMS_NAME = "ngrams.npz"
@@ -223,10 +226,12 @@ class Manifest(_Strict):
     Schema 2 added ``threshold_on``: the score its thresholds are compared with. A schema-1
     bundle's thresholds are on the top probability and are read as such; calibrating it again
     makes it schema 2, so a cascade that predates the margin refuses it rather than read margins
-    as top probabilities.
+    as top probabilities. Schema 3 (``VECTORS_ALONE_SCHEMA``) changes no field: its thresholds
+    were certified on encoder vectors that do not depend on their batch, and the router refuses
+    an older bundle whose encoder's did, until it is calibrated again.
     """
 
-    schema_version: Literal[1, 2] = 2
+    schema_version: Literal[1, 2, 3] = 3
     name: str = Field(min_length=1)
     created_at: datetime
     prompt_version: str = PROMPT_VERSION

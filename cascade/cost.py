@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -66,25 +67,33 @@ class ModelShape:
 
     @classmethod
     def from_gguf(cls, path: Path) -> ModelShape:
-        """Read the shape from metadata and tensor infos; tensor data stays in the file's mmap."""
+        """Read the shape from metadata and tensor infos (cascade.gguf_header: the tokenizer's
+        arrays are skipped unread, and tensor data stays in the file)."""
+        from cascade.gguf_header import read_header  # imports gguf: only where a file is read
+
         path = Path(path)
-        reader = _open_gguf(path)
-        meta = {key: field.contents() for key, field in reader.fields.items()
-                if not key.startswith("tokenizer.")}
+        header = read_header(path)
+        return cls.from_tables(path, header.metadata, header.tensors)
+
+    @classmethod
+    def from_tables(cls, path: Path, meta: dict[str, Any], tensors: Sequence[Any]) -> ModelShape:
+        """The shape from a GGUF's metadata and its tensor table (objects with ``name``,
+        ``shape`` as stored, ``n_elements`` and ``n_bytes``), however they were read: the tests
+        and bench/load_time.py feed it GGUFReader's too, to check both readers agree."""
         arch = str(_required(meta, "general.architecture", path))
         n_layers = int(_required(meta, f"{arch}.block_count", path))
         n_layers -= int(meta.get(f"{arch}.nextn_predict_layers", 0))
         n_embd = int(_required(meta, f"{arch}.embedding_length", path))
-        tensors = {t.name: t for t in reader.tensors}
-        head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+        by_name = {t.name: t for t in tensors}
+        head = by_name.get("output.weight", by_name.get("token_embd.weight"))
         if head is None:
             raise ModelError(f"{path}: has neither 'output.weight' nor 'token_embd.weight'; "
                              "a readout needs an output head")
-        n_attention, n_recurrent = _layer_counts(tensors, n_layers)
-        elements, nbytes = _matmul_totals(reader.tensors, meta, arch, n_layers)
+        n_attention, n_recurrent = _layer_counts(by_name, n_layers)
+        elements, nbytes = _matmul_totals(tensors, meta, arch, n_layers)
         return cls(
             name=str(meta.get("general.name", path.stem)), architecture=arch,
-            n_params=sum(int(t.n_elements) for t in reader.tensors),
+            n_params=sum(int(t.n_elements) for t in tensors),
             n_params_matmul=round(elements), n_params_output=int(head.n_elements),
             n_vocab=int(head.shape[-1]), n_layers=n_layers, n_attention_layers=n_attention,
             n_recurrent_layers=n_recurrent, n_embd=n_embd, **_heads(meta, arch, n_embd),
@@ -93,18 +102,6 @@ class ModelShape:
             bits_per_weight=8 * nbytes / elements if elements else 0.0,
             output_bytes=int(head.n_bytes),
         )
-
-
-def _open_gguf(path: Path) -> Any:
-    from gguf import GGUFReader
-
-    if not path.is_file():
-        raise ModelError(f"model file {path} does not exist or is not a file; pass a .gguf path")
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError) as exc:
-        raise ModelError(f"{path} is not a readable GGUF file ({exc}); pass a llama.cpp .gguf "
-                         "model") from exc
 
 
 def _required(meta: dict[str, Any], key: str, path: Path) -> Any:
@@ -148,7 +145,7 @@ def _layer_counts(tensors: dict[str, Any], n_layers: int) -> tuple[int, int]:
     return n_attention, n_recurrent
 
 
-def _matmul_totals(tensors: list[Any], meta: dict[str, Any], arch: str,
+def _matmul_totals(tensors: Sequence[Any], meta: dict[str, Any], arch: str,
                    n_layers: int) -> tuple[float, float]:
     """Elements and bytes of the weights each prompt token multiplies (MoE: the routed share)."""
     routed = meta.get(f"{arch}.expert_used_count", 0) / max(meta.get(f"{arch}.expert_count", 1), 1)

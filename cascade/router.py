@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from cascade.bundle import Bundle, Manifest
+from cascade.bundle import VECTORS_ALONE_SCHEMA, Bundle, Manifest
 from cascade.calibration_math import apply_temperature, threshold_score
 from cascade.checks import is_finite, is_real
 from cascade.costmodel import BatchCost, CostModel
-from cascade.encoder import Device
+from cascade.encoder import Device, quantizes_per_call
 from cascade.errors import CascadeError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placements
@@ -182,6 +182,7 @@ class Cascade:
         default in the bundle. A ``teacher`` must be the model the bundle's labels came from
         (same sha256 and prompt version): thresholds certify agreement with that model only.
         ``accept_other_teacher`` runs another one anyway, and every answer says it is not certified.
+        A tier calibration took out of the cascade (it cost more than it saved) is not loaded.
         """
         if teacher is not None and labels is not None:
             raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
@@ -189,8 +190,10 @@ class Cascade:
         build = Build(teacher=Path(teacher) if teacher is not None else None, labels=labels,
                       device=device, cache_dir=cache_dir, threads=threads, placements=placement)
         _check_top(bundle.manifest, build)
+        _check_encoder_vectors(bundle)
         certified = teacher is None or _same_teacher(bundle.manifest, Path(teacher), accept_other_teacher)
-        tiers = build_tiers(bundle, build)
+        dropped = bundle.manifest.calibration.dropped()
+        tiers = build_tiers(bundle, build, [s for s in bundle.manifest.tiers if s.name not in dropped])
         try:
             costs = CostModel.for_tiers(bundle.manifest, tiers, flops_per_second)
         except BaseException:
@@ -438,6 +441,24 @@ def _check_top(manifest: Manifest, build: Build) -> None:
     kind_of(top).check_top(top, manifest.name, build)
     if build.teacher is not None and not build.teacher.is_file():
         raise RouterError(f"teacher model {build.teacher} not found; give the path of a .gguf file")
+
+
+def _check_encoder_vectors(bundle: Bundle) -> None:
+    """Refuse thresholds certified on vectors the encoder no longer computes.
+
+    Before schema 3, an encoder that quantizes activations per call (a fine-tuned int8 export)
+    ran in batches, so each vector calibration saw depended on its batch; it now runs each text
+    alone (``cascade.encoder``), and those thresholds say nothing about these numbers.
+    """
+    tier = bundle.manifest.encoder_tier
+    if (tier is None or bundle.manifest.schema_version >= VECTORS_ALONE_SCHEMA
+            or not quantizes_per_call(tier.model_path(bundle.directory))):
+        return
+    raise RouterError(f"bundle {bundle.manifest.name!r} (schema {bundle.manifest.schema_version}) was "
+                      f"calibrated on vectors of {tier.model_path(bundle.directory).name} that depended "
+                      "on their batch (dynamic int8 scales activations over the whole batch); this "
+                      "cascade computes each text's vector alone: run `cascade calibrate` on the bundle "
+                      "again to certify its thresholds on those")
 
 
 def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:

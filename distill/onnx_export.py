@@ -19,7 +19,7 @@ import numpy as np
 
 from cascade.encoder import Encoder, EncoderFiles
 from cascade.sections import EncoderParity
-from distill.finetune import FinetuneError, import_torch
+from distill.finetune_base import FinetuneError, import_torch
 
 OPSET = 17
 PARITY_MIN_COSINE = 0.97

@@ -50,6 +50,7 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
         "guarantee": _guarantee_text(result), "not_promised": _NOT_PROMISED,
         "cost_assumption": teacher.assumption, "summary": summary,
         "costs": _cost_rows(result, teacher),
+        "payoffs": {tier: payoff.model_dump() for tier, payoff in result.payoffs.items()},
         "cascades": {qid: c.model_dump() for qid, c in result.cascades.items()},
         "skipped": [s.model_dump() for s in result.skipped],
         "figures": [figure.as_json() for figure in figures],
@@ -135,11 +136,12 @@ def _guarantee_text(result: CalibrationResult) -> str:
         return _budget_text(result) + _unlabelled_text(result)
     return (
         _scope_text(result) + " Each threshold is the lowest one a Learn-then-Test procedure "
-        "(exact binomial tests in a fixed order, strict to lax) certifies on the tier's raw top "
-        "probability over all calibration items, which never trained the heads; the temperature "
-        "rescales reported probabilities only and never moves which answers are kept. A tier whose "
-        "threshold could not be certified keeps nothing: the teacher answers, so the guarantee "
-        "still holds, at full cost." + _split_text(result) + _unlabelled_text(result)
+        "(exact binomial tests in a fixed order, strict to lax) certifies on the tier's raw margin "
+        "(its top probability's lead over the runner-up) over all calibration items, which never "
+        "trained the heads; the temperature rescales reported probabilities only and never moves "
+        "which answers are kept. A tier whose threshold could not be certified keeps nothing: the "
+        "teacher answers, so the guarantee still holds, at full cost."
+        + _split_text(result) + _unlabelled_text(result)
     )
 
 
@@ -167,9 +169,12 @@ def _split_text(result: CalibrationResult) -> str:
     if m * q == 1:
         return ""
     over = " x ".join(part for part, n in ((f"{m} cheap tiers", m), (f"{q} questions", q)) if n > 1)
+    dropped = (f" {', '.join(sorted(result.dropped()))} was taken out of the cascade afterwards (it "
+               "cost more than it saved): its share goes unspent, and the others' certificates "
+               "stand." if result.dropped() else "")
     return (f" delta is split evenly over the {over}: each (question, tier) threshold is certified "
             f"at level {result.tier_delta:.3g}, for agreement >= {result.tier_target:.4g} per tier, "
-            "and a union bound adds them up.")
+            f"and a union bound adds them up.{dropped}")
 
 
 def _budget_text(result: CalibrationResult) -> str:
@@ -219,6 +224,8 @@ def _summary_rows(result: CalibrationResult, bundle: Bundle) -> list[dict[str, A
 
 
 def _guarantee_cell(result: CalibrationResult, fit: QuestionTier) -> str:
+    if fit.tier in result.dropped():
+        return "taken out of the cascade: it costs more than it saves (see Costs)"
     if result.escalation_fraction is not None:
         return "none (budget mode)"
     if fit.threshold is None:
@@ -257,10 +264,13 @@ def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
     return _TEMPLATE.format(
         name=_e(result.name), bundle=_e(result.bundle), mode=_e(mode), items=result.items,
         temperature=f"{result.temperature_share:.0%}", rest=f"{1 - result.temperature_share:.0%}",
-        tiers=_e(" -> ".join([*result.cheap_tiers, result.teacher_tier])),
+        tiers=_e(" -> ".join([*(f"{name} (taken out)" if name in result.dropped() else name
+                                for name in result.cheap_tiers), result.teacher_tier])),
         guarantee=_e(data["guarantee"]),
         not_promised="".join(f"<li>{_e(text)}</li>" for text in _NOT_PROMISED),
         summary=_summary_table(data["summary"]), costs=_costs_table(data["costs"]),
+        payoffs="".join(f'<p class="message {"ok" if p.kept else "warn"}"><b>tier {_e(tier)}:</b> '
+                        f'{_e(p.reason)}</p>' for tier, p in result.payoffs.items()),
         cost_assumption=_e(data["cost_assumption"]), sections="\n".join(sections),
     )
 
@@ -272,7 +282,11 @@ def _question_section(
     parts = [f'<section id="q-{_e(qid)}"><h2>{_e(qid)} <span class="type">{_e(qtype)}</span></h2>',
              f'<p class="instructions">{_e(str(instructions))}</p>']
     for fit in (f for f in result.calibrations if f.question == qid):
-        parts.append(f'<p class="message {_status(fit)}"><b>tier {_e(fit.tier)}:</b> {_e(fit.message)}</p>')
+        out = (" It was taken out of the cascade: it costs more than it saves (see Costs)."
+               if fit.tier in result.dropped() else "")
+        status = "warn" if out else _status(fit)
+        parts.append(f'<p class="message {status}"><b>tier {_e(fit.tier)}:</b> '
+                     f'{_e(fit.message)}{_e(out)}</p>')
         if fit.temperature_note:
             parts.append(f'<p class="note">tier {_e(fit.tier)} temperature: '
                          f'{_e(fit.temperature_note)}</p>')
@@ -305,7 +319,7 @@ def _summary_table(rows: list[dict[str, Any]]) -> str:
                  f"{row['ece_before']:.3f}", f"{row['ece_after']:.3f}", _fmt(row["threshold"], ".4g"),
                  f"{row['kept_share']:.1%}", f"{row['escalation_rate']:.1%}", f"{row['agreement']:.4f}",
                  f"{row['lower_bound']:.4f}", row["guarantee"])
-        css = "ok" if row["threshold"] is not None else "warn"
+        css = "ok" if row["threshold"] is not None and "taken out" not in row["guarantee"] else "warn"
         body.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells[:-1])
                     + f'<td class="{css}">{_e(cells[-1])}</td></tr>')
     return _table(head, body)
@@ -368,6 +382,7 @@ on the other {rest}).</p>
 {summary}
 <h2>Costs</h2>
 {costs}
+{payoffs}
 <p class="note">{cost_assumption}</p>
 {sections}
 </body></html>

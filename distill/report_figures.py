@@ -152,7 +152,8 @@ def _confusion(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figu
 def _cost_data(result: CalibrationResult, qid: str, teacher_seconds: float) -> dict[str, Any]:
     """Expected seconds per decision of the cascade for one question, against the teacher alone."""
     shares = result.cascades[qid].answered_by
-    keepers = {fit.tier for fit in result.calibrations if fit.question == qid and fit.threshold is not None}
+    keepers = {fit.tier for fit in result.calibrations if fit.question == qid and fit.threshold is not None
+               and fit.tier not in result.dropped()}
     reach, tiers = 1.0, {}
     for name in result.cheap_tiers:
         seconds = tier_seconds(result, name) if name in keepers else 0.0
@@ -179,7 +180,7 @@ def _cost_plot(qid: str, data: dict[str, Any], answered_by: Mapping[str, float])
             label=f"teacher: escalated {data['escalation_rate']:.0%}")
     for row, value in ((0, teacher_ms), (1, data["cascade_seconds"] * 1e3)):
         ax.text(value, row, f" {value:.1f} ms", va="center", fontsize=9)
-    ax.set_xlim(0, teacher_ms * 1.35)
+    ax.set_xlim(0, max(teacher_ms, data["cascade_seconds"] * 1e3, 1e-3) * 1.35)
     ax.set(xlabel="milliseconds per decision on this machine",
            title=f"{qid}: cost per decision, {data['ratio']:.1%} of the teacher's")
     ax.legend(loc="upper right", fontsize=8)

@@ -1,7 +1,7 @@
 """The torch side of fine-tuning: the student network, its batches, loss and loops.
 
-Imported only by ``distill.finetune`` once torch is known to be there, so that nothing else in
-the package needs torch (an optional extra) to import.
+Imported only once torch is known to be there (by ``distill.finetune`` and the ONNX export), so
+that nothing else in the package needs torch (an optional extra) to import.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tqdm import tqdm
 from transformers import BertConfig, BertModel
 
 from cascade.encoder import load_tokenizer
-from distill.finetune import Targets, float_minilm
+from distill.finetune_base import Targets, float_minilm
 
 Wanted = dict[str, tuple[torch.Tensor, torch.Tensor]]
 """question id -> (which rows of the batch it labels, the teacher's probabilities of those rows)."""

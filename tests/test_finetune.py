@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,11 +27,13 @@ pytest.importorskip("transformers")
 from corpora import HEADED, QUESTIONS, copy_bundle, corpus_items, train
 
 from cascade.bundle import Bundle, BundleError, BundleFile
-from cascade.encoder import Encoder, default_encoder_files
+from cascade.encoder import EmbeddingCache, Encoder, default_encoder_files
 from cascade.router import Cascade
+from cascade.tierkinds import RouterError
 from cascade.tiers import Item
 from distill.calibration.run import calibrate_bundle
-from distill.finetune import FinetuneConfig, FinetuneError, Targets, finetune_body
+from distill.finetune import FinetuneConfig, finetune_body
+from distill.finetune_base import FinetuneError, Targets
 from distill.onnx_export import PARITY_MIN_COSINE, export_int8
 from distill.store import LabelStore
 
@@ -77,6 +80,76 @@ def test_a_fine_tuned_bundle_pins_its_encoder_and_routes_from_anywhere(
     for response in responses:
         for answer in response.answers.values():
             assert sum(answer.probabilities.values()) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def calibrated_tuned(tuned_bundle: Bundle, labelled: tuple[Path, Path],
+                     tmp_path_factory: pytest.TempPathFactory) -> tuple[Bundle, dict[str, Any]]:
+    """A calibrated copy of the fine-tuned bundle, and the labels that replay its teacher."""
+    copy = copy_bundle(tuned_bundle, tmp_path_factory.mktemp("calibrated") / "bundle")
+    with LabelStore.open_existing(labelled[1]) as store:
+        calibrate_bundle(copy, labelled[0], store, target=0.9, delta=0.1, progress=False)
+        labels = {qid: store.labels(qid) for qid in HEADED}
+    return Bundle.load(copy.directory), labels
+
+
+def test_a_fine_tuned_export_gives_a_text_the_same_vector_alone_and_in_any_batch(
+    tuned_bundle: Bundle,
+) -> None:
+    """Tolerance 0, as for the shipped encoder (test_encoder.py). The export's dynamic int8
+    scales activations over a whole call, so the same model run in batches moves vectors: the
+    second half shows that this test would catch an encoder that batched it."""
+    tier = tuned_bundle.manifest.encoder_tier
+    assert tier is not None
+    texts = [item.text for item in corpus_items()[:24]]
+    tuned = Encoder(tier.files(tuned_bundle.directory), batch_size=8, threads=1)
+    assert tuned.texts_alone
+    alone = np.stack([tuned.encode([text])[0] for text in texts])
+    np.testing.assert_array_equal(tuned.encode(texts), alone)
+    np.testing.assert_array_equal(tuned.encode([*reversed(texts), *texts])[len(texts):], alone)
+    batched = tuned._encode_batch(tuned._tokenize(texts))  # the same model, one call for all
+    assert float(np.abs(batched - alone).max()) > 1e-3
+
+
+def test_vectors_of_a_model_run_texts_alone_are_cached_apart(tuned_bundle: Bundle, tmp_path: Path) -> None:
+    """Caches written before held vectors computed in batches: they are never read back."""
+    tier = tuned_bundle.manifest.encoder_tier
+    assert tier is not None
+    tuned = Encoder(tier.files(tuned_bundle.directory), threads=1)
+    assert EmbeddingCache(tmp_path, tuned).path.name.endswith("-alone.sqlite")
+    assert not EmbeddingCache(tmp_path, Encoder(threads=1)).path.name.endswith("-alone.sqlite")
+
+
+def test_a_fine_tuned_bundle_routes_a_state_alike_alone_and_in_a_batch(
+    calibrated_tuned: tuple[Bundle, dict[str, Any]],
+) -> None:
+    bundle, labels = calibrated_tuned
+    items = [Item(item.id, item.text) for item in corpus_items()[:24]]
+    with Cascade.load(bundle.directory, labels=labels) as cascade:
+        batched = cascade.decide_batch(items, questions=list(HEADED))
+        alone = [cascade.decide_batch([item], questions=list(HEADED))[0] for item in items]
+    routes = [[(qid, a.routing.tier, a.routing.raw_score) for qid, a in r.answers.items() if a.routing]
+              for r in (*batched, *alone)]
+    assert routes[: len(items)] == routes[len(items):]
+    assert any(tier == "encoder" for route in routes for _, tier, _ in route)
+
+
+def test_a_bundle_calibrated_on_batch_dependent_vectors_is_refused_until_calibrated_again(
+    calibrated_tuned: tuple[Bundle, dict[str, Any]], labelled: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A schema-2 bundle with a fine-tuned int8 encoder was calibrated on batched vectors."""
+    bundle, labels = calibrated_tuned
+    old = copy_bundle(bundle, tmp_path / "old")
+    manifest = json.loads((old.directory / "manifest.json").read_text())
+    (old.directory / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 2}))
+    with pytest.raises(RouterError, match=r"schema 2\) was calibrated on vectors of encoder.onnx that "
+                       r"depended on their batch .* run `cascade calibrate` on the bundle again"):
+        Cascade.load(old.directory, labels=labels)
+    with LabelStore.open_existing(labelled[1]) as store:
+        calibrate_bundle(Bundle.load(old.directory), labelled[0], store, target=0.9, delta=0.1,
+                         progress=False)
+    with Cascade.load(old.directory, labels=labels) as cascade:
+        assert cascade.manifest.schema_version == 3
 
 
 def test_the_fine_tuned_encoder_is_not_the_frozen_one(tuned_bundle: Bundle, encoder: Encoder) -> None:

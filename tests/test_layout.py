@@ -24,7 +24,8 @@ def _imported(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
+            names.add(node.module)  # and each name as a submodule: ``from distill import student``
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -50,3 +51,34 @@ def test_no_module_is_longer_than_about_500_lines() -> None:
     lengths = {str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
                for package in ("cascade", "distill") for path in _modules(package)}
     assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _import_cycles() -> list[list[str]]:
+    """Cycles of the graph "module imports module" over the project's modules, lazy imports too:
+    a lazy import still ties the two modules into one that neither can be read without."""
+    paths = {_module_name(path): path for package in ("cascade", "distill") for path in _modules(package)}
+    graph = {name: sorted(_imported(path) & set(paths) - {name}) for name, path in paths.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in graph[name]:
+            if state.get(other) == 1:
+                cycles.append([*path[path.index(other):], other])
+            elif other not in state:
+                visit(other, [*path, other])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_no_two_modules_import_each_other() -> None:
+    assert _import_cycles() == []

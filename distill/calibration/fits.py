@@ -69,7 +69,7 @@ def fit_all(
         for qid in questions:
             below = fits.get(qid, {})
             reach = None if escalation_fraction is None else {
-                item for item in labels[qid] if not any(_keeps(below.get(t), item) for t in tiers[:k])}
+                item for item in labels[qid] if not any(keeps(below.get(t), item) for t in tiers[:k])}
             outcome = _calibrate(qid, tier, by_question.get(qid), labels[qid], target, delta,
                                  escalation_fraction, reach)
             if isinstance(outcome, Skipped):
@@ -230,7 +230,7 @@ def replay(qid: str, tiers: list[str], fits: Mapping[str, Fit], teacher: str) ->
     answered = dict.fromkeys([*tiers, teacher], 0)
     wrong = 0
     for item in ids:
-        keeper = next((name for name in tiers if _keeps(fits.get(name), item)), teacher)
+        keeper = next((name for name in tiers if keeps(fits.get(name), item)), teacher)
         answered[keeper] += 1
         if keeper != teacher:
             wrong += not fits[keeper].scores[item][1]
@@ -239,7 +239,8 @@ def replay(qid: str, tiers: list[str], fits: Mapping[str, Fit], teacher: str) ->
                          agreement=1 - wrong / n)
 
 
-def _keeps(fit: Fit | None, item: str) -> bool:
+def keeps(fit: Fit | None, item: str) -> bool:
+    """Whether ``fit``'s tier keeps its answer about threshold-part ``item`` (no fit: never)."""
     if fit is None or fit.result.threshold is None or item not in fit.scores:
         return False
     return fit.scores[item][0] >= fit.result.threshold

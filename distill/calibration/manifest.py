@@ -33,7 +33,7 @@ def calibration_section(result: CalibrationResult) -> CalibrationSection:
         costs={cost.tier: MeasuredCost(seconds_per_state=cost.seconds_per_state,
                                        seconds_per_token=cost.seconds_per_token)
                for cost in [*result.costs.values(), *filter(None, [result.teacher_cost])]},
-        flops_per_second=result.flops_per_second,
+        flops_per_second=result.flops_per_second, payoffs=result.payoffs,
     )
 
 
@@ -41,7 +41,9 @@ def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
     """The manifest with the new thresholds, temperatures and facts, validated again.
 
     A run rewrites every (question, cheap tier) threshold, so all of them are then on
-    ``CERTIFIED_SCORE`` (schema 2), whatever score an older bundle's were on.
+    ``CERTIFIED_SCORE`` (schema 2), whatever score an older bundle's were on, and certify the
+    encoder's vectors of each text alone (schema 3). A tier taken out of the cascade (it cost
+    more than it saved) keeps its facts for the record, and empty thresholds.
     """
     thresholds = {qid: dict(row) for qid, row in manifest.thresholds.items()}
     temperatures = {qid: dict(row) for qid, row in manifest.temperatures.items()}
@@ -49,7 +51,8 @@ def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
         thresholds.setdefault(skip.question, {})[skip.tier] = None
         temperatures.setdefault(skip.question, {})[skip.tier] = 1.0
     for fit in result.calibrations:
-        thresholds.setdefault(fit.question, {})[fit.tier] = fit.threshold
+        kept = fit.tier not in result.dropped()
+        thresholds.setdefault(fit.question, {})[fit.tier] = fit.threshold if kept else None
         temperatures.setdefault(fit.question, {})[fit.tier] = fit.temperature
     data = manifest.model_dump() | {"schema_version": SCHEMA_VERSION, "threshold_on": CERTIFIED_SCORE,
                                     "thresholds": thresholds, "temperatures": temperatures,

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from cascade.sections import QuestionFacts
+from cascade.sections import QuestionFacts, TierPayoff
 
 FACTS = tuple(QuestionFacts.model_fields)
 """The fields of a QuestionTier that go into the manifest (the figures stay in the report)."""
@@ -113,6 +113,11 @@ class CalibrationResult(BaseModel):
     unlabelled_items: int = 0
     teacher_cost: TierCost | None = None
     teacher_cost_note: str = ""
+    payoffs: dict[str, TierPayoff] = {}
+
+    def dropped(self) -> set[str]:
+        """Cheap tiers taken out of the cascade because they cost more than they saved."""
+        return {tier for tier, payoff in self.payoffs.items() if not payoff.kept}
 
     @property
     def mode(self) -> Literal["agreement", "budget"]:

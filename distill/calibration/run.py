@@ -38,10 +38,14 @@ so that the router's cost model and the report price it from seconds measured on
 rather than from its weights on the roofline; a teacher known only by its labels cannot be, and
 the result says why (``teacher_cost_note``).
 
+A middle tier must also pay its way: what it costs on the calibration states that reach it
+against the top tier's work it saves there (``payoff``). One that costs more is taken out of the
+cascade unless the caller keeps it, which only sends more to the teacher.
+
 This module ties the steps together; each lives in its own module of this package: ``inputs``
 (labels and items), ``scoring`` (running and timing a tier), ``fits`` (per question and tier,
-and the replay), ``manifest`` (what is written back), ``maths`` (the statistics) and
-``results`` (what the run returns).
+and the replay), ``payoff`` (whether a middle tier pays), ``manifest`` (what is written back),
+``maths`` (the statistics) and ``results`` (what the run returns).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from cascade.corpus import BadLine, OnError
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import Encoder
 from cascade.placement import Placements
+from cascade.pricing import TierCost as PriceCost
+from cascade.pricing import TierPricing
 from cascade.readout import Scorer
 from cascade.tierkinds import Build, RouterError, build_tiers, close_tiers, kind_of
 from cascade.tiers import Item, Tier
@@ -62,6 +68,7 @@ from distill.calibration.fits import TEMPERATURE_SHARE, fit_all, replay
 from distill.calibration.inputs import Labels, calibration_items, calibration_labels, check_teacher
 from distill.calibration.manifest import updated_manifest
 from distill.calibration.maths import CalibrationError
+from distill.calibration.payoff import tier_payoffs
 from distill.calibration.results import CalibrationResult, TierCost
 from distill.calibration.scoring import score_tier
 from distill.store import LabelStore
@@ -90,6 +97,7 @@ def calibrate_bundle(
     on_error: OnError = "stop",
     on_bad: Callable[[BadLine], None] | None = None,
     teacher_items: int = TEACHER_ITEMS,
+    keep_costly_tiers: bool = False,
 ) -> CalibrationResult:
     """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
 
@@ -106,6 +114,8 @@ def calibrate_bundle(
     which certifies nothing. A bad corpus line stops the run, or with ``on_error="skip"`` goes
     to ``on_bad``, as ``read_corpus`` does (a calibration item on it is then reported missing).
     ``teacher_items`` calibration items time a GGUF teacher (0: price it on the roofline).
+    A middle tier that costs more than it saves the top tier is taken out of the cascade
+    (``distill.calibration.payoff``), unless ``keep_costly_tiers``.
     """
     _check_arguments(target, delta, escalation_fraction, family_wise)
     if not isinstance(teacher_items, int) or isinstance(teacher_items, bool) or teacher_items < 0:
@@ -137,15 +147,19 @@ def calibrate_bundle(
     names, teacher = [spec.name for spec in cheap], manifest.tiers[-1].name
     fits, skipped = fit_all(names, [probs for probs, _ in scored], labels, list(questions),
                             tier_target, tier_delta, escalation_fraction)
+    flops = flops_per_second if flops_per_second is not None else measure_cpu_flops()
+    costs = {cost.tier: cost for _, cost in scored}
+    payoffs = tier_payoffs(names, fits, items, costs, _top_pricing(bundle, teacher_cost, flops),
+                           questions, keep_costly_tiers)
+    routed = [name for name in names if name not in payoffs or payoffs[name].kept]
     result = CalibrationResult(
         bundle=str(bundle.directory.resolve()), name=manifest.name, target=target, delta=delta,
         escalation_fraction=escalation_fraction, tier_target=tier_target, tier_delta=tier_delta,
         cheap_tiers=names, teacher_tier=teacher, items=len(items),
         temperature_share=TEMPERATURE_SHARE,
         calibrations=[fit.result for qid in questions for fit in fits.get(qid, {}).values()],
-        cascades={qid: replay(qid, names, by_tier, teacher) for qid, by_tier in fits.items()},
-        skipped=skipped, costs={cost.tier: cost for _, cost in scored},
-        flops_per_second=flops_per_second if flops_per_second is not None else measure_cpu_flops(),
+        cascades={qid: replay(qid, routed, by_tier, teacher) for qid, by_tier in fits.items()},
+        skipped=skipped, costs=costs, flops_per_second=flops, payoffs=payoffs,
         family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
         teacher_cost=teacher_cost, teacher_cost_note=teacher_note,
     )
@@ -191,6 +205,16 @@ def _time_teacher(bundle: Bundle, build: Build, items: list[Item], labels: Label
     finally:
         close_tiers([tier])
     return cost, f"measured on {cost.states} calibration states on this machine"
+
+
+def _top_pricing(bundle: Bundle, measured: TierCost | None, flops_per_second: float) -> TierPricing:
+    """The top tier priced as a replay of its labels prices it (no model loads): from the seconds
+    measured here, else from its weights on the roofline."""
+    top = bundle.manifest.tiers[-1]
+    [tier] = build_tiers(bundle, Build(labels={}), [top])
+    if measured is not None:
+        return tier.pricing(PriceCost(measured.seconds_per_state, measured.seconds_per_token))
+    return tier.pricing(PriceCost(0.0, tier.flops_per_token() / flops_per_second, "roofline"))
 
 
 def _open(bundle: Bundle, build: Build) -> list[Tier]:

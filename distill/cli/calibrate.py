@@ -36,7 +36,10 @@ threshold stays empty (the tier keeps nothing) and the table says what is reacha
 --escalation-fraction, each cheap tier instead escalates that share of the items that reach it
 (with m cheap tiers the teacher answers about F^m of them) and the agreement that follows is
 reported. Also measures each tier's cost on this machine, the teacher's too where the bundle
-pins its GGUF (--teacher-items), and writes report.html (self-contained) and report.json."""
+pins its GGUF (--teacher-items). A middle tier (a GGUF between the encoder and the teacher)
+that costs more on the calibration items than it saves the teacher is taken out of the cascade,
+with the figures printed (--keep-costly-tiers keeps it). Writes report.html (self-contained) and
+report.json."""
 EPILOG = """\
 example:
   cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
@@ -56,6 +59,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             escalation_fraction=args.escalation_fraction, text_field=args.text_field,
             placement=placement_of(args), family_wise=args.family_wise, on_error=args.on_error,
             on_bad=report_skipped, teacher_items=args.teacher_items,
+            keep_costly_tiers=args.keep_costly_tiers,
         )
     path = write_report(result, Bundle.load(args.bundle), args.report)
     _print_table(result)
@@ -87,6 +91,8 @@ def _print_table(result: CalibrationResult) -> None:
         print(f"{skip.question} / {skip.tier}: {skip.reason}")
     if result.escalation_fraction is None:
         print(_scope(result))
+    for tier, payoff in result.payoffs.items():
+        print(f"tier {tier}: {payoff.reason}")
     print(f"teacher cost: {result.teacher_cost_note}")
     if result.unlabelled_items:
         print(f"{result.unlabelled_items} corpus items of the calibration part have no teacher label "
@@ -135,6 +141,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "that budgets and the report price it as measured here (default "
                    f"{TEACHER_ITEMS}; 0: price it from its weights on the roofline). A teacher known "
                    "by its labels only is always priced on the roofline")
+    p.add_argument("--keep-costly-tiers", action="store_true",
+                   help="keep a middle tier that costs more than it saves the top tier on the "
+                   "calibration items (by default it is taken out: empty thresholds, never loaded; "
+                   "the figures are printed either way)")
     add_on_error_argument(p)
     add_placement_arguments(p)
     p.set_defaults(run=_cmd_calibrate)

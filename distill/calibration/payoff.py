@@ -1,0 +1,88 @@
+"""Whether each cheap tier above the first pays its way: its cost against the top tier's work it saves.
+
+A middle tier (a small GGUF between the encoder and the teacher) reads every state that reaches
+it and saves the teacher only what it keeps. On the calibration items (the threshold part, as
+the replay), with the new thresholds: a state reaches tier M when a tier below it escalates one
+of its labelled questions; M then costs its measured seconds per state, and saves the top tier
+the questions it keeps: the question blocks of those, and the whole state (its prompt prefill)
+when it keeps every question that reached it. The top tier is priced as the router prices it
+(measured seconds where calibration timed it, else its weights on the roofline), with tokens
+estimated from the characters (``cascade.tiers.LabelsTier``), so that the figures compare with
+what ``cascade evaluate`` and the demo predict. Savings count the top tier only: a state M
+escalates is answered afresh up there, so its work on that state is lost.
+
+A tier that costs more than it saves is taken out of the cascade (unless the caller keeps it):
+its thresholds become empty and the router does not load it. Taking a tier out only sends more
+answers to the teacher, so the certificate still holds; the other tiers keep the thresholds
+certified at their share of the error budget, which the dropped tier's share no longer spends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from cascade.pricing import TierPricing
+from cascade.prompts import render_state
+from cascade.questions import Question
+from cascade.sections import TierPayoff
+from cascade.tiers import Item
+from distill.calibration.fits import Fit, keeps
+from distill.calibration.results import TierCost
+
+Fits = Mapping[str, Mapping[str, Fit]]
+"""question id -> tier -> fit, as ``fit_all`` returns them."""
+
+
+def tier_payoffs(tiers: Sequence[str], fits: Fits, items: Sequence[Item], costs: Mapping[str, TierCost],
+                 top: TierPricing, questions: Mapping[str, Question], keep: bool) -> dict[str, TierPayoff]:
+    """The payoff of every cheap tier after the first, cheapest first; a tier taken out is absent
+    from the tiers below the next one. ``keep``: record the figures but take nothing out."""
+    texts = {item.id: render_state(item.state) for item in items}
+    payoffs: dict[str, TierPayoff] = {}
+    for k, tier in enumerate(tiers[1:], start=1):
+        below = [name for name in tiers[:k] if payoffs.get(name) is None or payoffs[name].kept]
+        payoffs[tier] = _payoff(tier, below, fits, texts, costs[tier], top, questions, keep)
+    return payoffs
+
+
+def _payoff(tier: str, below: list[str], fits: Fits, texts: Mapping[str, str], cost: TierCost,
+            top: TierPricing, questions: Mapping[str, Question], keep: bool) -> TierPayoff:
+    per_state = cost.seconds / max(cost.states, 1)
+    reached = resolved = 0
+    saved = 0.0
+    for item, labelled in _labelled(fits).items():
+        reach = [q for q in labelled if not any(keeps(fits[q].get(t), item) for t in below)]
+        if not reach:
+            continue
+        escalated = [q for q in reach if not keeps(fits[q].get(tier), item)]
+        reached += 1
+        resolved += not escalated
+        saved += _top_seconds(top, texts[item], reach, questions) - _top_seconds(
+            top, texts[item], escalated, questions)
+    spent = reached * per_state
+    pays = saved > spent
+    words = (f"on {reached} calibration states that reached it, it costs {spent:.3g} s and saves the "
+             f"top tier {saved:.3g} s (it answered every question of {resolved} of them)")
+    reason = (f"kept: {words}" if pays else
+              f"kept as asked, though it costs more than it saves: {words}" if keep else
+              f"taken out of the cascade: {words}; keep it with --keep-costly-tiers")
+    return TierPayoff(states_reached=reached, states_resolved=resolved, seconds_cost=spent,
+                      seconds_saved=saved, scored_states=cost.states, kept=pays or keep, reason=reason)
+
+
+def _labelled(fits: Fits) -> dict[str, list[str]]:
+    """Threshold-part item -> the questions calibrated on it, in the bundle's order."""
+    out: dict[str, list[str]] = {}
+    for qid, by_tier in fits.items():
+        for item in set().union(*(fit.scores for fit in by_tier.values())):
+            out.setdefault(item, []).append(qid)
+    return out
+
+
+def _top_seconds(top: TierPricing, text: str, qids: Sequence[str],
+                 questions: Mapping[str, Question]) -> float:
+    """Predicted seconds of the top tier answering ``qids`` about one state (0 for none)."""
+    if not qids:
+        return 0.0
+    tokens = top.prompt_tokens(text) + sum(top.suffix_tokens(q, questions[q]) for q in qids)
+    return top.cost.seconds_per_state + tokens * top.cost.seconds_per_token

@@ -1,0 +1,68 @@
+"""Whether a middle tier pays its way (distill.calibration.payoff), on fits made by hand so that
+every figure can be worked out on paper."""
+
+from __future__ import annotations
+
+import pytest
+
+from cascade.pricing import TierCost as PriceCost
+from cascade.pricing import TierPricing, estimate_tokens
+from cascade.questions import NoulQuestion
+from cascade.tiers import Item
+from distill.calibration.fits import Fit
+from distill.calibration.payoff import tier_payoffs
+from distill.calibration.results import QuestionTier, TierCost
+
+QUESTIONS = {"q1": NoulQuestion(type="noul", instructions="First?"),
+             "q2": NoulQuestion(type="noul", instructions="Second?")}
+ITEMS = [Item(name, f"state {name}") for name in "abc"]
+
+
+def fit(kept: str) -> Fit:
+    """A fit with threshold 0.5 that keeps the answers about the items named in ``kept``."""
+    scores = {item.id: (0.9 if item.id in kept else 0.1, True) for item in ITEMS}
+    return Fit(result=QuestionTier.model_construct(threshold=0.5), scores=scores)
+
+
+# a: the encoder keeps both questions; b: it keeps q1, and the middle tier q2 (b never reaches
+# the teacher); c: the encoder keeps nothing, the middle tier q1 (c still reaches the teacher).
+FITS = {"q1": {"encoder": fit("ab"), "middle": fit("c")},
+        "q2": {"encoder": fit("a"), "middle": fit("b")}}
+MIDDLE = TierCost(tier="middle", kind="gguf", states=3, tokens=30, seconds=3.0, batches=3,
+                  seconds_per_state=1.0, seconds_per_token=0.0)
+
+
+def top(seconds_per_state: float) -> TierPricing:
+    return TierPricing(PriceCost(seconds_per_state, 0.0), estimate_tokens, fanout=True)
+
+
+@pytest.mark.parametrize(("top_seconds", "kept"), [(10.0, True), (1.5, False)])
+def test_a_middle_tier_is_kept_only_where_the_top_tier_work_it_saves_exceeds_its_cost(
+    top_seconds: float, kept: bool
+) -> None:
+    payoffs = tier_payoffs(["encoder", "middle"], FITS, ITEMS, {"middle": MIDDLE}, top(top_seconds),
+                           QUESTIONS, keep=False)
+    payoff = payoffs["middle"]
+    # b and c reach it, 1 s each; only b is answered whole, saving the teacher's state of b; c
+    # still goes up, so keeping its q1 saves only q1's block (0 s at 0 s per token)
+    assert (payoff.states_reached, payoff.states_resolved) == (2, 1)
+    assert (payoff.seconds_cost, payoff.seconds_saved) == (2.0, top_seconds)
+    assert payoff.kept is kept
+    assert payoff.reason.startswith("kept: " if kept else "taken out of the cascade: ")
+    assert "2 calibration states that reached it" in payoff.reason
+
+
+def test_the_block_of_each_question_kept_counts_where_the_state_still_escalates() -> None:
+    per_token = TierPricing(PriceCost(0.0, 1.0), estimate_tokens, fanout=True)
+    payoff = tier_payoffs(["encoder", "middle"], FITS, ITEMS, {"middle": MIDDLE}, per_token, QUESTIONS,
+                          keep=False)["middle"]
+    prompt = per_token.prompt_tokens("state b")
+    block = {qid: per_token.suffix_tokens(qid, question) for qid, question in QUESTIONS.items()}
+    assert payoff.seconds_saved == pytest.approx(prompt + block["q2"] + block["q1"])
+
+
+def test_only_tiers_above_the_first_are_judged_and_kept_when_asked() -> None:
+    payoffs = tier_payoffs(["encoder", "middle"], FITS, ITEMS, {"middle": MIDDLE}, top(0.1), QUESTIONS,
+                           keep=True)
+    assert set(payoffs) == {"middle"}
+    assert payoffs["middle"].kept and payoffs["middle"].reason.startswith("kept as asked")
