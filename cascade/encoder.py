@@ -11,8 +11,8 @@ numbers calibration computed. Float activations (the shipped MiniLM keeps its in
 computes in float) meet that in any batch, bit for bit. Dynamic int8 quantization (the fine-tuned
 export's) does not: it scales each activation tensor by the range of the whole batch, padding
 included, which moved vectors by up to 0.03 per coordinate between batches of 1 and 8. Such a
-model is run one text at a time: 1.15x to 1.3x its time in batches of 8, still 1.5x to 2.2x
-faster than the float model (bench/encoder_quant.py).
+model runs one text per call, on one thread per call and as many calls at once as threads:
+as fast as it ran in batches of 8, and twice as fast as the float model (bench/encoder_quant.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import mmap
+import os
 import sqlite3
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +111,9 @@ class Encoder:
     ``batch_size`` 8 by default: on CPU, batches of 8 length-sorted texts ran 1.56x faster than 32
     and peaked at 307 MiB instead of 557 (bench/encoder_batch.py); a GPU may want more. A model
     that quantizes activations per call runs one text per call whatever ``batch_size`` says
-    (``texts_alone``), so that its vectors do not depend on their batch either.
+    (``texts_alone``), so that its vectors do not depend on their batch either: ``threads``
+    single-threaded calls at once (default: one per core), which measured faster than one call
+    on all threads and gives the same vectors bit for bit.
     """
 
     def __init__(
@@ -131,8 +135,10 @@ class Encoder:
         self.batch_size = batch_size
         self.name = self.files.name or self.files.model.stem
         self._tokenizer, self._pad_id, self._pad_token = load_tokenizer(self.files.tokenizer, max_length)
-        self._session = _load_session(self.files.model, providers, threads)
         self.texts_alone = quantizes_per_call(self.files.model)
+        self._session = _load_session(self.files.model, providers, 1 if self.texts_alone else threads)
+        self._calls = max(1, threads or os.cpu_count() or 1) if self.texts_alone else 1
+        self._pool: ThreadPoolExecutor | None = None
         self._inputs = _check_inputs(self._session, self.files.model)
         self.dim = _hidden_size(self._session, self.files.model)
         self.provider: str = self._session.get_providers()[0]
@@ -167,10 +173,25 @@ class Encoder:
         text in a call of its own.
         """
         encodings = self._tokenize(texts)
+        if self.texts_alone:
+            return self._encode_alone(encodings)
         order = sorted(range(len(encodings)), key=lambda row: len(encodings[row].ids))
         out = np.empty((len(encodings), self.dim), dtype=np.float32)
-        for rows in _chunks(order, 1 if self.texts_alone else self.batch_size):
+        for rows in _chunks(order, self.batch_size):
             out[rows] = self._encode_batch([encodings[row] for row in rows])
+        return out
+
+    def _encode_alone(self, encodings: list[Encoding]) -> np.ndarray:
+        """Each text in a call of its own, ``_calls`` at once (ONNX Runtime releases the GIL)."""
+        out = np.empty((len(encodings), self.dim), dtype=np.float32)
+        if self._calls > 1 and len(encodings) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._calls, thread_name_prefix="encoder")
+            vectors = self._pool.map(lambda encoding: self._encode_batch([encoding])[0], encodings)
+        else:
+            vectors = (self._encode_batch([encoding])[0] for encoding in encodings)
+        for row, vector in enumerate(vectors):
+            out[row] = vector
         return out
 
     def _tokenize(self, texts: Sequence[str]) -> list[Encoding]:

@@ -103,10 +103,11 @@ def test_a_fine_tuned_export_gives_a_text_the_same_vector_alone_and_in_any_batch
     assert tier is not None
     texts = [item.text for item in corpus_items()[:24]]
     tuned = Encoder(tier.files(tuned_bundle.directory), batch_size=8, threads=1)
-    assert tuned.texts_alone
+    side_by_side = Encoder(tier.files(tuned_bundle.directory), batch_size=8, threads=2)
+    assert tuned.texts_alone and side_by_side.texts_alone
     alone = np.stack([tuned.encode([text])[0] for text in texts])
     np.testing.assert_array_equal(tuned.encode(texts), alone)
-    np.testing.assert_array_equal(tuned.encode([*reversed(texts), *texts])[len(texts):], alone)
+    np.testing.assert_array_equal(side_by_side.encode([*reversed(texts), *texts])[len(texts):], alone)
     batched = tuned._encode_batch(tuned._tokenize(texts))  # the same model, one call for all
     assert float(np.abs(batched - alone).max()) > 1e-3
 
