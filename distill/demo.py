@@ -8,10 +8,12 @@ calibrated for a target agreement, a calibration report, and the evaluation item
 through the cascade. Every figure printed is measured; what is a stand-in (the teacher) is said
 so in the output, because a demo that hides it would teach the wrong numbers.
 
-The slow step is gemma: it scores every calibration item and every question the encoder
-escalates at evaluation. Both counts are set by the split (``gemma_items``, ``eval_items``),
-which is how the demo stays within minutes on two cores. A re-run reuses the label store, the
-embedding cache and, when nothing it depends on changed, the calibrated bundle.
+The slow step is gemma: it scores every calibration item, and then every question the encoder
+escalates at evaluation unless calibration found it costs more than it saves the teacher and
+took it out (on the default corpus it does, and says so). The counts are set by the split
+(``gemma_items``, ``eval_items``), which is how the demo stays within minutes on two cores. A
+re-run reuses the label store, the embedding cache and, when nothing it depends on changed, the
+calibrated bundle.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import GENERATOR_VERSION, generate, write_corpus, write_labels, write_questions
 from distill.train import middle_tier, train_bundle
 
-DEMO_VERSION = "demo-v2"
+DEMO_VERSION = "demo-v3"
 """Part of the reuse fingerprint: a change to how the demo builds its bundle invalidates reuse."""
 DEFAULT_WORKDIR = Path("runs/demo")
 DEFAULT_ITEMS = 2000
