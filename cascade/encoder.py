@@ -12,7 +12,7 @@ computes in float) meet that in any batch, bit for bit. Dynamic int8 quantizatio
 export's) does not: it scales each activation tensor by the range of the whole batch, padding
 included, which moved vectors by up to 0.03 per coordinate between batches of 1 and 8. Such a
 model runs one text per call, on one thread per call and as many calls at once as threads:
-as fast as it ran in batches of 8, and twice as fast as the float model (bench/encoder_quant.py).
+0.80x its time in batches of 8, and 0.42x the float model's (bench/encoder_quant.py).
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def quantizes_per_call(path: Path) -> bool:
     plain text, so the test cannot miss such an operator (a node merely named like one would
     make it run texts alone: slower, never wrong).
     """
+    if not Path(path).is_file():
+        raise ModelError(f"encoder model file not found: {path}")
     try:
         with Path(path).open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return data.find(_PER_CALL_QUANTIZATION) >= 0

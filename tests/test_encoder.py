@@ -103,8 +103,11 @@ def test_only_a_model_with_per_call_quantization_runs_texts_alone(tmp_path: Path
     named = tmp_path / "model.onnx"
     named.write_bytes(b"\x08\x07" + b"DynamicQuantizeLinear" + b"\x00" * 8)
     assert quantizes_per_call(named)
-    with pytest.raises(ModelError, match="cannot read encoder model"):
+    with pytest.raises(ModelError, match="encoder model file not found"):
         quantizes_per_call(tmp_path / "absent.onnx")
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    with pytest.raises(ModelError, match=r"cannot read encoder model .*empty\.onnx"):
+        quantizes_per_call(tmp_path / "empty.onnx")
 
 
 def test_missing_model_file_is_named(tmp_path: Path) -> None:
