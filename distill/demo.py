@@ -272,10 +272,10 @@ def _evaluate(run: _Run) -> Evaluation:
     bundle = Bundle.load(run.bundle_dir, verify=False)
     items = len(bundle.split_ids()["evaluation"])
     dropped = bundle.manifest.calibration.dropped()
-    middle = (f"({', '.join(sorted(dropped))} taken out at calibration)" if dropped else
-              "the GGUF tier what it escalates,")
+    middle = (f" ({', '.join(sorted(dropped))} taken out at calibration)," if dropped else
+              ", the GGUF tier what it escalates,")
     run.say(f"[7/7] routing the {items} evaluation items through the cascade: the encoder answers "
-            f"what it is sure of, {middle} the teacher's recorded labels the rest")
+            f"what it is sure of{middle} the teacher's recorded labels the rest")
     config = run.config
     place = Placement(gpu_layers=config.gpu_layers, threads=config.threads,
                       extra_buffers=config.extra_buffers)
