@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -104,50 +105,60 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         float_path = Path(work) / "float.onnx"
         _export_float(minilm_body(), float_path)
-        makers: dict[str, Make | None] = {"dynamic": _dynamic, "static": _static, "nbits": _nbits}
+        makers: dict[str, Make] = {"dynamic": _dynamic, "static": _static, "nbits": _nbits}
         if importlib.util.find_spec("onnx_ir") is None:
             print("int8 weights (MatMulNBits): not measured, its quantizer needs `pip install onnx_ir`")
             makers.pop("nbits")
         paths = {"float": float_path}
         for name, make in makers.items():
-            assert make is not None
             paths[name] = Path(work) / f"{name}.onnx"
             make(float_path, paths[name], calibration)
         encoders = {name: Encoder(EncoderFiles(path, tokenizer), threads=args.threads)
                     for name, path in paths.items()}
-        encoders["batched"] = _all_threads(Encoder(EncoderFiles(paths["dynamic"], tokenizer)), args.threads)
-        ways: dict[str, Callable[[], np.ndarray]] = {
-            "float": lambda: encoders["float"].encode(texts),
-            "dynamic int8, batches of 8 (until now)": lambda: _batched(encoders["batched"], texts, 8),
-            "dynamic int8, one text a call (now)": lambda: encoders["dynamic"].encode(texts),
-            "static int8 (QDQ)": lambda: encoders["static"].encode(texts),
+        batched = _all_threads(Encoder(EncoderFiles(paths["dynamic"], tokenizer)), args.threads)
+        ways = {
+            "float": Way(encoders["float"], served=True),
+            BASELINE: Way(batched, served=False),
+            "dynamic int8, one text a call (now)": Way(encoders["dynamic"], served=True),
+            "static int8 (QDQ)": Way(encoders["static"], served=True),
         }
         if "nbits" in encoders:
-            ways["int8 weights (MatMulNBits), int8 per row"] = lambda: encoders["nbits"].encode(texts)
-        _report(ways, encoders, texts, args.rounds)
+            ways["int8 weights (MatMulNBits), int8 per row"] = Way(encoders["nbits"], served=True)
+        _report(ways, texts, args.rounds)
 
 
-def _report(ways: dict[str, Callable[[], np.ndarray]], encoders: dict[str, Encoder], texts: list[str],
-            rounds: int) -> None:
+BASELINE = "dynamic int8, batches of 8 (until now)"
+
+
+@dataclass(frozen=True)
+class Way:
+    """An encoder, and whether it runs as ``Encoder.encode`` serves it (else batched by hand)."""
+
+    encoder: Encoder
+    served: bool
+
+    def run(self, texts: list[str], size: int = 8) -> np.ndarray:
+        """The vectors of ``texts`` in batches of ``size``."""
+        return _served(self.encoder, texts, size) if self.served else _batched(self.encoder, texts, size)
+
+
+def _report(ways: dict[str, Way], texts: list[str], rounds: int) -> None:
     seconds: dict[str, list[float]] = {name: [] for name in ways}
-    vectors = {name: way() for name, way in ways.items()}  # also the warm-up
+    vectors = {name: way.run(texts) for name, way in ways.items()}  # also the warm-up
     for _ in range(rounds):
         for name, way in ways.items():
             started = time.perf_counter()
-            way()
+            way.run(texts)
             seconds[name].append(time.perf_counter() - started)
     reference = vectors["float"]
-    baseline = statistics.median(seconds["dynamic int8, batches of 8 (until now)"])
+    baseline = statistics.median(seconds[BASELINE])
     print(f"{len(texts)} AG News texts, median of {rounds} interleaved rounds; batch diff: largest "
           "|coordinate| between a text alone and in batches of 8 and 32")
     print(f"{'way':44} {'ms/text':>8} {'x today':>8} {'batch diff':>11} {'cos min':>8} {'cos mean':>9}")
     for name, times in seconds.items():
-        model = encoders[_model_of(name)]
-        alone = np.stack([_batched(model, [text], 1)[0] for text in texts])
-        if "batches of 8" in name:
-            diff = max(float(np.abs(_batched(model, texts, size) - alone).max()) for size in (8, 32))
-        else:
-            diff = max(float(np.abs(_served(model, texts, size) - alone).max()) for size in (8, 32))
+        way = ways[name]
+        alone = np.stack([_batched(way.encoder, [text], 1)[0] for text in texts])
+        diff = max(float(np.abs(way.run(texts, size) - alone).max()) for size in (8, 32))
         cosine = np.sum(vectors[name] * reference, axis=1)
         median = statistics.median(times)
         print(f"{name:44} {1e3 * median / len(texts):8.2f} {median / baseline:8.2f} {diff:11.2e} "
@@ -161,14 +172,6 @@ def _served(model: Encoder, texts: list[str], size: int) -> np.ndarray:
         return model.encode(texts)
     finally:
         model.batch_size = 8
-
-
-def _model_of(way: str) -> str:
-    for key, word in (("batched", "batches of 8"), ("dynamic", "dynamic"), ("static", "static"),
-                      ("nbits", "MatMulNBits")):
-        if word in way:
-            return key
-    return "float"
 
 
 if __name__ == "__main__":

@@ -101,6 +101,11 @@ class TierPayoff(_Section):
     reason: str
 
 
+def dropped_tiers(payoffs: dict[str, TierPayoff]) -> set[str]:
+    """The tiers of ``payoffs`` calibration took out of the cascade: they cost more than they saved."""
+    return {tier for tier, payoff in payoffs.items() if not payoff.kept}
+
+
 class CalibrationSection(_Section):
     """The settings of the last calibration, its per-(question, tier) facts and the tier costs.
 
@@ -132,7 +137,7 @@ class CalibrationSection(_Section):
 
     def dropped(self) -> set[str]:
         """Cheap tiers calibration took out of the cascade: they cost more than they saved."""
-        return {tier for tier, payoff in self.payoffs.items() if not payoff.kept}
+        return dropped_tiers(self.payoffs)
 
     def facts(self, question: str, tier: str) -> QuestionFacts | None:
         """What calibration recorded for (question, tier); None where it recorded nothing."""

@@ -152,8 +152,8 @@ def _confusion(fit: QuestionTier, keys: list[str]) -> tuple[dict[str, Any], Figu
 def _cost_data(result: CalibrationResult, qid: str, teacher_seconds: float) -> dict[str, Any]:
     """Expected seconds per decision of the cascade for one question, against the teacher alone."""
     shares = result.cascades[qid].answered_by
-    keepers = {fit.tier for fit in result.calibrations if fit.question == qid and fit.threshold is not None
-               and fit.tier not in result.dropped()}
+    keepers = {fit.tier for fit in result.calibrations if fit.question == qid and fit.threshold is not None}
+    keepers -= result.dropped()
     reach, tiers = 1.0, {}
     for name in result.cheap_tiers:
         seconds = tier_seconds(result, name) if name in keepers else 0.0

@@ -50,9 +50,9 @@ def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
     for skip in result.skipped:
         thresholds.setdefault(skip.question, {})[skip.tier] = None
         temperatures.setdefault(skip.question, {})[skip.tier] = 1.0
+    dropped = result.dropped()
     for fit in result.calibrations:
-        kept = fit.tier not in result.dropped()
-        thresholds.setdefault(fit.question, {})[fit.tier] = fit.threshold if kept else None
+        thresholds.setdefault(fit.question, {})[fit.tier] = None if fit.tier in dropped else fit.threshold
         temperatures.setdefault(fit.question, {})[fit.tier] = fit.temperature
     data = manifest.model_dump() | {"schema_version": SCHEMA_VERSION, "threshold_on": CERTIFIED_SCORE,
                                     "thresholds": thresholds, "temperatures": temperatures,

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from cascade.sections import QuestionFacts, TierPayoff
+from cascade.sections import QuestionFacts, TierPayoff, dropped_tiers
 
 FACTS = tuple(QuestionFacts.model_fields)
 """The fields of a QuestionTier that go into the manifest (the figures stay in the report)."""
@@ -117,7 +117,7 @@ class CalibrationResult(BaseModel):
 
     def dropped(self) -> set[str]:
         """Cheap tiers taken out of the cascade because they cost more than they saved."""
-        return {tier for tier, payoff in self.payoffs.items() if not payoff.kept}
+        return dropped_tiers(self.payoffs)
 
     @property
     def mode(self) -> Literal["agreement", "budget"]:
