@@ -41,7 +41,7 @@ def state_of(scorer: Scorer, tokens: int) -> str:
 def time_path(scorer: Scorer, request: DecisionRequest, path: str) -> tuple[float, int]:
     started = time.process_time()
     response = scorer.score(request, path=path)  # type: ignore[arg-type]
-    return time.process_time() - started, response.usage.prompt_tokens
+    return time.process_time() - started, response.usage.input_tokens
 
 
 def path_flops(shape: ModelShape, path: str, tokens: int, n: int) -> float:

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from cascade.errors import ModelError
 from cascade.hashing import file_sha256
+from cascade.onnx_header import weight_precision
 
 T = TypeVar("T")
 Device = Literal["cpu", "cuda", "auto"]
@@ -98,11 +99,15 @@ def quantizes_per_call(path: Path) -> bool:
     plain text, so the test cannot miss such an operator (a node merely named like one would
     make it run texts alone: slower, never wrong).
     """
+    return _holds(path, (_PER_CALL_QUANTIZATION,))
+
+
+def _holds(path: Path, needles: Sequence[bytes]) -> bool:
     if not Path(path).is_file():
         raise ModelError(f"encoder model file not found: {path}")
     try:
         with Path(path).open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return data.find(_PER_CALL_QUANTIZATION) >= 0
+            return any(data.find(needle) >= 0 for needle in needles)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read encoder model {path}: {exc}") from exc
 
@@ -138,6 +143,7 @@ class Encoder:
         self.name = self.files.name or self.files.model.stem
         self._tokenizer, self._pad_id, self._pad_token = load_tokenizer(self.files.tokenizer, max_length)
         self.texts_alone = quantizes_per_call(self.files.model)
+        self.precision = weight_precision(self.files.model)
         self._session = _load_session(self.files.model, providers, 1 if self.texts_alone else threads)
         self._calls = max(1, threads or os.cpu_count() or 1) if self.texts_alone else 1
         self._pool: ThreadPoolExecutor | None = None
@@ -159,13 +165,15 @@ class Encoder:
         """Tokens each text costs after truncation, special tokens included."""
         return [len(encoding.ids) for encoding in self._tokenize(texts)]
 
-    def cuts(self, texts: Sequence[str]) -> list[str | None]:
-        """For each text, how the token limit shortened it (None: read whole), for its answers.
+    def cuts(self, texts: Sequence[str]) -> list[tuple[int, str | None]]:
+        """For each text, the tokens read and how the token limit shortened it (None: read
+        whole), for its answers' usage and routing.
 
         Tokenising again costs 0.8% of the encode it describes (bench/encoder_cuts.py).
         """
-        return [f"encoder read the first {self.max_length} tokens (max_length); the rest was cut"
-                if encoding.overflowing else None for encoding in self._tokenize(texts)]
+        return [(len(encoding.ids),
+                 f"encoder read the first {self.max_length} tokens (max_length); the rest was cut"
+                 if encoding.overflowing else None) for encoding in self._tokenize(texts)]
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Embed ``texts`` as rows of an (n, dim) float32 array, in input order.

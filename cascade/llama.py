@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import llama_cpp
 import numpy as np
 
@@ -81,6 +82,17 @@ class LlamaModel:
 
     def __del__(self) -> None:
         self.close()
+
+    @property
+    def precision(self) -> str:
+        """The weights' quantization type (``general.file_type``: "Q4_K_M", "F16", ...)."""
+        value = self.meta("general.file_type")
+        if value is None or not value.isdigit():
+            return "unknown"
+        try:
+            return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+        except ValueError:
+            return f"file type {value}"
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as text, or None when the key is absent."""

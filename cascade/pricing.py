@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cascade.prompts import PromptTemplate, question_block
+from cascade.prompts import PromptTemplate, question_blocks
 from cascade.questions import Question
 
 TEACHER_PARAMS = 4.0e9
@@ -79,10 +79,10 @@ class TierPricing:
         return self._overhead + self.count_tokens([state_text])[0]
 
     def suffix_tokens(self, qid: str, question: Question) -> int:
-        """Tokens one question adds to a readout: its block, once per option order."""
+        """Tokens one question adds to a readout: its blocks (one, or each option group's and the
+        finalists'), once per option order."""
         if not self.fanout:
             return 0
         if qid not in self._suffix:
-            block = question_block(question, list(range(len(question.option_keys()))))
-            self._suffix[qid] = self.count_tokens([block])[0] * self.permutations
+            self._suffix[qid] = sum(self.count_tokens(question_blocks(question))) * self.permutations
         return self._suffix[qid]

@@ -22,6 +22,9 @@ from cascade.questions import OPTION_LETTERS, NoulQuestion, Question, ScoreQuest
 
 PROMPT_VERSION = "readout-v1"
 
+FINALISTS_HEADING = "Options (finalists, each the pick of a group of options):"
+"""Heads the second round's block; the round's prompts part from the first round's right there,
+so the tokens every prompt of both rounds shares end before it (``cascade.readout``)."""
 SYSTEM_TEXT = (
     "You are a careful classifier. Read the evidence, then answer the question with the letter "
     "of exactly one option."
@@ -46,10 +49,44 @@ def _option_label(question: Question, index: int, text: str | None) -> str:
     return f"{key}: {text}" if text else key
 
 
-def question_block(question: Question, order: Sequence[int]) -> str:
-    """The question and its options, lettered in ``order`` (order[j] = option shown as letter j)."""
+def option_groups(n: int, size: int = len(OPTION_LETTERS)) -> list[list[int]]:
+    """The options one prompt letters at a time: all of them up to ``size`` (16, the letters),
+    else ceil(n / size) groups of near-equal size in the question's order.
+
+    A question of more options is read in two rounds that share the state's prefill: each group
+    is asked in a prompt of its own, then the groups' winners (the finalists) in one more, headed
+    ``FINALISTS_HEADING``; an option's probability is its finalist's times its share within its
+    group. 255 options make 16 groups of 15 or 16, so the finalists fit one prompt.
+    """
+    if not 2 <= size <= len(OPTION_LETTERS):
+        raise ValueError(f"a prompt letters 2 to {len(OPTION_LETTERS)} options; got {size}")
+    if n <= size:
+        return [list(range(n))]
+    count = -(-n // size)
+    if count > len(OPTION_LETTERS):
+        raise ValueError(f"{n} options in groups of {size} make {count} finalists, more than one "
+                         f"prompt letters ({len(OPTION_LETTERS)})")
+    bounds = [round(g * n / count) for g in range(count + 1)]
+    return [list(range(bounds[g], bounds[g + 1])) for g in range(count)]
+
+
+def question_blocks(question: Question) -> list[str]:
+    """The blocks a readout reads for one option order of ``question``: one per option group,
+    and the finalists' (the groups' first options standing in) where there are several."""
+    groups = option_groups(len(question.option_keys()))
+    blocks = [question_block(question, group) for group in groups]
+    if len(groups) > 1:
+        blocks.append(question_block(question, [group[0] for group in groups], FINALISTS_HEADING))
+    return blocks
+
+
+def question_block(question: Question, order: Sequence[int], heading: str = "Options:") -> str:
+    """The question and options, lettered in ``order`` (order[j] = the option shown as letter j,
+    at most 16 of them: a group's, or the finalists' under ``FINALISTS_HEADING``)."""
+    if len(order) > len(OPTION_LETTERS):
+        raise ValueError(f"one prompt letters at most {len(OPTION_LETTERS)} options; got {len(order)}")
     texts = question.option_texts()
-    lines = [f"Question: {question.instructions_text()}", "Options:"]
+    lines = [f"Question: {question.instructions_text()}", heading]
     for letter, option in zip(OPTION_LETTERS, order, strict=False):
         lines.append(f"{letter}. {_option_label(question, option, texts[option])}")
     letters = OPTION_LETTERS[: len(order)]
@@ -113,3 +150,22 @@ def prompt_hash(prompts: Sequence[str]) -> str:
         digest.update(text.encode("utf-8"))
         digest.update(b"\x1e")
     return digest.hexdigest()
+
+
+def _digest(parts: Sequence[str]) -> str:
+    return hashlib.sha256("\x1e".join(parts).encode("utf-8")).hexdigest()
+
+
+def template_sha256(question: Question) -> str:
+    """sha256 of what identifies a question's readout prompt apart from the state and the model's
+    chat template (which the model's hash pins): the prompt version and the question block."""
+    return _digest([PROMPT_VERSION, *question_blocks(question)])
+
+
+def letters_sha256(question: Question) -> str:
+    """sha256 of the answers a question allows: each option letter with the key it stands for,
+    group by group where one prompt cannot letter them all."""
+    keys = question.option_keys()
+    return _digest(["\x1d".join(f"{letter}={keys[option]}" for letter, option in zip(OPTION_LETTERS, group,
+                                                                                      strict=False))
+                    for group in option_groups(len(keys))])

@@ -1,4 +1,4 @@
-"""System One wire types: decision requests, typed questions and their answers.
+"""System One requests: the state, the typed questions, and how each question types its answer.
 
 A request carries one ``state`` (text, or a JSON object or array) and named ``questions``::
 
@@ -7,14 +7,15 @@ A request carries one ``state`` (text, or a JSON object or array) and named ``qu
      "model": "optional model name"}
 
 ``noul`` asks yes or no; its optional ``criteria`` say what ``true`` and ``false`` mean. ``choice``
-picks one of 2-16 options; its ``criteria`` map option keys (shown to a model as letters A-P) to
-descriptions. ``score`` picks one of 2-10 ordered levels; its ``criteria`` list the level legends,
-level 0 first. Instructions are text or a JSON object; descriptions and legends are text, JSON or
-null.
+picks one of 2-255 options; its ``criteria`` map option keys (shown to a model as letters A-P, 16
+at a time: ``cascade.prompts.option_groups``) to descriptions. ``score`` picks one of 2-10
+ordered levels; its ``criteria`` list the level legends, level 0 first. Instructions are text or
+JSON; descriptions and legends are text, JSON or null. Answers and responses are typed in
+``cascade.answers``.
 
-A response maps each question id to an answer holding the whole distribution over the options,
-the headline value (``noul``, ``choice`` or ``score``), a confidence, and how the numbers were
-made (``readout``, ``calibrated``), plus the ``usage`` the call cost.
+Requests are read as leniently as System One clients write them: unknown keys are ignored, score
+levels may be text or ``{"label", "description"}`` objects (or one object mapping labels to
+descriptions), and a question whose criteria say what it asks may leave out its instructions.
 
 ``parse_request`` is the one entry point for untrusted input: every malformed request becomes a
 ``RequestError`` with one line per problem, each starting with the field path.
@@ -26,33 +27,33 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from cascade.calibration_math import ThresholdScore
+from cascade.answers import Answer, ChoiceAnswer, NoulAnswer, Readout, ScoreAnswer, argmax, confidence
 from cascade.errors import RequestError
 
 OPTION_LETTERS = "ABCDEFGHIJKLMNOP"
-MIN_OPTIONS, MAX_OPTIONS = 2, len(OPTION_LETTERS)
+MIN_OPTIONS, MAX_OPTIONS = 2, 255  # the Jev API's limit; a prompt letters 16, so more are read in rounds
 MIN_LEVELS, MAX_LEVELS = 2, 10
 QUESTION_TYPES = ("noul", "choice", "score")
 PROBABILITY_TOLERANCE = 1e-6
 
 State = str | dict[str, Any] | list[Any]
-Instructions = str | dict[str, Any]
+Instructions = str | dict[str, Any] | list[Any]
 
 _ALLOWED_TYPES = ", ".join(repr(name) for name in QUESTION_TYPES)
 _SHAPES = {
     "noul": "an object with optional 'true' and 'false' descriptions",
     "choice": f"an object mapping {MIN_OPTIONS} to {MAX_OPTIONS} option keys to descriptions",
-    "score": f"an array of {MIN_LEVELS} to {MAX_LEVELS} level legends",
+    "score": f"an array of {MIN_LEVELS} to {MAX_LEVELS} level legends (or an object mapping "
+             "level labels to descriptions)",
 }
 _REQUIRED = {
     "state": "the text or JSON object/array to decide about",
     "questions": "an object mapping question ids to questions",
-    "instructions": "what the question asks, as text or a JSON object",
+    "instructions": "what the question asks, as text or JSON",
 }
-_FIELDS = {0: "'state', 'questions', 'model'", 2: "'type', 'instructions', 'criteria'"}
 
 
 def _kind(value: Any) -> str:
@@ -71,11 +72,29 @@ def _as_text(value: Any) -> str | None:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _instructions(value: Any) -> Instructions:
-    if not isinstance(value, str | dict):
-        raise ValueError(f"must be text or a JSON object; got {_kind(value)}")
+class _FieldProblem(ValueError):
+    """A problem a whole-question check finds with one of its fields, reported at that field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _label(legend: Any) -> str | None:
+    """The label of a ``{"label": ..., "description": ...}`` level (description optional), else None."""
+    if isinstance(legend, dict) and isinstance(legend.get("label"), str) and legend["label"].strip() \
+            and set(legend) <= {"label", "description"}:
+        return str(legend["label"])
+    return None
+
+
+def _instructions(value: Any) -> Instructions | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | dict | list):
+        raise ValueError(f"must be text or a JSON object or array; got {_kind(value)}")
     if not (value.strip() if isinstance(value, str) else value):
-        raise ValueError("is blank; say what the question asks, as text or a JSON object")
+        raise ValueError("is blank; say what the question asks, as text or JSON")
     return value
 
 
@@ -102,113 +121,24 @@ def _distribution(probabilities: Sequence[float], keys: list[str]) -> list[float
     return [p / total for p in values]
 
 
-def _argmax(values: Sequence[float]) -> int:
-    """Index of the largest value; the first one on ties, so that answers are deterministic."""
-    return max(range(len(values)), key=values.__getitem__)
-
-
-def confidence(probabilities: Sequence[float]) -> float:
-    """The largest probability: the chance, by the scorer's own numbers, that its argmax is right.
-
-    Unlike entropy or the top-two margin, it is itself a probability of the answer reported, so a
-    threshold on it reads directly ("accept when at least 90% sure"), and once calibrated it means
-    expected agreement whatever the number of options, so thresholds compare across questions.
-    """
-    if len(probabilities) == 0:
-        raise ValueError("probabilities: empty; need one per option")
-    return float(max(probabilities))
-
-
-class Readout(BaseModel):
-    """How a logit-readout scorer made its raw probabilities, so that answers can be reproduced.
-
-    ``prompt_hash`` is the sha256 hex of the exact prompt text(s); ``letter_mass`` the share of the
-    whole vocabulary's probability on the option letters (mean over the ``permutations`` option
-    orders averaged), low when the model wanted to say something else; ``excerpt`` the policy
-    applied to the state (e.g. ``"head_tail:1024"``), None when the whole state was read.
-    """
-
-    model_config = ConfigDict(protected_namespaces=())
-
-    model: str
-    model_sha256: str | None = None
-    prompt_version: str
-    prompt_hash: str
-    letter_mass: float
-    permutations: int = 1
-    excerpt: str | None = None
-
-
-class Routing(BaseModel):
-    """Which cascade tier gave an answer, what it cost, and why it stopped there.
-
-    ``threshold`` is the one the answer cleared (or, when ``budget_limited``, failed: the budget
-    could not pay to escalate it); None for the top tier, which answers whatever its confidence.
-    It is compared with ``raw_score``, the tier's raw probabilities (before temperature scaling)
-    reduced to the score named by ``threshold_on``: ``margin``, the top probability's lead over
-    the runner-up, or ``top``, the top probability (a schema-1 bundle). ``raw_confidence`` is the
-    raw top probability; the answer's ``confidence`` is the top probability after temperature.
-    ``cost_ms`` is this answer's share of the predicted cost of every tier it went through.
-    ``input_cut`` says how the answering tier shortened the state (e.g. the encoder's token
-    limit), None when it read it whole. ``certified`` is False when the cascade escalates to
-    a teacher other than the one its thresholds were certified against (accepted explicitly):
-    its agreement target then says nothing about these answers. ``over_budget`` is True when the
-    budget could not pay for this answer and it was given anyway: no lower tier had an answer to
-    keep in its place (no head for the question, say), so it went up regardless.
-    """
-
-    tier: str
-    cost_ms: float
-    threshold: float | None
-    raw_confidence: float
-    raw_score: float
-    threshold_on: ThresholdScore
-    calibrated: bool
-    budget_limited: bool = False
-    input_cut: str | None = None
-    certified: bool = True
-    over_budget: bool = False
-
-
-class _AnswerBase(BaseModel):
-    """What every answer carries besides its headline value: the distribution and its provenance."""
-
-    probabilities: dict[str, float]
-    confidence: float
-    calibrated: bool = False
-    readout: Readout | None = None
-    routing: Routing | None = None
-
-
-class NoulAnswer(_AnswerBase):
-    type: Literal["noul"] = "noul"
-    noul: float
-
-
-class ChoiceAnswer(_AnswerBase):
-    type: Literal["choice"] = "choice"
-    choice: str
-
-
-class ScoreAnswer(_AnswerBase):
-    type: Literal["score"] = "score"
-    score: float
-    level: int
-    legend: Any
-
-
-Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
-
-
 class _Question(BaseModel):
-    """What every question type shares; subclasses narrow ``type`` and add ``criteria``."""
+    """What every question type shares; subclasses narrow ``type`` and add ``criteria``.
 
-    model_config = ConfigDict(extra="forbid")
+    Instructions may be left out where the criteria describe the options (typesafe-sdk sends
+    such questions); the prompt then asks which option applies.
+    """
 
     type: str
-    instructions: Instructions
+    instructions: Instructions | None = None
 
     _check_instructions = field_validator("instructions", mode="plain")(_instructions)
+
+    @model_validator(mode="after")
+    def _something_asked(self) -> "_Question":
+        if self.instructions is None and not any(self.option_texts()):
+            raise _FieldProblem("instructions", f"missing; give {_REQUIRED['instructions']} (or "
+                                "describe the options in criteria)")
+        return self
 
     @abstractmethod
     def option_keys(self) -> list[str]:
@@ -222,7 +152,7 @@ class _Question(BaseModel):
     def _answer(self, p: list[float], readout: Readout | None, calibrated: bool) -> Answer: ...
 
     def instructions_text(self) -> str:
-        return _as_text(self.instructions) or ""
+        return _as_text(self.instructions) or "Which option applies?"
 
     def answer(
         self,
@@ -276,10 +206,7 @@ class NoulQuestion(_Question):
         return [_as_text(self.criteria.true), _as_text(self.criteria.false)]
 
     def _answer(self, p: list[float], readout: Readout | None, calibrated: bool) -> Answer:
-        yes = p[0]
-        return NoulAnswer(noul=yes, probabilities={"true": yes, "false": 1.0 - yes},
-                          confidence=confidence([yes, 1.0 - yes]), calibrated=calibrated,
-                          readout=readout)
+        return NoulAnswer(noul=p[0], calibrated=calibrated, readout=readout)
 
 
 class ChoiceQuestion(_Question):
@@ -293,8 +220,8 @@ class ChoiceQuestion(_Question):
             raise ValueError(f"a choice question's criteria must be {_SHAPES['choice']}; "
                              f"got {_kind(value)}")
         if not MIN_OPTIONS <= len(value) <= MAX_OPTIONS:
-            raise ValueError(f"a choice question takes {MIN_OPTIONS} to {MAX_OPTIONS} options "
-                             f"(letters A-{OPTION_LETTERS[-1]}); got {len(value)}")
+            raise ValueError(f"a choice question takes {MIN_OPTIONS} to {MAX_OPTIONS} options; "
+                             f"got {len(value)}")
         for key, description in value.items():
             if not isinstance(key, str) or not key.strip():
                 raise ValueError(f"option key {key!r} is empty; give each option a name")
@@ -309,7 +236,7 @@ class ChoiceQuestion(_Question):
 
     def _answer(self, p: list[float], readout: Readout | None, calibrated: bool) -> Answer:
         keys = self.option_keys()
-        return ChoiceAnswer(choice=keys[_argmax(p)], probabilities=dict(zip(keys, p, strict=True)),
+        return ChoiceAnswer(choice=keys[argmax(p)], probabilities=dict(zip(keys, p, strict=True)),
                             confidence=confidence(p), calibrated=calibrated, readout=readout)
 
 
@@ -320,6 +247,9 @@ class ScoreQuestion(_Question):
     @field_validator("criteria", mode="plain")
     @classmethod
     def _check_criteria(cls, value: Any) -> list[Any]:
+        if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+            value = [{"label": key, "description": text} if text is not None else {"label": key}
+                     for key, text in value.items()]
         if not isinstance(value, list | tuple):
             raise ValueError(f"a score question's criteria must be {_SHAPES['score']}; "
                              f"got {_kind(value)}")
@@ -334,21 +264,34 @@ class ScoreQuestion(_Question):
         return [str(level) for level in range(len(self.criteria))]
 
     def option_texts(self) -> list[str | None]:
-        return [_as_text(legend) for legend in self.criteria]
+        """A ``{label, description}`` level reads "label: description" in a prompt."""
+        texts = []
+        for legend in self.criteria:
+            label = _label(legend)
+            description = _as_text(legend.get("description")) if label is not None else None
+            texts.append(_as_text(legend) if label is None else
+                         f"{label}: {description}" if description else label)
+        return texts
 
     def _answer(self, p: list[float], readout: Readout | None, calibrated: bool) -> Answer:
-        level = _argmax(p)
-        return ScoreAnswer(score=math.fsum(i * q for i, q in enumerate(p)), level=level,
-                           legend=self.criteria[level],
-                           probabilities=dict(zip(self.option_keys(), p, strict=True)),
+        keys = self.option_keys()
+        return ScoreAnswer(score=math.fsum(i * q for i, q in enumerate(p)),
+                           legend=dict(zip(keys, self.legends(), strict=True)),
+                           probabilities=dict(zip(keys, p, strict=True)),
                            confidence=confidence(p), calibrated=calibrated, readout=readout)
+
+    def legends(self) -> list[str]:
+        """Each level's text as an answer echoes it: a ``{label}`` object's label, other JSON as
+        compact JSON, and the level's number where it has none (a legend is never null)."""
+        return [_label(legend) or _as_text(legend) or str(level)
+                for level, legend in enumerate(self.criteria)]
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
 
 
 class DecisionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request; keys other than these are ignored, as System One servers ignore them."""
 
     state: State
     questions: dict[str, Question]
@@ -376,41 +319,10 @@ class DecisionRequest(BaseModel):
         return value
 
 
-class TierUsage(BaseModel):
-    """One tier's part of a routed call about one state: the seconds the router predicted when it
-    chose what to ask (what a budget was charged) beside the seconds the tier took, so that the
-    prediction can be checked against what was spent."""
-
-    predicted_seconds: float = 0.0
-    seconds: float = 0.0
-
-
-class Usage(BaseModel):
-    """What a call cost: prefill is the cost, so tokens and passes are counted, not answers.
-
-    ``ran_on`` maps each model (a tier's name when routed, the GGUF's file name from a scorer)
-    to where it ran: device, GPU layers, threads, ONNX Runtime provider, and any setting the
-    machine changed from what was asked, so that nothing about the device is silent. ``tiers``
-    (routed calls only) holds each tier's predicted and measured seconds for the state.
-    """
-
-    questions: int = 0
-    prompt_tokens: int = 0  # tokens run through a model
-    forward_passes: int = 0  # llama_decode calls
-    seconds: float = 0.0
-    ran_on: dict[str, str] = {}
-    tiers: dict[str, TierUsage] = {}
-
-
-class DecisionResponse(BaseModel):
-    answers: dict[str, Answer]
-    usage: Usage
-
-
 def parse_request(data: str | bytes | Mapping[str, Any]) -> DecisionRequest:
     """Validate an untrusted request once, here, so that everything downstream can trust it."""
     if isinstance(data, str | bytes | bytearray):
-        data = _loads(data)
+        data = load_json(data)
     if not isinstance(data, Mapping):
         raise RequestError(f"request: must be a JSON object with 'state' and 'questions'; "
                            f"got {_kind(data)}")
@@ -420,7 +332,7 @@ def parse_request(data: str | bytes | Mapping[str, Any]) -> DecisionRequest:
         raise RequestError("\n".join(_problem(e) for e in error.errors())) from None
 
 
-def _loads(text: str | bytes | bytearray) -> Any:
+def load_json(text: str | bytes | bytearray) -> Any:
     """Parse JSON, refusing what ``json`` would let through silently: repeated keys and NaN."""
     repeated: dict[int, str] = {}
 
@@ -476,10 +388,10 @@ def _problem(error: ErrorDetails) -> str:
     tagged = len(raw) > 2 and raw[0] == "questions" and raw[2] in QUESTION_TYPES
     loc = raw[:2] + raw[3:] if tagged else raw
     if kind == "value_error":
-        return f"{_path(loc)}: {error.get('ctx', {}).get('error', error['msg'])}"
-    if kind == "extra_forbidden":
-        allowed = f"; allowed: {_FIELDS[len(loc) - 1]}" if len(loc) - 1 in _FIELDS else ""
-        return f"{_path(loc[:-1])}: unknown field {loc[-1]!r}{allowed}"
+        problem = error.get("ctx", {}).get("error", error["msg"])
+        if isinstance(problem, _FieldProblem):
+            loc = (*loc, problem.field)
+        return f"{_path(loc)}: {problem}"
     if kind == "union_tag_not_found":
         return f"{_path(loc)}.type: missing; allowed types: {_ALLOWED_TYPES}"
     if kind == "union_tag_invalid":

@@ -24,27 +24,24 @@ from typing import Literal
 
 import numpy as np
 
+from cascade.answers import Answer, Audit, DecisionResponse, Readout, Usage
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.llama import ContextConfig, LlamaContext, LlamaModel
 from cascade.orders import Order, balanced_orders, unpermute
 from cascade.placement import ExtraBuffers, Placement, say_once
 from cascade.prompts import (
+    FINALISTS_HEADING,
     PROMPT_VERSION,
     PromptTemplate,
+    letters_sha256,
+    option_groups,
     prompt_hash,
     question_block,
     render_state,
+    template_sha256,
 )
-from cascade.questions import (
-    MAX_OPTIONS,
-    OPTION_LETTERS,
-    Answer,
-    DecisionRequest,
-    DecisionResponse,
-    Readout,
-    Usage,
-)
+from cascade.questions import OPTION_LETTERS, DecisionRequest, Question
 
 Path_ = Literal["fanout", "serial", "fresh"]
 PATHS: tuple[Path_, ...] = ("fanout", "serial", "fresh")
@@ -81,12 +78,15 @@ class HeadTailExcerpt:
 
 @dataclass
 class _Branch:
-    """One (question, option order) prompt."""
+    """One prompt: a question's options (``shown``: all of them, one group's, or the finalists'),
+    lettered in ``order`` (letter j shows option ``shown[order[j]]``)."""
 
     question_id: str
     order: Order
     text: str
     tokens: list[int]
+    shown: tuple[int, ...]
+    final: bool = False
 
 
 @dataclass
@@ -110,8 +110,12 @@ class Scorer:
         template: Literal["auto", "chat", "plain"] = "auto",
         chat_template: str | None = None,
         extra_buffers: ExtraBuffers | None = None,
+        letters_per_prompt: int = len(OPTION_LETTERS),
     ) -> None:
         """``chat_template`` (Jinja text) replaces the one in the GGUF, e.g. for a file without one.
+        ``letters_per_prompt``: most options one prompt letters (16); a question of more is read
+        in two rounds (``cascade.prompts.option_groups``). Fewer is for measuring the rounds
+        against one prompt (bench/option_rounds.py); the cost model prices groups of 16.
 
         ``n_gpu_layers`` and ``extra_buffers`` place the model (cascade.placement): GPU layers on a
         build without GPU offload are refused, never run on the CPU in silence. An ``n_ctx`` beyond
@@ -119,6 +123,8 @@ class Scorer:
         """
         if max_branches < 1:
             raise RequestError(f"max_branches must be at least 1; got {max_branches}")
+        option_groups(2, letters_per_prompt)  # refuses a size no prompt can letter
+        self.letters_per_prompt = letters_per_prompt
         self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers, extra_buffers=extra_buffers)
         self.n_ctx_note = ""
         if n_ctx > self.model.n_ctx_train > 0:
@@ -164,7 +170,7 @@ class Scorer:
         probe = self.template.render("The evidence.", "Question: Which?")
         base = self._tokens(probe)
         ids = []
-        for letter in OPTION_LETTERS[:MAX_OPTIONS]:
+        for letter in OPTION_LETTERS:
             full = self._tokens(probe + self.template.letter_lead + letter)
             if full[: len(base)] != base or len(full) != len(base) + 1:
                 raise ModelError(
@@ -212,41 +218,88 @@ class Scorer:
             raise RequestError(f"path must be one of {', '.join(PATHS)}; got {path!r}")
         started = time.perf_counter()
         calls, tokens = self.ctx.decode_calls, self.ctx.decoded_tokens
-        branches, cut = self._branches(request, permutations, excerpt)
-        shared = _shared_prefix(branches)
+        branches, probes, cut, state_text = self._branches(request, permutations, excerpt)
+        shared = _shared_prefix(branches + probes)
         readings = self._read(branches, shared, path)
+        if probes:  # the second round: the finalists of questions with more than 16 options
+            finals = self._finals(request, state_text, branches, readings, probes, shared, permutations)
+            branches += finals
+            self._read(finals, shared, path, readings, prefilled=True)
         answers = self._answers(request, branches, readings, cut)
         usage = Usage(
             questions=len(request.questions),
-            prompt_tokens=self.ctx.decoded_tokens - tokens,
+            input_tokens=self.ctx.decoded_tokens - tokens,
             forward_passes=self.ctx.decode_calls - calls,
             seconds=time.perf_counter() - started,
             ran_on={self.model.path.name: self.ran_on},
         )
-        return DecisionResponse(answers=answers, usage=usage)
+        return DecisionResponse(model=self.model.path.name, answers=answers, usage=usage,
+                                audit=self._audit(request, answers))
+
+    def _audit(self, request: DecisionRequest, answers: dict[str, Answer]) -> Audit:
+        """A raw readout's audit: no calibration stands behind its numbers."""
+        questions = list(request.questions.values())
+        return Audit(model_hash=self.model_sha256, calibration_version="uncalibrated",
+                     prompt_template_sha256=[template_sha256(q) for q in questions],
+                     allowed_token_set_hash=[letters_sha256(q) for q in questions],
+                     input_tokens=[a.readout.tokens if a.readout else 0 for a in answers.values()],
+                     backend=f"llama.cpp {'gpu' if self.model.gpu_layers else 'cpu'}",
+                     precision=self.model.precision)
 
     def _branches(
         self, request: DecisionRequest, permutations: int, excerpt: HeadTailExcerpt | None
-    ) -> tuple[list[_Branch], str | None]:
+    ) -> tuple[list[_Branch], list[_Branch], str | None, str]:
+        """The first round's prompts, the second round's stand-ins (``probes``: what its prompts
+        will be like, to size the context and the shared prefix), the excerpt policy used, and
+        the state text they read."""
         state_text = render_state(request.state)
-        branches = self._render(request, state_text, permutations)
-        too_long = _longest(branches) > self.ctx.config.n_ctx
-        if not too_long:
-            return branches, None
+        branches, probes = self._render(request, state_text, permutations)
+        if _longest(branches + probes) <= self.ctx.config.n_ctx:
+            return branches, probes, None, state_text
         if excerpt is None:
-            raise self._too_long(branches, state_text)
-        branches = self._render(request, self._cut(state_text, excerpt.max_tokens), permutations)
-        if _longest(branches) > self.ctx.config.n_ctx:
-            raise self._too_long(branches, state_text)
-        return branches, excerpt.label
+            raise self._too_long(branches + probes, state_text)
+        cut_text = self._cut(state_text, excerpt.max_tokens)
+        branches, probes = self._render(request, cut_text, permutations)
+        if _longest(branches + probes) > self.ctx.config.n_ctx:
+            raise self._too_long(branches + probes, state_text)
+        return branches, probes, excerpt.label, cut_text
 
-    def _render(self, request: DecisionRequest, state_text: str, k: int) -> list[_Branch]:
-        branches = []
+    def _render(self, request: DecisionRequest, state_text: str, k: int
+                ) -> tuple[list[_Branch], list[_Branch]]:
+        branches, probes = [], []
         for qid, question in request.questions.items():
-            for order in balanced_orders(len(question.option_keys()), k):
-                text = self.template.render(state_text, question_block(question, order))
-                branches.append(_Branch(qid, order, text, self._tokens(text)))
-        return branches
+            groups = option_groups(len(question.option_keys()), self.letters_per_prompt)
+            for group in groups:
+                branches += self._prompts(qid, question, state_text, tuple(group), k)
+            if len(groups) > 1:
+                stand_ins = tuple(group[0] for group in groups)
+                probes += self._prompts(qid, question, state_text, stand_ins, k, final=True)
+        return branches, probes
+
+    def _prompts(self, qid: str, question: Question, state_text: str, shown: tuple[int, ...], k: int,
+                 final: bool = False) -> list[_Branch]:
+        """One prompt per option order of the options ``shown``."""
+        heading = FINALISTS_HEADING if final else "Options:"
+        out = []
+        for order in balanced_orders(len(shown), k):
+            block = question_block(question, [shown[i] for i in order], heading)
+            text = self.template.render(state_text, block)
+            out.append(_Branch(qid, order, text, self._tokens(text), shown, final))
+        return out
+
+    def _finals(self, request: DecisionRequest, state_text: str, branches: list[_Branch],
+                readings: _Readings, probes: list[_Branch], shared: int, k: int) -> list[_Branch]:
+        """The second round's prompts: each big question's group winners, after the first round."""
+        finals = []
+        for qid in dict.fromkeys(probe.question_id for probe in probes):
+            groups = _group_readings(branches, readings, qid)
+            winners = tuple(shown[int(np.argmax(p))] for shown, p in groups)
+            finals += self._prompts(qid, request.questions[qid], state_text, winners, k, final=True)
+        first = probes[0].tokens[:shared]
+        if any(branch.tokens[:shared] != first for branch in finals):
+            raise ModelError(f"{self.model.path.name}: the finalists' prompt does not start with the "
+                             "tokens the first round shared; a tokenizer merged across the heading")
+        return finals
 
     def _cut(self, state_text: str, max_tokens: int) -> str:
         tokens = self.model.tokenize(state_text)
@@ -269,16 +322,20 @@ class Scorer:
             f"excerpt of the state"
         )
 
-    def _read(self, branches: list[_Branch], shared: int, path: Path_) -> _Readings:
-        readings = _Readings([], [])
+    def _read(self, branches: list[_Branch], shared: int, path: Path_, readings: _Readings | None = None,
+              prefilled: bool = False) -> _Readings:
+        """Read ``branches`` (into ``readings``); ``prefilled``: sequence 0 already holds the
+        ``shared`` tokens (a second round), so they are not decoded again."""
+        readings = readings if readings is not None else _Readings([], [])
         if path == "fresh":
             for branch in branches:
                 self.ctx.clear()
                 self.ctx.decode([(0, 0, branch.tokens)])
                 self._collect(readings, [branch], 0)
             return readings
-        self.ctx.clear()
-        if shared:
+        if not prefilled:
+            self.ctx.clear()
+        if shared and not prefilled:
             self.ctx.decode([(0, 0, branches[0].tokens[:shared])], outputs=False)
         if path == "serial":
             self._read_serial(branches, shared, readings)
@@ -287,12 +344,13 @@ class Scorer:
         return readings
 
     def _read_serial(self, branches: list[_Branch], shared: int, readings: _Readings) -> None:
+        """Each branch after the shared tokens, sequence 0 restored to them after each (so that a
+        second round finds them there)."""
         snapshot = self.ctx.snapshot(0)
-        for i, branch in enumerate(branches):
-            if i:
-                self.ctx.restore(0, snapshot)
+        for branch in branches:
             self.ctx.decode([(0, shared, branch.tokens[shared:])])
             self._collect(readings, [branch], 0)
+            self.ctx.restore(0, snapshot)
 
     def _read_fanout(self, branches: list[_Branch], shared: int, readings: _Readings) -> None:
         for group in self._groups(branches, shared):
@@ -340,18 +398,50 @@ class Scorer:
         answers: dict[str, Answer] = {}
         for qid, question in request.questions.items():
             picked = [i for i, b in enumerate(branches) if b.question_id == qid]
-            probs = np.mean([readings.probabilities[i] for i in picked], axis=0)
             readout = Readout(
                 model=self.model.path.name,
                 model_sha256=self.model_sha256,
                 prompt_version=PROMPT_VERSION,
                 prompt_hash=prompt_hash([branches[i].text for i in picked]),
                 letter_mass=float(np.mean([readings.letter_mass[i] for i in picked])),
-                permutations=len(picked),
+                permutations=sum(1 for i in picked if not branches[i].final
+                                 and branches[i].shown == branches[picked[0]].shown),
                 excerpt=cut,
+                tokens=sum(len(branches[i].tokens) for i in picked),
             )
+            probs = _combine(len(question.option_keys()), _group_readings(branches, readings, qid),
+                             _final_reading(branches, readings, qid))
             answers[qid] = question.answer(probs.tolist(), readout=readout, calibrated=False)
         return answers
+
+
+def _group_readings(branches: list[_Branch], readings: _Readings, qid: str
+                    ) -> list[tuple[tuple[int, ...], np.ndarray]]:
+    """Per option group of question ``qid`` (first round): the options shown and their
+    probabilities within the group, averaged over the option orders."""
+    groups: dict[tuple[int, ...], list[np.ndarray]] = {}
+    for branch, p in zip(branches, readings.probabilities, strict=False):
+        if branch.question_id == qid and not branch.final:
+            groups.setdefault(branch.shown, []).append(p)
+    return [(shown, np.mean(ps, axis=0)) for shown, ps in groups.items()]
+
+
+def _final_reading(branches: list[_Branch], readings: _Readings, qid: str) -> np.ndarray | None:
+    """The second round's probabilities over the finalists (one per group), None in one round."""
+    finals = [p for branch, p in zip(branches, readings.probabilities, strict=False)
+              if branch.question_id == qid and branch.final]
+    return np.mean(finals, axis=0) if finals else None
+
+
+def _combine(n: int, groups: list[tuple[tuple[int, ...], np.ndarray]],
+             final: np.ndarray | None) -> np.ndarray:
+    """Every option's probability: its group's finalist's, shared as its group's readout shares it."""
+    if final is None:
+        return groups[0][1]
+    probs = np.zeros(n)
+    for g, (shown, within) in enumerate(groups):
+        probs[list(shown)] = final[g] * within
+    return probs
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

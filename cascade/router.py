@@ -19,142 +19,43 @@ predicted to cost and took, per state, is in ``usage.tiers``.
 
 from __future__ import annotations
 
-import math
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
-
-from cascade.bundle import VECTORS_ALONE_SCHEMA, Bundle, Manifest
+from cascade.answers import Answer, Audit, DecisionResponse, Routing, TierUsage, Usage
+from cascade.bundle import MANIFEST_NAME, VECTORS_ALONE_SCHEMA, Bundle, Manifest
 from cascade.calibration_math import apply_temperature, threshold_score
-from cascade.checks import is_finite, is_real
-from cascade.costmodel import BatchCost, CostModel
+from cascade.costmodel import CostModel
 from cascade.encoder import Device, quantizes_per_call
 from cascade.errors import CascadeError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placements
-from cascade.prompts import PROMPT_VERSION
-from cascade.questions import Answer, DecisionResponse, Question, Readout, Routing, State, TierUsage, Usage
+from cascade.prompts import PROMPT_VERSION, letters_sha256, template_sha256
+from cascade.questions import Question, State
+from cascade.run import Budget, Pick, Run, allowance
 from cascade.tierkinds import Build, Labels, RouterError, build_tiers, close_tiers, kind_of
-from cascade.tiers import Item, Tier
-
-
-class Budget(BaseModel):
-    """What one call may spend; None leaves that bound off.
-
-    ``ms_per_call``: predicted milliseconds per state; a batch pools ``ms_per_call x states``, so
-    its least confident questions escalate first wherever they are. ``max_escalation_fraction``:
-    the most the top tier may answer, as a share of all questions asked in the call (those with
-    no lower tier to answer them count, and go up regardless, marked ``routing.over_budget``
-    past the share).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    ms_per_call: float | None = None
-    max_escalation_fraction: float | None = None
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"budget.{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors())
-            raise RequestError(problems) from None
-
-    @field_validator("ms_per_call", mode="before")
-    @classmethod
-    def _positive(cls, value: Any) -> Any:
-        if value is not None and not (is_finite(value) and value > 0):
-            raise ValueError(f"must be a finite number of milliseconds > 0, or None; got {value!r}")
-        return value
-
-    @field_validator("max_escalation_fraction", mode="before")
-    @classmethod
-    def _fraction(cls, value: Any) -> Any:
-        if value is not None and not (is_real(value) and 0 <= value <= 1):
-            raise ValueError(f"must be a number in [0, 1], or None; got {value!r}")
-        return value
-
-
-@dataclass
-class _Pick:
-    """The current answer to one question about one state, from the highest tier asked so far."""
-
-    tier: int
-    raw: np.ndarray
-    probs: np.ndarray
-    score: float  # what the threshold is compared with: ``threshold_score`` of ``raw``
-    threshold: float | None
-    calibrated: bool
-    readout: Readout | None = None
-    cut: str | None = None
-    budget_limited: bool = False
-
-    @property
-    def accepted(self) -> bool:
-        """Thresholds are certified on the tier's raw score (by ``cascade calibrate``)."""
-        return self.threshold is not None and self.score >= self.threshold
-
-    @property
-    def doubt(self) -> tuple[float, float]:
-        """What orders escalations under a budget: the smaller, the sooner it escalates.
-
-        First, how far the raw score falls short of its threshold, negated: a distance on
-        the scale the threshold was certified on, which means the same for a yes/no question as
-        for a 16-way one, where a confidence (raw or calibrated) does not (0.6 is sure among 16
-        options, a coin toss between 2). An answer without a threshold has no certified level
-        to fall short of and comes first. Then the top probability's distance from a uniform
-        guess, as a share of the way to certainty, so that option counts cancel there too.
-        """
-        top, k = float(self.raw.max()), len(self.raw)
-        shortfall = math.inf if self.threshold is None else self.threshold - self.score
-        return -shortfall, (top - 1 / k) / (1 - 1 / k)
-
-
-@dataclass
-class _Run:
-    """One routing call's state: answers so far, what each tier is asked and answered, what each
-    tier was predicted to cost and took, and the budget spent (predicted seconds, top answers)."""
-
-    items: Sequence[Item]
-    asked: Sequence[Sequence[str]]
-    costs: BatchCost
-    n_tiers: int
-    picks: list[dict[str, _Pick]] = field(init=False)
-    queued: list[list[list[str]]] = field(init=False)  # tier -> item -> question ids to ask it
-    answered: list[list[list[str]]] = field(init=False)  # tier -> item -> question ids answered
-    took: list[list[float]] = field(init=False)  # tier -> item -> seconds measured
-    over_budget: set[tuple[int, str]] = field(default_factory=set)  # (item, question)
-    usage: list[Usage] = field(init=False)
-    spent: float = 0.0
-    top_used: int = 0
-
-    def __post_init__(self) -> None:
-        self.picks = [{} for _ in self.items]
-        self.queued = [[[] for _ in self.items] for _ in range(self.n_tiers)]
-        self.answered = [[[] for _ in self.items] for _ in range(self.n_tiers)]
-        self.took = [[0.0 for _ in self.items] for _ in range(self.n_tiers)]
-        self.usage = [Usage(questions=len(qids)) for qids in self.asked]
+from cascade.tiers import Item, Reply, Tier
 
 
 class Cascade:
     """Tiers of a bundle, with the manifest's thresholds and temperatures and a cost model."""
 
     def __init__(self, manifest: Manifest, tiers: Sequence[Tier], costs: CostModel,
-                 certified: bool = True) -> None:
+                 certified: bool = True, manifest_sha256: str | None = None) -> None:
         """``certified``: False when the top tier is not the teacher the thresholds were certified
-        against (``Cascade.load(accept_other_teacher=True)``); every answer then says so."""
+        against (``Cascade.load(accept_other_teacher=True)``); every answer then says so.
+        ``manifest_sha256``: of the bundle's manifest file, which every answer's audit names
+        (default: of the manifest as read)."""
         self.manifest = manifest
         self.tiers = list(tiers)
         self.costs = costs
         self.certified = certified
         self.questions: dict[str, Question] = manifest.parsed_questions()
+        self.manifest_sha256 = manifest_sha256 or hashlib.sha256(
+            manifest.model_dump_json().encode()).hexdigest()
+        self.calibration_version = _calibration_version(manifest)
 
     @classmethod
     def load(
@@ -199,7 +100,8 @@ class Cascade:
         except BaseException:
             close_tiers(tiers)
             raise
-        return cls(bundle.manifest, tiers, costs, certified)
+        return cls(bundle.manifest, tiers, costs, certified,
+                   file_sha256(bundle.directory / MANIFEST_NAME))
 
     def close(self) -> None:
         """Free the llama.cpp models the tiers opened."""
@@ -228,18 +130,65 @@ class Cascade:
         self, items: Sequence[Item], asked: Sequence[Sequence[str]], budget: Budget | None = None
     ) -> list[DecisionResponse]:
         """Answer ``asked[i]`` (bundle question ids) about ``items[i]``, one response per item."""
+        run = self.start(items, asked, budget)
+        for t in range(len(self.tiers)):
+            self.ask([run], t)
+        return self.responses(run)
+
+    def start(
+        self, items: Sequence[Item], asked: Sequence[Sequence[str]], budget: Budget | None = None
+    ) -> Run:
+        """A routing call, its questions queued at the first tier that may keep their answers.
+
+        ``route`` is ``start``, ``ask`` at each tier in turn, then ``responses``; a server runs
+        those steps itself, to ask a tier about the runs of several requests in one batch and to
+        hand a run up to another worker while the next request's run starts.
+        """
         _check_items(items, asked, self.questions)
-        budget = budget if budget is not None else Budget()
-        run = _Run(items, asked, self.costs.batch(items), len(self.tiers))
+        run = Run(items, asked, budget if budget is not None else Budget(), self.costs.batch(items),
+                  len(self.tiers))
         for i, qids in enumerate(asked):
             for qid in qids:
-                self._place(run, i, qid, 0, budget, forced=True)
-        for t in range(len(self.tiers)):
-            self._ask(run, t, [sorted(qids, key=list(run.asked[i]).index)
-                               for i, qids in enumerate(run.queued[t])])
+                self._place(run, i, qid, 0, run.budget, forced=True)
+        return run
+
+    def next_tier(self, run: Run) -> int | None:
+        """The lowest tier not asked yet that has questions of ``run`` queued; None when done."""
+        return next((t for t in range(run.at, len(self.tiers)) if any(run.queued[t])), None)
+
+    def ask(self, runs: Sequence[Run], t: int) -> None:
+        """Ask tier ``t`` what each run queued for it, in ONE batch, then queue each run's
+        unsure answers one tier up. Every run must be at ``t`` or below it (``next_tier``).
+
+        The batch changes no answer: a tier's answer about an item depends on that item and the
+        questions it is asked, not on the other items of the batch (the encoder computes each
+        vector alone or bit-identically in any batch; a GGUF tier reads each state on its own).
+        """
+        if any(run.at > t for run in runs):
+            raise CascadeError(f"tier {t} was already asked about this run; ask each tier once, "
+                               "lowest first")
+        sent = [[sorted(qids, key=list(run.asked[i]).index) for i, qids in enumerate(run.queued[t])]
+                for run in runs]
+        if any(any(s) for s in sent):
+            self._ask_batch(runs, t, sent)
+        for run in runs:
+            run.at = t + 1
             if t + 1 < len(self.tiers):
-                self._escalate(run, t, budget)
-        return [self._response(run, i) for i in range(len(items))]
+                self._escalate(run, t, run.budget)
+
+    def keep_below_top(self, run: Run) -> bool:
+        """Give up the top tier for ``run`` (it is overloaded): every question queued there that
+        a lower tier answered keeps that answer, marked budget-limited and uncertified; False,
+        changing nothing, when some queued question has no lower answer to keep."""
+        top = len(self.tiers) - 1
+        queued = [(i, qid) for i, qids in enumerate(run.queued[top]) for qid in qids]
+        if any(qid not in run.picks[i] for i, qid in queued):
+            return False
+        for i, qid in queued:
+            pick = run.picks[i][qid]
+            pick.budget_limited = pick.overloaded = True
+        run.queued[top] = [[] for _ in run.items]
+        return True
 
     def _question_ids(self, questions: Sequence[str] | None) -> list[str]:
         if questions is None:
@@ -252,7 +201,7 @@ class Cascade:
                                f"{list(self.questions)}; got {list(questions)}")
         return list(dict.fromkeys(questions))
 
-    def _may_keep(self, run: _Run, i: int, qid: str, t: int, budget: Budget) -> bool:
+    def _may_keep(self, run: Run, i: int, qid: str, t: int, budget: Budget) -> bool:
         """Whether tier ``t``'s answer to ``qid`` about item ``i`` could be the one returned: the
         condition for asking the tier at all. The top tier's always can; a tier without a head
         for the question has none; an answer that may clear a threshold can.
@@ -274,7 +223,7 @@ class Cascade:
             budget.max_escalation_fraction is not None and t + 1 == top)
         return stops and qid not in run.picks[i]
 
-    def _place(self, run: _Run, i: int, qid: str, start: int, budget: Budget, forced: bool) -> bool:
+    def _place(self, run: Run, i: int, qid: str, start: int, budget: Budget, forced: bool) -> bool:
         """Queue question ``qid`` of item ``i`` for the first tier from ``start`` up that may keep
         its answer, charging that tier's predicted cost; False (nothing queued) when the budget
         cannot pay. A ``forced`` question has no answer below to keep in its place, so it goes
@@ -284,7 +233,7 @@ class Cascade:
         extra = (run.costs.seconds(name, i, self._shape(t, [*queued, qid]))
                  - run.costs.seconds(name, i, self._shape(t, queued)))
         top = t == len(self.tiers) - 1
-        seconds, share = _allowance(budget, run, top)
+        seconds, share = allowance(budget, run, top)
         fits = run.spent + extra <= seconds and run.top_used + top <= share
         if not (fits or forced):
             return False
@@ -295,32 +244,44 @@ class Cascade:
             run.over_budget.add((i, qid))
         return True
 
-    def _ask(self, run: _Run, t: int, sent: list[list[str]]) -> None:
-        """Ask tier ``t`` the questions sent to it; record its (temperature-scaled) answers."""
-        if not any(sent):
-            return
+    def _ask_batch(self, runs: Sequence[Run], t: int, sent: list[list[list[str]]]) -> None:
+        """Ask tier ``t`` the questions sent to it about every run's items in one reply; record
+        each (temperature-scaled) answer in its run."""
         tier, top = self.tiers[t], t == len(self.tiers) - 1
+        items = [item for run in runs for item in run.items]
+        shapes = [self._shape(t, qids) for run_sent in sent for qids in run_sent]
         started = time.perf_counter()
-        reply = tier.reply(run.items, [self._shape(t, qids) for qids in sent], self.questions)
-        seconds = (time.perf_counter() - started) / sum(1 for qids in sent if qids)
-        for i, qids in enumerate(sent):
-            if qids:
-                run.usage[i] = _add(run.usage[i], reply.usage[i], seconds, {tier.name: tier.ran_on})
-                run.took[t][i] = seconds
-            for qid in qids:
-                if qid not in reply.answers[i]:
-                    if top:
-                        raise CascadeError(f"the top tier {tier.name!r} did not answer question "
-                                           f"{qid!r} about item {run.items[i].id!r}")
-                    continue
-                raw = reply.answers[i][qid]
-                probs = apply_temperature(raw, self.manifest.temperature(qid, tier.name))
-                threshold = None if top else self.manifest.threshold(qid, tier.name)
-                readout = reply.readouts[i].get(qid)
-                score = float(threshold_score(raw, self.manifest.threshold_on))
-                run.picks[i][qid] = _Pick(t, raw, probs, score, threshold, self._fitted(qid, t),
-                                          readout, reply.cuts[i])
-                run.answered[t][i].append(qid)
+        reply = tier.reply(items, shapes, self.questions)
+        seconds = (time.perf_counter() - started) / sum(1 for shape in shapes if shape)
+        first = 0
+        for run, run_sent in zip(runs, sent, strict=True):
+            for i, qids in enumerate(run_sent):
+                self._record(run, t, i, qids, reply, first + i, seconds, top)
+            first += len(run.items)
+
+    def _record(self, run: Run, t: int, i: int, qids: Sequence[str], reply: Reply, row: int,
+                seconds: float, top: bool) -> None:
+        """Keep tier ``t``'s answers to item ``i`` of ``run`` (row ``row`` of the tier's reply)."""
+        if not qids:
+            return
+        tier = self.tiers[t]
+        run.usage[i] = _add(run.usage[i], reply.usage[row], seconds, {tier.name: tier.ran_on})
+        run.took[t][i] = seconds
+        for qid in qids:
+            if qid not in reply.answers[row]:
+                if top:
+                    raise CascadeError(f"the top tier {tier.name!r} did not answer question "
+                                       f"{qid!r} about item {run.items[i].id!r}")
+                continue
+            raw = reply.answers[row][qid]
+            probs = apply_temperature(raw, self.manifest.temperature(qid, tier.name))
+            threshold = None if top else self.manifest.threshold(qid, tier.name)
+            score = float(threshold_score(raw, self.manifest.threshold_on))
+            readout = reply.readouts[row].get(qid)
+            tokens = readout.tokens if readout is not None else reply.usage[row].input_tokens
+            run.picks[i][qid] = Pick(t, raw, probs, score, threshold, self._fitted(qid, t),
+                                      readout, reply.cuts[row], tokens=tokens)
+            run.answered[t][i].append(qid)
 
     def _shape(self, t: int, qids: Sequence[str]) -> list[str]:
         """What tier ``t`` is asked about a state to answer ``qids``.
@@ -348,7 +309,7 @@ class Cascade:
         top = t == len(self.tiers) - 1
         return not top and facts is not None and facts.temperature_note is None
 
-    def _escalate(self, run: _Run, t: int, budget: Budget) -> None:
+    def _escalate(self, run: Run, t: int, budget: Budget) -> None:
         """Send up what tier ``t`` left open. A question it was asked but did not answer goes
         regardless when nothing below answered it either. Unsure answers go most doubtful first,
         each one the budget can still pay for: one that does not fit is skipped and keeps its
@@ -361,9 +322,9 @@ class Cascade:
             if not self._place(run, i, qid, t + 1, budget, forced=False):
                 run.picks[i][qid].budget_limited = True
 
-    def _unsure(self, run: _Run, t: int) -> list[tuple[int, str]]:
+    def _unsure(self, run: Run, t: int) -> list[tuple[int, str]]:
         """(item, question) of tier ``t``'s answers below their threshold and of the questions
-        it was asked but left to a lower tier's answer, most doubtful first (``_Pick.doubt``);
+        it was asked but left to a lower tier's answer, most doubtful first (``Pick.doubt``);
         ties go to the earlier item and question."""
         unsure = []
         for i, qids in enumerate(run.queued[t]):
@@ -373,7 +334,13 @@ class Cascade:
                     unsure.append((*pick.doubt, i, list(run.asked[i]).index(qid), qid))
         return [(i, qid) for *_, i, _, qid in sorted(unsure)]
 
-    def _response(self, run: _Run, i: int) -> DecisionResponse:
+    def responses(self, run: Run) -> list[DecisionResponse]:
+        """One response per item of a run every tier it needed has answered."""
+        if self.next_tier(run) is not None:
+            raise CascadeError(f"tier {self.next_tier(run)} has questions of this run still to answer")
+        return [self._response(run, i) for i in range(len(run.items))]
+
+    def _response(self, run: Run, i: int) -> DecisionResponse:
         shares: dict[str, float] = dict.fromkeys(run.asked[i], 0.0)
         spend: dict[str, TierUsage] = {}
         for t, tier in enumerate(self.tiers):
@@ -392,27 +359,39 @@ class Cascade:
                               raw_score=pick.score, threshold_on=self.manifest.threshold_on,
                               calibrated=pick.calibrated,
                               budget_limited=pick.budget_limited, input_cut=pick.cut,
-                              certified=self.certified, over_budget=(i, qid) in run.over_budget)
+                              certified=self.certified and not pick.overloaded,
+                              over_budget=(i, qid) in run.over_budget, overloaded=pick.overloaded)
             answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated,
                                                 readout=pick.readout)
             answers[qid] = answer.model_copy(update={"routing": routing})
-        return DecisionResponse(answers=answers, usage=run.usage[i].model_copy(update={"tiers": spend}))
+        return DecisionResponse(model=self.manifest.name, answers=answers,
+                                usage=run.usage[i].model_copy(update={"tiers": spend}),
+                                audit=self._audit(run, i))
+
+    def _audit(self, run: Run, i: int) -> Audit:
+        """The facts of item ``i``'s answers: per question, its prompt template, allowed answers
+        and the tokens its tier read; the backends and precisions of the tiers that answered."""
+        qids, picks = list(run.asked[i]), run.picks[i]
+        answering = [self.tiers[t] for t in sorted({picks[q].tier for q in qids})]
+        return Audit(model_hash=self.manifest_sha256, calibration_version=self.calibration_version,
+                     prompt_template_sha256=[template_sha256(self.questions[q]) for q in qids],
+                     allowed_token_set_hash=[letters_sha256(self.questions[q]) for q in qids],
+                     input_tokens=[picks[q].tokens for q in qids],
+                     backend="+".join(dict.fromkeys(tier.backend for tier in answering)),
+                     precision="+".join(dict.fromkeys(tier.precision for tier in answering)))
 
 
-def _allowance(budget: Budget, run: _Run, top: bool) -> tuple[float, float]:
-    """The call's predicted seconds (pooled over its items) and, when escalating to the top
-    tier, the number of questions that tier may answer; inf where the budget sets no bound."""
-    seconds = math.inf
-    if budget.ms_per_call is not None:
-        seconds = budget.ms_per_call * len(run.items) / 1e3 * (1 + 1e-9)  # float slack
-    share = math.inf
-    if top and budget.max_escalation_fraction is not None:
-        share = math.floor(budget.max_escalation_fraction * sum(map(len, run.asked)) + 1e-9)
-    return seconds, share
+def _calibration_version(manifest: Manifest) -> str:
+    """When the thresholds were certified and a digest of the calibration that certified them."""
+    calibration = manifest.calibration
+    if calibration.calibrated_at is None:
+        return "uncalibrated"
+    digest = hashlib.sha256(calibration.model_dump_json().encode()).hexdigest()
+    return f"{calibration.calibrated_at}+{digest[:12]}"
 
 
 def _add(total: Usage, more: Usage, seconds: float, ran_on: Mapping[str, str]) -> Usage:
-    return Usage(questions=total.questions, prompt_tokens=total.prompt_tokens + more.prompt_tokens,
+    return Usage(questions=total.questions, input_tokens=total.input_tokens + more.input_tokens,
                  forward_passes=total.forward_passes + more.forward_passes,
                  seconds=total.seconds + seconds, ran_on={**total.ran_on, **ran_on})
 

@@ -20,13 +20,14 @@ from typing import ClassVar
 
 import numpy as np
 
+from cascade.answers import Readout, Usage
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.heads import HeadStack, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
 from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens, gguf_flops_per_token
 from cascade.prompts import render_state
-from cascade.questions import DecisionRequest, Question, Readout, State, Usage
+from cascade.questions import DecisionRequest, Question, State
 from cascade.readout import HeadTailExcerpt, Scorer
 
 
@@ -67,17 +68,29 @@ class Tier(ABC):
     ``batch_sensitive``: its answers move with the batch of questions read together (a fan-out
     decodes them in one batch), so below the top it is asked the batch calibration certified.
     ``meters_tokens``: ``reply`` reports in its usage the prompt tokens the model ran; otherwise
-    ``count_tokens`` of the state texts is what it ran.
+    ``count_tokens`` of the state texts is what it ran. ``reads_any_question``: it answers any
+    question put to it, not only the bundle's (a readout reads the question from its prompt).
     """
 
     name: str
     batch_sensitive: ClassVar[bool] = False
     meters_tokens: ClassVar[bool] = False
+    reads_any_question: ClassVar[bool] = False
 
     @property
     def ran_on(self) -> str:
         """Where this tier computes its answers, as every answer's usage records it."""
         return "no model: recorded answers"
+
+    @property
+    def backend(self) -> str:
+        """What computes its answers, as a response's audit names it."""
+        return "recorded labels"
+
+    @property
+    def precision(self) -> str:
+        """The numbers its model computes in (a GGUF's quantization type), for the audit."""
+        return "n/a"
 
     @property
     def batch_size(self) -> int:
@@ -142,6 +155,14 @@ class HeadsTier(Tier):
         return self.encoder.ran_on
 
     @property
+    def backend(self) -> str:
+        return "onnxruntime"
+
+    @property
+    def precision(self) -> str:
+        return self.encoder.precision
+
+    @property
     def batch_size(self) -> int:
         return self.encoder.batch_size
 
@@ -172,8 +193,9 @@ class HeadsTier(Tier):
         texts = [render_state(items[i].state) for i in wanted]
         vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
         answers = self.stack.predict_proba(beside(vectors, self.ngrams, texts))
-        for row, (i, cut) in enumerate(zip(wanted, self.encoder.cuts(texts), strict=True)):
+        for row, (i, (tokens, cut)) in enumerate(zip(wanted, self.encoder.cuts(texts), strict=True)):
             out.cuts[i] = cut
+            out.usage[i] = Usage(input_tokens=tokens)
             for qid in asked[i]:
                 if qid in answers:
                     out.answers[i][qid] = answers[qid][row]
@@ -189,6 +211,7 @@ class ReadoutTier(Tier):
 
     batch_sensitive = True
     meters_tokens = True
+    reads_any_question = True
 
     def __init__(
         self,
@@ -210,6 +233,14 @@ class ReadoutTier(Tier):
     @property
     def ran_on(self) -> str:
         return self.scorer.ran_on
+
+    @property
+    def backend(self) -> str:
+        return "llama.cpp"
+
+    @property
+    def precision(self) -> str:
+        return self.scorer.model.precision
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(self.scorer.model.tokenize(text)) for text in texts]

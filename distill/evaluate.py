@@ -18,13 +18,14 @@ import numpy as np
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from cascade.answers import Answer, DecisionResponse, Routing
 from cascade.bundle import Bundle, Manifest
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
 from cascade.encoder import Device
 from cascade.errors import CascadeError
 from cascade.placement import Placements
-from cascade.questions import Answer, DecisionResponse, Routing
-from cascade.router import Budget, Cascade
+from cascade.router import Cascade
+from cascade.run import Budget
 from cascade.tiers import Item
 from distill.store import LabelStore
 

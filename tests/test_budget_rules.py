@@ -16,11 +16,13 @@ from corpora import copy_with_middle
 from synthbundle import copy_bundle, train, write_inputs
 from tinymodels import silence_llama_logs, tiny_llama_path
 
+from cascade.answers import DecisionResponse
 from cascade.bundle import Bundle, Manifest
 from cascade.encoder import Encoder
-from cascade.questions import DecisionRequest, DecisionResponse
+from cascade.questions import DecisionRequest
 from cascade.readout import Scorer
-from cascade.router import Budget, Cascade
+from cascade.router import Cascade
+from cascade.run import Budget
 from cascade.tiers import Item
 from distill.calibration.maths import CalibrationError
 from distill.calibration.run import calibrate_bundle

@@ -1,5 +1,6 @@
 """The ONNX sentence encoder and its embedding cache, on the real all-MiniLM-L6-v2 int8 model."""
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from cascade.encoder import (
     resolve_providers,
 )
 from cascade.errors import ModelError
+from cascade.onnx_header import weight_precision, weight_types
 
 SHORT = "Ok lar... Joking wif u oni..."
 LONGER = [
@@ -108,6 +110,19 @@ def test_only_a_model_with_per_call_quantization_runs_texts_alone(tmp_path: Path
     (tmp_path / "empty.onnx").write_bytes(b"")
     with pytest.raises(ModelError, match=r"cannot read encoder model .*empty\.onnx"):
         quantizes_per_call(tmp_path / "empty.onnx")
+
+
+def test_the_weights_precision_is_read_from_the_file(tmp_path: Path) -> None:
+    """The shipped MiniLM stores its matrices int8 (cast to float to run): its audit says int8.
+    The counts are onnx's own for this file (the fine-tune's tests check the reader against
+    the onnx package on a file the project writes)."""
+    shipped = default_encoder_files().model
+    assert weight_types(shipped) == Counter(fp32=107, int8=38, int64=14, bool=1)
+    assert weight_precision(shipped) == "int8"
+    cut = tmp_path / "cut.onnx"
+    cut.write_bytes(shipped.read_bytes()[:5000])
+    with pytest.raises(ModelError, match=r"cannot read .*cut\.onnx as an ONNX model: a field runs past"):
+        weight_types(cut)
 
 
 def test_missing_model_file_is_named(tmp_path: Path) -> None:

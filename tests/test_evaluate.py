@@ -14,7 +14,7 @@ from test_router import COSTS, ENCODER_MS, HEADED, TEACHER_MS, labels, texts, th
 from cascade.bundle import Bundle
 from cascade.encoder import Encoder
 from cascade.ngrams import beside
-from cascade.router import Budget
+from cascade.run import Budget
 from distill.cli import main
 from distill.evaluate import Evaluation, EvaluationError, evaluate_bundle
 from distill.store import LabelStore, Teacher

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from corpora import HEADED, QUESTIONS, copy_bundle, corpus_items, train
 
 from cascade.bundle import Bundle, BundleError, BundleFile
 from cascade.encoder import EmbeddingCache, Encoder, default_encoder_files
+from cascade.onnx_header import weight_precision, weight_types
 from cascade.router import Cascade
 from cascade.tierkinds import RouterError
 from cascade.tiers import Item
@@ -110,6 +112,22 @@ def test_a_fine_tuned_export_gives_a_text_the_same_vector_alone_and_in_any_batch
     np.testing.assert_array_equal(side_by_side.encode([*reversed(texts), *texts])[len(texts):], alone)
     batched = tuned._encode_batch(tuned._tokenize(texts))  # the same model, one call for all
     assert float(np.abs(batched - alone).max()) > 1e-3
+
+
+def test_the_exports_weight_types_are_read_as_the_onnx_package_reads_them(tuned_bundle: Bundle) -> None:
+    """``cascade.onnx_header`` walks the protobuf itself (the runtime has no ``onnx``): checked
+    here, where the fine-tune's extra brings ``onnx``, on a file the project wrote."""
+    import onnx
+
+    tier = tuned_bundle.manifest.encoder_tier
+    assert tier is not None
+    path = tier.files(tuned_bundle.directory).model
+    names = {"FLOAT": "fp32", "INT8": "int8", "UINT8": "uint8", "INT64": "int64", "INT32": "int32",
+             "FLOAT16": "fp16", "BOOL": "bool"}
+    expected = Counter(names[onnx.TensorProto.DataType.Name(t.data_type)]
+                       for t in onnx.load(path).graph.initializer)
+    assert weight_types(path) == expected
+    assert weight_precision(path) == ("int8" if expected["int8"] or expected["uint8"] else "fp32")
 
 
 def test_vectors_of_a_model_run_texts_alone_are_cached_apart(tuned_bundle: Bundle, tmp_path: Path) -> None:

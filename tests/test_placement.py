@@ -164,8 +164,10 @@ def test_the_encoder_records_its_provider_and_its_cuts(encoder: Encoder) -> None
     assert encoder.ran_on == f"onnxruntime {encoder.provider} (device 'cpu' asked)"
     assert encoder.provider == "CPUExecutionProvider"
     long = "word " * (encoder.max_length + 50)
-    assert encoder.cuts(["a short message", long]) == [
-        None, f"encoder read the first {encoder.max_length} tokens (max_length); the rest was cut"]
+    (short_tokens, short_cut), (long_tokens, long_cut) = encoder.cuts(["a short message", long])
+    assert (short_cut, long_tokens) == (None, encoder.max_length)
+    assert 3 < short_tokens < 10
+    assert long_cut == f"encoder read the first {encoder.max_length} tokens (max_length); the rest was cut"
 
 
 def test_auto_device_records_the_provider_it_got() -> None:

@@ -6,6 +6,16 @@ from typing import Any
 
 import pytest
 
+from cascade.answers import (
+    Audit,
+    ChoiceAnswer,
+    DecisionResponse,
+    NoulAnswer,
+    Readout,
+    ScoreAnswer,
+    Usage,
+    confidence,
+)
 from cascade.errors import RequestError
 from cascade.questions import (
     MAX_LEVELS,
@@ -13,18 +23,11 @@ from cascade.questions import (
     MIN_LEVELS,
     MIN_OPTIONS,
     OPTION_LETTERS,
-    ChoiceAnswer,
     ChoiceQuestion,
     DecisionRequest,
-    DecisionResponse,
-    NoulAnswer,
     NoulCriteria,
     NoulQuestion,
-    Readout,
-    ScoreAnswer,
     ScoreQuestion,
-    Usage,
-    confidence,
     parse_request,
 )
 
@@ -108,9 +111,10 @@ def test_empty_question_id(qid):
     refused({"state": EMAIL, "questions": {qid: NOUL}}, r"^questions: question id '\s*' is empty")
 
 
-def test_unknown_top_level_field():
-    refused({**request(**NOUL), "temperature": 0},
-            r"^request: unknown field 'temperature'; allowed: 'state', 'questions', 'model'$")
+def test_unknown_keys_are_ignored_as_system_one_servers_ignore_them():
+    parsed = parse_request({**request(**NOUL, abstain_option=True), "temperature": 0, "model": "jev-latest"})
+    assert parsed.questions["q"] == NoulQuestion(type="noul", instructions=NOUL["instructions"])
+    assert parsed.model == "jev-latest"
 
 
 def test_duplicate_top_level_key():
@@ -141,10 +145,6 @@ def test_unknown_type_lists_allowed_types():
             r"^questions.q.type: unknown type 'yesno'; allowed types: 'noul', 'choice', 'score'$")
 
 
-def test_unknown_question_field():
-    refused(request(**NOUL, weight=2), r"^questions.q: unknown field 'weight'; allowed: 'type'")
-
-
 def test_question_id_named_like_a_type_keeps_its_path():
     refused({"state": EMAIL, "questions": {"choice": {**CHOICE, "criteria": {"a": "x"}}}},
             r"^questions.choice.criteria: a choice question takes")
@@ -152,6 +152,14 @@ def test_question_id_named_like_a_type_keeps_its_path():
 
 def test_missing_instructions():
     refused(request(type="noul"), r"^questions.q.instructions: missing; give what the question")
+    refused(request(type="noul", criteria={"true": None}), r"^questions.q.instructions: missing")
+
+
+def test_criteria_that_describe_the_options_may_stand_without_instructions():
+    """typesafe-sdk leaves instructions out when the criteria say what is asked."""
+    noul = question({"type": "noul", "criteria": {"true": "The sender is angry"}})
+    assert noul.instructions is None and noul.instructions_text() == "Which option applies?"
+    assert question({"type": "choice", "criteria": {"a": "x", "b": None}}).option_keys() == ["a", "b"]
 
 
 @pytest.mark.parametrize("instructions", ["", "  ", {}])
@@ -160,21 +168,25 @@ def test_blank_instructions(instructions):
             r"^questions.q.instructions: is blank; ")
 
 
-@pytest.mark.parametrize("instructions, kind", [(5, "number"), (["Why?"], "array"),
-                                                (None, "null")])
+@pytest.mark.parametrize("instructions, kind", [(5, "number"), (True, "boolean")])
 def test_instructions_of_wrong_kind(instructions, kind):
     refused(request(type="noul", instructions=instructions),
-            rf"^questions.q.instructions: must be text or a JSON object; got {kind}$")
+            rf"^questions.q.instructions: must be text or a JSON object or array; got {kind}$")
+
+
+def test_instructions_may_be_a_json_array():
+    assert question({**NOUL, "instructions": ["Is it urgent?", "Ignore tone"]}).instructions_text() == \
+        '["Is it urgent?","Ignore tone"]'
 
 
 def test_choice_needs_criteria():
     refused(request(type="choice", instructions="Which?"),
-            r"^questions.q.criteria: missing; give an object mapping 2 to 16 option keys")
+            r"^questions.q.criteria: missing; give an object mapping 2 to 255 option keys")
 
 
 def test_score_needs_criteria():
     refused(request(type="score", instructions="How bad?"),
-            r"^questions.q.criteria: missing; give an array of 2 to 10 level legends$")
+            r"^questions.q.criteria: missing; give an array of 2 to 10 level legends \(or an object")
 
 
 def test_choice_criteria_must_be_an_object():
@@ -182,9 +194,20 @@ def test_choice_criteria_must_be_an_object():
             r"^questions.q.criteria: a choice question's criteria must be an object .*; got array$")
 
 
-def test_score_criteria_must_be_an_array():
-    refused(request(**{**SCORE, "criteria": {"0": "Minor", "1": "Major"}}),
-            r"^questions.q.criteria: a score question's criteria must be an array .*; got object$")
+def test_score_criteria_must_be_an_array_or_an_object():
+    refused(request(**{**SCORE, "criteria": "Minor, Major"}),
+            r"^questions.q.criteria: a score question's criteria must be an array .*; got text$")
+
+
+def test_score_levels_may_be_label_objects_or_one_object_of_labels():
+    """jev-style sends ``{label, description}`` levels, avrik-sdk one object of labels."""
+    levels = question({**SCORE, "criteria": [{"label": "Minor", "description": "cosmetic"},
+                                             {"label": "Major"}, "Blocking"]})
+    assert levels.option_texts() == ["Minor: cosmetic", "Major", "Blocking"]
+    assert levels.answer([0.2, 0.3, 0.5]).legend == {"0": "Minor", "1": "Major", "2": "Blocking"}
+    mapping = question({**SCORE, "criteria": {"Minor": "cosmetic", "Major": None}})
+    assert mapping.option_texts() == ["Minor: cosmetic", "Major"]
+    assert mapping.answer([0.6, 0.4]).legend == {"0": "Minor", "1": "Major"}
 
 
 @pytest.mark.parametrize("criteria, kind", [("yes", "text"), (["yes", "no"], "array")])
@@ -202,8 +225,7 @@ def test_noul_criteria_take_only_true_and_false():
 def test_choice_option_count(count):
     criteria = {f"k{i}": None for i in range(count)}
     refused(request(**{**CHOICE, "criteria": criteria}),
-            rf"^questions.q.criteria: a choice question takes 2 to 16 options \(letters A-P\); "
-            rf"got {count}$")
+            rf"^questions.q.criteria: a choice question takes 2 to 255 options; got {count}$")
 
 
 @pytest.mark.parametrize("count", [1, MAX_LEVELS + 1])
@@ -285,10 +307,11 @@ def test_choice_keys_keep_their_order_and_descriptions_of_each_kind_render():
     assert question.option_texts() == ["Text", '{"team":"ops"}', '["x","ü"]', None]
 
 
-def test_choice_option_limits_are_the_letters():
-    assert (MIN_OPTIONS, MAX_OPTIONS, len(OPTION_LETTERS)) == (2, 16, 16)
-    for count in (MIN_OPTIONS, MAX_OPTIONS):
-        criteria = {letter: None for letter in OPTION_LETTERS[:count]}
+def test_choice_option_limits_are_the_apis_not_the_letters():
+    """The Jev API's 255; a prompt letters 16 (A-P), and a readout reads more in rounds."""
+    assert (MIN_OPTIONS, MAX_OPTIONS, len(OPTION_LETTERS)) == (2, 255, 16)
+    for count in (MIN_OPTIONS, len(OPTION_LETTERS) + 1, MAX_OPTIONS):
+        criteria = {f"k{i}": None for i in range(count)}
         assert len(parse_request(request(**{**CHOICE, "criteria": criteria}))
                    .questions["q"].option_keys()) == count
 
@@ -321,6 +344,9 @@ def test_models_validate_when_built_directly():
 
 READOUT = Readout(model="qwen3.5-4b-q4_k_m.gguf", prompt_version="v1", prompt_hash="ab" * 32,
                   letter_mass=0.93, permutations=2, excerpt="head_tail:1024")
+AUDIT = Audit(model_hash="cd" * 32, calibration_version="uncalibrated",
+              prompt_template_sha256=["ef" * 32] * 3, allowed_token_set_hash=["01" * 32] * 3,
+              input_tokens=[40, 41, 42], backend="llama.cpp cpu", precision="Q4_K_M")
 
 
 def question(data: dict[str, Any]) -> Any:
@@ -349,7 +375,8 @@ def test_score_answer_is_the_expected_level():
     answer = question(SCORE).answer([0.2, 0.3, 0.5])
     assert isinstance(answer, ScoreAnswer)
     assert answer.score == pytest.approx(0.3 + 2 * 0.5)
-    assert (answer.level, answer.legend) == (2, "Blocking")
+    assert answer.level == 2
+    assert answer.legend == {"0": "Minor", "1": "Degraded", "2": "Blocking"}
     assert answer.probabilities == pytest.approx({"0": 0.2, "1": 0.3, "2": 0.5})
     assert question(SCORE).answer([0.4, 0.2, 0.4]).level == 0
 
@@ -384,9 +411,31 @@ def test_response_json_round_trip():
         "severity": question({**SCORE, "criteria": ["Minor", {"x": [1]}, None]}).answer(
             [0.1, 0.6, 0.3], calibrated=True),
     }
-    response = DecisionResponse(answers=answers, usage=Usage(questions=3, prompt_tokens=120,
-                                                             forward_passes=1, seconds=0.25))
+    response = DecisionResponse(model="m", answers=answers, usage=Usage(
+        questions=3, input_tokens=120, forward_passes=1, seconds=0.25), audit=AUDIT)
     again = DecisionResponse.model_validate_json(response.model_dump_json())
     assert again == response
     assert [type(a) for a in again.answers.values()] == [NoulAnswer, ChoiceAnswer, ScoreAnswer]
-    assert json.loads(response.model_dump_json())["answers"]["severity"]["legend"] == {"x": [1]}
+    legend = json.loads(response.model_dump_json())["answers"]["severity"]["legend"]
+    assert legend == {"0": "Minor", "1": '{"x":[1]}', "2": "2"}
+
+
+def test_the_wire_carries_what_system_one_clients_type_and_the_rest_under_x_keys():
+    """avrik-sdk requires model, usage tokens and audit; typesafe-sdk rejects a score answer
+    without confidence or with legend keys that are not level numbers; strict clients drop
+    only keys they do not know, so the cascade's own fields go under x_."""
+    answers = {"urgent": question(NOUL).answer([0.9, 0.1], readout=READOUT),
+               "dept": question(CHOICE).answer([0.25, 0.75], calibrated=True),
+               "severity": question(SCORE).answer([0.1, 0.6, 0.3])}
+    wire = DecisionResponse(model="m", answers=answers, usage=Usage(input_tokens=7),
+                            audit=AUDIT).model_dump(mode="json")
+    assert list(wire) == ["model", "answers", "usage", "audit"]
+    assert set(wire["answers"]["urgent"]) == {"type", "noul", "x_calibrated", "x_readout"}
+    assert set(wire["answers"]["dept"]) == {"type", "choice", "probabilities", "confidence",
+                                            "x_calibrated"}
+    assert set(wire["answers"]["severity"]) == {"type", "score", "legend", "probabilities",
+                                                "confidence", "x_calibrated"}
+    assert list(wire["answers"]["severity"]["probabilities"]) == ["0", "1", "2"]
+    assert wire["usage"] == {"input_tokens": 7, "output_tokens": 0, "x_cascade": {
+        "questions": 0, "forward_passes": 0, "seconds": 0.0, "ran_on": {}, "tiers": {}}}
+    assert wire["audit"] == AUDIT.model_dump()

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from tinymodels import tiny_llama_path, tiny_qwen35_path
 
+from cascade.answers import DecisionResponse
 from cascade.errors import InputTooLongError, ModelError, RequestError
+from cascade.hashing import file_sha256
 from cascade.orders import balanced_orders
 from cascade.prompts import PROMPT_VERSION, PromptTemplate
-from cascade.questions import DecisionResponse, parse_request
+from cascade.questions import parse_request
 from cascade.readout import HeadTailExcerpt, Scorer
 from distill.cli import main
 
@@ -102,14 +104,14 @@ def test_fanout_matches_one_fresh_prompt_per_question(gemma_scorer: Scorer, n: i
     fresh = gemma_scorer.score(request(n), path="fresh")
     assert fanout.usage.forward_passes == 2
     assert fresh.usage.forward_passes == n
-    assert fanout.usage.prompt_tokens < fresh.usage.prompt_tokens or n == 1
+    assert fanout.usage.input_tokens < fresh.usage.input_tokens or n == 1
     assert_close(fanout, fresh, PATH_TOLERANCE)
 
 
 def test_serial_matches_fanout(gemma_scorer: Scorer) -> None:
     serial = gemma_scorer.score(request(), path="serial")
     fanout = gemma_scorer.score(request(), path="fanout")
-    assert serial.usage.prompt_tokens == fanout.usage.prompt_tokens
+    assert serial.usage.input_tokens == fanout.usage.input_tokens
     assert serial.usage.forward_passes == 1 + len(QUESTIONS)
     assert_close(serial, fanout, PATH_TOLERANCE)
 
@@ -224,6 +226,57 @@ def test_hybrid_fanout_serial_and_fresh_agree(qwen35: Path) -> None:
     assert_close(again, fanout, 0.0)
 
 
+CITIES = {f"city{i}": f"the city numbered {i}" for i in range(40)}
+MANY = {"type": "choice", "instructions": "Which city does the writer live in?", "criteria": CITIES}
+
+
+def many_options(n: int = 40, **more: object) -> object:
+    criteria = dict(list(CITIES.items())[:n])
+    return parse_request({"state": "I moved to the city numbered 23 last year and love it.",
+                          "questions": {"city": {**MANY, "criteria": criteria}, **more}})
+
+
+def test_a_choice_of_more_options_than_letters_is_read_in_two_rounds(gemma_scorer: Scorer) -> None:
+    """40 options: 3 groups (13, 14 and 13) in the first round, their winners in the second; the
+    state prefilled once for both (3 passes: prefix, round 1 with the noul branch, round 2)."""
+    req = many_options(urgent=QUESTIONS["urgent"])
+    fanout = gemma_scorer.score(req)
+    fresh = gemma_scorer.score(req, path="fresh")
+    serial = gemma_scorer.score(req, path="serial")
+    answer = fanout.answers["city"]
+    assert list(answer.probabilities) == list(CITIES) and answer.choice in CITIES
+    assert sum(answer.probabilities.values()) == pytest.approx(1.0, abs=1e-9)
+    assert fanout.usage.forward_passes == 3 and fresh.usage.forward_passes == 3 + 1 + 1
+    assert answer.readout.tokens == fresh.answers["city"].readout.tokens > 0
+    assert_close(fanout, fresh, PATH_TOLERANCE)
+    assert_close(serial, fanout, PATH_TOLERANCE)
+
+
+def test_the_rounds_share_each_groups_reading_as_its_own_prompt_reads_it(gemma_scorer: Scorer) -> None:
+    """Within a group, options keep the shares the group's prompt gave them (exactly: the fresh
+    path reads that very prompt), and the group's total is its finalist's second-round probability."""
+    rounds = gemma_scorer.score(many_options(20), path="fresh").answers["city"].probabilities
+    first = dict(list(CITIES.items())[:10])  # 20 options: two groups of 10
+    group = parse_request({"state": "I moved to the city numbered 23 last year and love it.",
+                           "questions": {"g": {**MANY, "criteria": first}}})
+    alone = gemma_scorer.score(group, path="fresh").answers["g"].probabilities
+    total = sum(rounds[key] for key in first)
+    for key in first:
+        assert rounds[key] / total == pytest.approx(alone[key], abs=1e-9)
+    assert 0 < total < 1
+
+
+def test_rounds_never_rewind_a_hybrid_model(qwen35: Path) -> None:
+    scorer = Scorer(qwen35, n_ctx=2048, max_branches=4)
+    try:
+        fanout = scorer.score(many_options(), permutations=2)
+        fresh = scorer.score(many_options(), path="fresh", permutations=2)
+    finally:
+        scorer.close()
+    assert fanout.answers["city"].readout.permutations == 2
+    assert_close(fanout, fresh, F32_TOLERANCE)
+
+
 def test_hybrid_memory_cannot_be_rewound(qwen35: Path) -> None:
     """The scorer only ever drops whole sequences; this model really refuses a partial seq_rm."""
     import llama_cpp
@@ -267,7 +320,15 @@ def test_cli_score_prints_the_response(gemma_path: Path, tmp_path: Path, capsys)
     assert main(["score", "--model", str(gemma_path), "--request", str(req), "--n-ctx", "1024"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["answers"]) == {"urgent", "team"}
-    assert out["usage"]["forward_passes"] == 2
+    # the System One wire shape clients type (tests/test_serve.py calls them), the rest under x_
+    assert set(out) == {"model", "answers", "usage", "audit"} and out["model"] == gemma_path.name
+    assert set(out["answers"]["urgent"]) == {"type", "noul", "x_calibrated", "x_readout"}
+    assert out["usage"]["output_tokens"] == 0 and out["usage"]["x_cascade"]["forward_passes"] == 2
+    tokens = out["audit"]["input_tokens"]
+    assert [a["x_readout"]["tokens"] for a in out["answers"].values()] == tokens
+    assert sum(tokens) > out["usage"]["input_tokens"]  # the prefill is shared, counted once
+    assert out["audit"]["model_hash"] == file_sha256(gemma_path)
+    assert (out["audit"]["backend"], out["audit"]["precision"]) == ("llama.cpp cpu", "Q4_K_M")
 
 
 def test_cli_reports_bad_requests_in_one_line(gemma_path: Path, tmp_path: Path, capsys) -> None:

@@ -20,6 +20,7 @@ import pytest
 from corpora import HEADED
 from tinymodels import tiny_llama_path
 
+from cascade.answers import DecisionResponse
 from cascade.bundle import Bundle, Manifest, ModelFile
 from cascade.calibration_math import TemperatureError, apply_temperature, threshold_score
 from cascade.cost import ModelShape, decision_flops
@@ -28,8 +29,9 @@ from cascade.hashing import file_sha256
 from cascade.placement import Placement
 from cascade.pricing import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
 from cascade.prompts import PROMPT_VERSION, PromptTemplate
-from cascade.questions import DecisionRequest, DecisionResponse
-from cascade.router import Budget, Cascade, RouterError
+from cascade.questions import DecisionRequest
+from cascade.router import Cascade, RouterError
+from cascade.run import Budget
 from cascade.tiers import Item
 from distill.cli import main
 from distill.store import LabelStore
@@ -428,7 +430,7 @@ def test_a_gguf_teacher_answers_escalations_end_to_end(
         assert {a.routing.tier for a in response.answers.values()} == {"teacher"}
         assert all(a.routing.certified for a in response.answers.values())
         assert response.usage.ran_on == {"teacher": scorer.ran_on}
-        assert response.usage.prompt_tokens == reference.usage.prompt_tokens > 0
+        assert response.usage.input_tokens == reference.usage.input_tokens > 0
         assert response.usage.forward_passes == reference.usage.forward_passes >= 1
         for qid in asked:  # the scorer's own answer, through the tier and a temperature of 1
             assert probabilities(response, qid) == pytest.approx(probabilities(reference, qid), abs=1e-9)
@@ -493,10 +495,11 @@ def test_cli_decide_needs_a_teacher_and_resumes(
     args.append("--accept-other-teacher")
     assert main([*args, "--batch-size", "2", "--threads", "1"]) == 0
     rows = [json.loads(line) for line in out.open(encoding="utf-8")]
-    assert {row["answers"]["spam"]["routing"]["certified"] for row in rows} == {False}
+    assert {row["answers"]["spam"]["x_routing"]["certified"] for row in rows} == {False}
     assert [row["id"] for row in rows] == [json.loads(line)["id"] for line in corpus.open()]
-    assert rows[0]["answers"]["urgent"]["routing"]["tier"] == "encoder"
-    assert rows[0]["answers"]["spam"]["routing"]["tier"] == "teacher"
+    assert rows[0]["answers"]["urgent"]["x_routing"]["tier"] == "encoder"
+    assert rows[0]["answers"]["spam"]["x_routing"]["tier"] == "teacher"
+    assert {row["model"] for row in rows} == {trained[2].manifest.name}
     with out.open("a", encoding="utf-8") as handle:
         handle.write('{"id": "cut sh')
     assert main([*args, "--threads", "1"]) == 0

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from bundles import MIDDLE, TOP, write_bundle
 
+from cascade.answers import ChoiceAnswer, NoulAnswer
 from cascade.bundle import TIER_SPECS, Bundle, GgufTier
 from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens
-from cascade.questions import ChoiceAnswer, NoulAnswer, Question
+from cascade.questions import Question
 from cascade.router import Cascade, RouterError
 from cascade.tierkinds import KINDS, Build, GgufKind, TierKind, kind_of, register
 from cascade.tiers import Answers, Asked, Item, LabelsTier, Tier

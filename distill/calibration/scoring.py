@@ -90,7 +90,7 @@ def _timed_answers(
             seconds = time.perf_counter() - began
             answers += reply.answers
             if tier.meters_tokens:
-                tokens = sum(usage.prompt_tokens for usage in reply.usage)
+                tokens = sum(usage.input_tokens for usage in reply.usage)
             else:
                 tokens = sum(counts[rows])
             batches.append(_Batch(len(items[rows]), tokens, seconds))

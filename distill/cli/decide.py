@@ -19,7 +19,8 @@ from distill.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from cascade.router import Budget, Cascade
+    from cascade.router import Cascade
+    from cascade.run import Budget
     from cascade.tiers import Item
 
 DESCRIPTION = """\
@@ -41,7 +42,8 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cascade.corpus import count_items, read_corpus
-    from cascade.router import Budget, Cascade
+    from cascade.router import Cascade
+    from cascade.run import Budget
     from cascade.tiers import Item
 
     if args.batch_size < 1:

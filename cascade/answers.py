@@ -1,0 +1,249 @@
+"""System One answers and responses, typed as the ecosystem's clients type them.
+
+A response is typed as System One clients type it (avrik-sdk, jev-style and typesafe-sdk parse it
+unchanged)::
+
+    {"model": "support-v1",
+     "answers": {"urgent": {"type": "noul", "noul": 0.91},
+                 "team": {"type": "choice", "choice": "billing", "probabilities": {...},
+                          "confidence": 0.83},
+                 "severity": {"type": "score", "score": 1.2, "legend": {"0": "Minor", ...},
+                              "probabilities": {"0": 0.1, ...}, "confidence": 0.6}},
+     "usage": {"input_tokens": 152, "output_tokens": 0},
+     "audit": {"model_hash": ..., "calibration_version": ..., "prompt_template_sha256": [...],
+               "allowed_token_set_hash": [...], "input_tokens": [...], "backend": ..., "precision": ...}}
+
+Everything only this project knows sits under keys prefixed ``x_`` (``x_routing``, ``x_readout``
+and ``x_calibrated`` on an answer, ``x_cascade`` in usage), which strict clients ignore. A noul
+answer's distribution is its ``noul`` (the probability of true); its ``probabilities`` and
+``confidence`` stay attributes here and are left off the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+from cascade.calibration_math import ThresholdScore
+
+
+def argmax(values: Sequence[float]) -> int:
+    """Index of the largest value; the first one on ties, so that answers are deterministic."""
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def confidence(probabilities: Sequence[float]) -> float:
+    """The largest probability: the chance, by the scorer's own numbers, that its argmax is right.
+
+    Unlike entropy or the top-two margin, it is itself a probability of the answer reported, so a
+    threshold on it reads directly ("accept when at least 90% sure"), and once calibrated it means
+    expected agreement whatever the number of options, so thresholds compare across questions.
+    """
+    if len(probabilities) == 0:
+        raise ValueError("probabilities: empty; need one per option")
+    return float(max(probabilities))
+
+
+class Readout(BaseModel):
+    """How a logit-readout scorer made its raw probabilities, so that answers can be reproduced.
+
+    ``prompt_hash`` is the sha256 hex of the exact prompt text(s); ``letter_mass`` the share of the
+    whole vocabulary's probability on the option letters (mean over the ``permutations`` option
+    orders averaged), low when the model wanted to say something else; ``excerpt`` the policy
+    applied to the state (e.g. ``"head_tail:1024"``), None when the whole state was read;
+    ``tokens`` the prompt tokens of the question's prompts (all orders, shared prefix included).
+    """
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model: str
+    model_sha256: str | None = None
+    prompt_version: str
+    prompt_hash: str
+    letter_mass: float
+    permutations: int = 1
+    excerpt: str | None = None
+    tokens: int = 0
+
+
+class Routing(BaseModel):
+    """Which cascade tier gave an answer, what it cost, and why it stopped there.
+
+    ``threshold`` is the one the answer cleared (or, when ``budget_limited``, failed: the budget
+    could not pay to escalate it); None for the top tier, which answers whatever its confidence.
+    It is compared with ``raw_score``, the tier's raw probabilities (before temperature scaling)
+    reduced to the score named by ``threshold_on``: ``margin``, the top probability's lead over
+    the runner-up, or ``top``, the top probability (a schema-1 bundle). ``raw_confidence`` is the
+    raw top probability; the answer's ``confidence`` is the top probability after temperature.
+    ``cost_ms`` is this answer's share of the predicted cost of every tier it went through.
+    ``input_cut`` says how the answering tier shortened the state (e.g. the encoder's token
+    limit), None when it read it whole. ``certified`` is False when the cascade escalates to
+    a teacher other than the one its thresholds were certified against (accepted explicitly):
+    its agreement target then says nothing about these answers. ``over_budget`` is True when the
+    budget could not pay for this answer and it was given anyway: no lower tier had an answer to
+    keep in its place (no head for the question, say), so it went up regardless.
+    ``overloaded`` is True when a server's teacher queue was full and the answer was kept below
+    instead (also ``budget_limited``, and not ``certified``). ``covered`` is False for a question
+    the bundle does not hold (another instructions text, say), which a server answers with the
+    teacher alone: no threshold was ever certified for it.
+    """
+
+    tier: str
+    cost_ms: float
+    threshold: float | None
+    raw_confidence: float
+    raw_score: float
+    threshold_on: ThresholdScore
+    calibrated: bool
+    budget_limited: bool = False
+    input_cut: str | None = None
+    certified: bool = True
+    over_budget: bool = False
+    overloaded: bool = False
+    covered: bool = True
+
+
+def _x(name: str) -> Any:
+    """A field only this project knows: ``x_``-prefixed on the wire (strict clients ignore such
+    keys), left off when None, and read back under either name."""
+    return Field(None, serialization_alias=f"x_{name}", validation_alias=AliasChoices(f"x_{name}", name),
+                 exclude_if=lambda value: value is None)
+
+
+class _AnswerBase(BaseModel):
+    """What every answer carries besides its headline value: how its numbers were made."""
+
+    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True)
+
+    calibrated: bool = Field(False, serialization_alias="x_calibrated",
+                             validation_alias=AliasChoices("x_calibrated", "calibrated"))
+    readout: Readout | None = _x("readout")
+    routing: Routing | None = _x("routing")
+
+
+class NoulAnswer(_AnswerBase):
+    """``noul`` is the probability of true: the whole distribution, so it is all the wire carries."""
+
+    type: Literal["noul"] = "noul"
+    noul: float
+
+    @property
+    def probabilities(self) -> dict[str, float]:
+        return {"true": self.noul, "false": 1.0 - self.noul}
+
+    @property
+    def confidence(self) -> float:
+        return confidence([self.noul, 1.0 - self.noul])
+
+
+class ChoiceAnswer(_AnswerBase):
+    type: Literal["choice"] = "choice"
+    choice: str
+    probabilities: dict[str, float]
+    confidence: float
+
+
+class ScoreAnswer(_AnswerBase):
+    """``score`` is the expected level; ``legend`` and ``probabilities`` are keyed by level,
+    "0" to "N-1", the legend echoing each level's text."""
+
+    type: Literal["score"] = "score"
+    score: float
+    legend: dict[str, str]
+    probabilities: dict[str, float]
+    confidence: float
+
+    @property
+    def level(self) -> int:
+        """The most probable level (the first on ties)."""
+        return argmax(list(self.probabilities.values()))
+
+
+Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
+
+
+class TierUsage(BaseModel):
+    """One tier's part of a routed call about one state: the seconds the router predicted when it
+    chose what to ask (what a budget was charged) beside the seconds the tier took, so that the
+    prediction can be checked against what was spent."""
+
+    predicted_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+_CASCADE_USAGE = ("questions", "forward_passes", "seconds", "ran_on", "tiers")
+
+
+class Usage(BaseModel):
+    """What a call cost: prefill is the cost, so tokens and passes are counted, not answers.
+
+    ``input_tokens`` counts the tokens every model of the call read, the encoder's included;
+    nothing is generated, so ``output_tokens`` is 0. The rest goes under ``x_cascade`` on the
+    wire. ``ran_on`` maps each model (a tier's name when routed, the
+    GGUF's file name from a scorer) to where it ran: device, GPU layers, threads, ONNX Runtime
+    provider, and any setting the machine changed from what was asked, so that nothing about the
+    device is silent. ``tiers`` (routed calls only) holds each tier's predicted and measured
+    seconds for the state.
+    """
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    questions: int = 0
+    forward_passes: int = 0  # llama_decode calls
+    seconds: float = 0.0
+    ran_on: dict[str, str] = {}
+    tiers: dict[str, TierUsage] = {}
+
+    @model_serializer(mode="wrap")
+    def _wire(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        return {**{k: v for k, v in data.items() if k not in _CASCADE_USAGE},
+                "x_cascade": {k: data[k] for k in _CASCADE_USAGE if k in data}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_wire(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and isinstance(data.get("x_cascade"), Mapping):
+            return {**{k: v for k, v in data.items() if k != "x_cascade"}, **data["x_cascade"]}
+        return data
+
+
+class Audit(BaseModel):
+    """How a response was made, in the fields System One clients record (avrik-sdk requires them).
+
+    The lists have one entry per question, in the response's order: ``prompt_template_sha256``
+    identifies the readout prompt of the question (prompt version and question block, without the
+    state), ``allowed_token_set_hash`` the option letters it may be answered with and the keys
+    they stand for, ``input_tokens`` the tokens the answering model read for it. ``model_hash`` is
+    the sha256 of the GGUF (a scorer) or of the bundle's manifest (a cascade, which pins every
+    tier's file); ``calibration_version`` names the calibration the thresholds came from.
+    """
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_hash: str
+    calibration_version: str
+    prompt_template_sha256: list[str]
+    allowed_token_set_hash: list[str]
+    input_tokens: list[int]
+    backend: str
+    precision: str
+
+
+class DecisionResponse(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    model: str
+    answers: dict[str, Answer]
+    usage: Usage
+    audit: Audit

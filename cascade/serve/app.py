@@ -1,0 +1,320 @@
+"""The ASGI application: System One routes over an ``Engine``, on FastAPI.
+
+Routes: ``POST /v1/systemone`` (decide), ``GET /v1/models`` (the bundle), ``GET /health`` and
+``/healthz`` (503 while the models load, then ``{"status": "ok"}``), ``GET /metrics``
+(Prometheus). With an API key configured, the ``/v1`` routes need ``Authorization: Bearer KEY``;
+without one no header is checked. Every answer and error carries ``X-Request-Id`` (the client's,
+or a new one) and the same id as ``x-typesafe-request-id``, which typesafe-sdk reads.
+
+A request may carry a budget: the body key ``x_budget`` (``{"ms_per_call": X,
+"max_escalation_fraction": F}``) or the headers ``X-Cascade-Budget-Ms`` and
+``X-Cascade-Max-Escalation``, a header winning over the body key for its bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cascade.answers import DecisionResponse
+from cascade.errors import CascadeError, InputTooLongError, RequestError
+from cascade.questions import DecisionRequest, load_json, parse_request
+from cascade.router import Cascade
+from cascade.run import Budget
+from cascade.serve.engine import Engine, EngineSettings
+from cascade.serve.matching import Matched, QuestionIndex
+from cascade.serve.metrics import CONTENT_TYPE, ServerMetrics
+from cascade.serve.wire import DEFAULT_MAX_BODY, HttpProblem, error_body, problems, read_body, request_id
+
+log = logging.getLogger("cascade.serve")
+LOADING_RETRY_AFTER = "5"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server answers: ``api_key`` (None: no auth), ``max_body`` in bytes (after
+    inflating), and the engine's batching and overload settings."""
+
+    api_key: str | None = None
+    max_body: int = DEFAULT_MAX_BODY
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+
+class _Loaded:
+    """The cascade once loaded (in a thread, so that /health answers while models load)."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.index: QuestionIndex | None = None
+        self.metrics: ServerMetrics | None = None
+        self.failure: BaseException | None = None
+
+
+def create_app(load: Callable[[], Cascade], config: ServeConfig | None = None,
+               on_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """An app that calls ``load`` in a thread at startup and serves the cascade it returns.
+
+    ``on_failure`` hears of an exception ``load`` raised (the command stops the server then).
+    """
+    config = config or ServeConfig()
+    loaded = _Loaded()
+
+    def load_in_thread() -> None:
+        try:
+            cascade = load()
+            loaded.metrics = ServerMetrics(cascade.tiers[-1].name)
+            loaded.index = QuestionIndex(cascade.questions)
+            loaded.engine = Engine(cascade, config.engine)
+        except BaseException as exc:  # reported to the command, which exits with it
+            loaded.failure = exc
+            if on_failure is not None:
+                on_failure(exc)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> Any:
+        loader = threading.Thread(target=load_in_thread, name="cascade-load", daemon=True)
+        loader.start()
+        yield
+        await asyncio.to_thread(loader.join)
+        if loaded.engine is not None:
+            loaded.engine.close()
+            loaded.engine.cascade.close()
+
+    app = FastAPI(title="cascade serve", version="1", lifespan=lifespan,
+                  description="A tiered cascade behind the System One decision API.")
+    _routes(app, loaded, config)
+    app.add_exception_handler(HttpProblem, _problem_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _bug_handler)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(_RequestIds)
+    return app
+
+
+def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
+    def ready() -> _Loaded:
+        if loaded.engine is None:
+            raise HttpProblem(503, "loading", "the models are still loading; retry shortly",
+                              {"Retry-After": LOADING_RETRY_AFTER}, kind="unavailable_error")
+        return loaded
+
+    @app.get("/health", include_in_schema=False)
+    @app.get("/healthz", include_in_schema=False)
+    async def health() -> Response:
+        if loaded.engine is None:
+            status = "failed" if loaded.failure is not None else "loading"
+            return JSONResponse({"status": status}, 503, {"Retry-After": LOADING_RETRY_AFTER})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        state = ready()
+        assert state.metrics is not None and state.engine is not None
+        state.metrics.queues(state.engine.queue_depths())
+        return Response(state.metrics.text(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _authorize(request, config.api_key)
+        engine = ready().engine
+        assert engine is not None
+        return JSONResponse({"models": [_model_entry(engine.cascade)]})
+
+    @app.post("/v1/systemone", openapi_extra=_REQUEST_DOC)
+    async def systemone(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            _authorize(request, config.api_key)
+            state = ready()
+            body = await _body(request, config.max_body)
+            response, matched = await _decide(state, body, dict(request.headers), request)
+        except HttpProblem as problem:
+            if loaded.metrics is not None:
+                loaded.metrics.requests.labels(str(problem.status)).inc()
+            _log(request, problem.status, started, problem.code)
+            raise
+        metrics = state.metrics
+        assert metrics is not None
+        metrics.answered(response, matched.bundle)
+        metrics.requests.labels("200").inc()
+        metrics.request_seconds.observe(time.perf_counter() - started)
+        _log(request, 200, started, None, response)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _decide(state: _Loaded, body: bytes, headers: Mapping[str, str],
+                  request: Request) -> tuple[DecisionResponse, Matched]:
+    """Parse, match and route one request body; every bad input is an ``HttpProblem`` (422)."""
+    assert state.engine is not None and state.index is not None
+    try:
+        data = load_json(body)
+        budget = _budget(data, headers)
+        parsed = parse_request(data)
+    except RequestError as exc:
+        raise _unprocessable(exc) from None
+    matched = state.index.match(parsed.questions)
+    if matched.foreign and not state.engine.cascade.tiers[-1].reads_any_question:
+        raise _not_in_bundle(state.engine.cascade, matched)
+    future = state.engine.submit(parsed.state, list(parsed.questions), matched, budget,
+                                 request.state.request_id)
+    try:
+        return await asyncio.wrap_future(future), matched
+    except (RequestError, InputTooLongError) as exc:
+        raise _unprocessable(exc) from None
+
+
+def _budget(data: Any, headers: Mapping[str, str]) -> Budget:
+    given = data.get("x_budget") if isinstance(data, dict) else None
+    if given is not None and not isinstance(given, dict):
+        raise RequestError(f"x_budget: must be an object with 'ms_per_call' and/or "
+                           f"'max_escalation_fraction'; got {type(given).__name__}")
+    bounds = dict(given or {})
+    for header, key in (("x-cascade-budget-ms", "ms_per_call"),
+                        ("x-cascade-max-escalation", "max_escalation_fraction")):
+        if header in headers:
+            try:
+                bounds[key] = float(headers[header])
+            except ValueError:
+                raise RequestError(f"header {header}: must be a number; got {headers[header]!r}") from None
+    return Budget(**bounds)
+
+
+def _unprocessable(exc: CascadeError) -> HttpProblem:
+    return HttpProblem(422, "invalid_request", str(exc), found=problems(str(exc)))
+
+
+def _not_in_bundle(cascade: Cascade, matched: Matched) -> HttpProblem:
+    qid = next(iter(matched.foreign))
+    message = (f"questions.{qid}: not one of the bundle's questions (matched by type, instructions "
+               f"and options), and this server's top tier {cascade.tiers[-1].name!r} replays recorded "
+               f"labels, so nothing can answer it; ask the bundle's questions {list(cascade.questions)} "
+               "as the bundle words them, or serve with --teacher PATH.gguf")
+    return HttpProblem(422, "unknown_question", message, found=problems(message))
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    encoding = request.headers.get("content-encoding")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HttpProblem(413, "request_too_large", f"request body of {declared} bytes is over the "
+                          f"server's limit of {limit} bytes; send fewer or shorter states per request")
+    return await read_body(request.stream(), encoding, limit)
+
+
+def _authorize(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise HttpProblem(401, "unauthorized", "missing or wrong API key; send Authorization: Bearer KEY",
+                          {"WWW-Authenticate": "Bearer"}, kind="authentication_error")
+
+
+def _model_entry(cascade: Cascade) -> dict[str, str]:
+    manifest = cascade.manifest
+    tiers = " -> ".join(tier.name for tier in cascade.tiers)
+    target = manifest.calibration.target
+    promise = f", agreement with the teacher certified at {target}" if target else ", not calibrated"
+    return {"name": manifest.name, "description": f"cascade {tiers} over {len(cascade.questions)} "
+            f"question(s){promise}", "release_date": manifest.created_at.date().isoformat()}
+
+
+def _log(request: Request, status: int, started: float, code: str | None,
+         response: DecisionResponse | None = None) -> None:
+    line: dict[str, Any] = {"request_id": request.state.request_id, "status": status,
+                            "ms": round(1e3 * (time.perf_counter() - started), 2)}
+    if code:
+        line["error"] = code
+    if response is not None:
+        line["tiers"] = {qid: a.routing.tier for qid, a in response.answers.items() if a.routing}
+    log.info(json.dumps(line))
+
+
+async def _problem_handler(request: Request, problem: HttpProblem) -> Response:
+    return JSONResponse(error_body(problem), problem.status, problem.headers)
+
+
+async def _http_handler(request: Request, exc: StarletteHTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+    problem = HttpProblem(exc.status_code, code, str(exc.detail))
+    return JSONResponse(error_body(problem), exc.status_code, dict(exc.headers or {}))
+
+
+async def _bug_handler(request: Request, exc: Exception) -> Response:
+    log.exception("request %s failed", getattr(request.state, "request_id", "?"))
+    problem = HttpProblem(500, "internal_error", f"the server failed ({type(exc).__name__}: {exc}); "
+                          "this is a bug in cascade serve", kind="server_error")
+    return JSONResponse(error_body(problem), 500)
+
+
+class _RequestIds:
+    """Give every request an id (the client's ``X-Request-Id`` or a new one) and every answer
+    the headers that carry it back; pure ASGI, so that it costs no task per request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        rid = request_id(headers.get(b"x-request-id", b"").decode("latin-1") or None)
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                raw = rid.encode("latin-1")
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", raw),
+                                      (b"x-typesafe-request-id", raw)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the request body's schema (parsed by hand, so that every problem
+    gets this server's error shape) and the error answers written in."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=app.routes)
+        request = DecisionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        response = DecisionResponse.model_json_schema(ref_template="#/components/schemas/{model}",
+                                                      mode="serialization")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for part in (request, response):
+            components.update(part.pop("$defs", {}))
+        components["DecisionRequest"], components["DecisionResponse"] = request, response
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+_ERROR = {"content": {"application/json": {"schema": {"type": "object"}}}}
+_REQUEST_DOC: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/DecisionRequest"}}}},
+    "responses": {
+        "200": {"description": "The answers", "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/DecisionResponse"}}}},
+        "401": {"description": "Missing or wrong API key", **_ERROR},
+        "413": {"description": "Body over the size limit", **_ERROR},
+        "415": {"description": "Unsupported Content-Encoding", **_ERROR},
+        "422": {"description": "A bad request: error and detail say where", **_ERROR},
+        "503": {"description": "Loading, or the teacher's queue is full (Retry-After)", **_ERROR},
+    },
+}

@@ -1,0 +1,95 @@
+"""One request's response, put together from the cascade's answers and the teacher's alone.
+
+The cascade answers the bundle's questions under the bundle's ids; a request may name them
+otherwise, ask one twice, or add questions the bundle does not hold, which the top tier answers
+alone, marked ``covered=False`` (and not ``certified``): no threshold was calibrated for them.
+The response lists every answer, and every audit entry, under the request's ids in its order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from cascade.answers import Answer, Audit, DecisionResponse, Routing, Usage
+from cascade.calibration_math import threshold_score
+from cascade.prompts import letters_sha256, template_sha256
+from cascade.questions import Question
+from cascade.router import Cascade
+from cascade.serve.matching import Matched
+from cascade.tiers import Item
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """The top tier's answers to questions the bundle does not hold, with what they took."""
+
+    answers: dict[str, Answer]
+    tokens: dict[str, int]
+    usage: Usage
+
+
+def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Question]) -> Foreign:
+    """Ask the top tier alone; its raw distribution is the answer (nothing calibrated it)."""
+    top = cascade.tiers[-1]
+    qids = list(questions)
+    reply = top.reply([item], [qids], questions)
+    answers: dict[str, Answer] = {}
+    tokens: dict[str, int] = {}
+    for qid in qids:
+        raw = reply.answers[0][qid]
+        readout = reply.readouts[0].get(qid)
+        routing = Routing(tier=top.name, cost_ms=0.0, threshold=None, raw_confidence=float(raw.max()),
+                          raw_score=float(threshold_score(raw, cascade.manifest.threshold_on)),
+                          threshold_on=cascade.manifest.threshold_on, calibrated=False,
+                          input_cut=reply.cuts[0], certified=False, covered=False)
+        answer = questions[qid].answer(raw.tolist(), readout=readout)
+        answers[qid] = answer.model_copy(update={"routing": routing})
+        tokens[qid] = readout.tokens if readout is not None else 0
+    usage = reply.usage[0].model_copy(update={"ran_on": {top.name: top.ran_on}})
+    return Foreign(answers, tokens, usage)
+
+
+def assemble(cascade: Cascade, order: Sequence[str], matched: Matched,
+             routed: DecisionResponse | None, foreign: Foreign | None) -> DecisionResponse:
+    """The response to a request whose question ids are ``order``."""
+    answers: dict[str, Answer] = {}
+    templates, letters, tokens = [], [], []
+    backends, precisions = [], []
+    asked = matched.asked
+    for qid in order:
+        if qid in matched.bundle:
+            assert routed is not None
+            known = matched.bundle[qid]
+            answers[qid] = routed.answers[known]
+            row = asked.index(known)
+            templates.append(routed.audit.prompt_template_sha256[row])
+            letters.append(routed.audit.allowed_token_set_hash[row])
+            tokens.append(routed.audit.input_tokens[row])
+        else:
+            assert foreign is not None
+            question = matched.foreign[qid]
+            answers[qid] = foreign.answers[qid]
+            templates.append(template_sha256(question))
+            letters.append(letters_sha256(question))
+            tokens.append(foreign.tokens[qid])
+    if routed is not None:
+        backends += routed.audit.backend.split("+")
+        precisions += routed.audit.precision.split("+")
+    if foreign is not None:
+        backends.append(cascade.tiers[-1].backend)
+        precisions.append(cascade.tiers[-1].precision)
+    audit = Audit(model_hash=cascade.manifest_sha256, calibration_version=cascade.calibration_version,
+                  prompt_template_sha256=templates, allowed_token_set_hash=letters, input_tokens=tokens,
+                  backend="+".join(dict.fromkeys(backends)), precision="+".join(dict.fromkeys(precisions)))
+    return DecisionResponse(model=cascade.manifest.name, answers=answers,
+                            usage=_usage(len(order), routed, foreign), audit=audit)
+
+
+def _usage(questions: int, routed: DecisionResponse | None, foreign: Foreign | None) -> Usage:
+    parts = [u for u in (routed.usage if routed else None, foreign.usage if foreign else None) if u]
+    return Usage(questions=questions, input_tokens=sum(u.input_tokens for u in parts),
+                 forward_passes=sum(u.forward_passes for u in parts),
+                 seconds=sum(u.seconds for u in parts),
+                 ran_on={k: v for u in parts for k, v in u.ran_on.items()},
+                 tiers=routed.usage.tiers if routed else {})
