@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -39,7 +40,8 @@ QUESTION = {"type": "choice", "instructions": "Which section of a newspaper does
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -63,7 +65,8 @@ def main() -> None:
     gold = np.asarray([keys.index(GOLD[row["label_name"]]) for row in rows])
     one = np.stack(probs[16])
     print(f"{len(rows)} AG News items, gemma-3-270m, a 16-option question\n")
-    print(f"{'reading':<28} {'agree':>6} {'mean TV':>8} {'top p':>6} {'gold acc':>8} {'tokens':>7} {'s/item':>7}")
+    print(f"{'reading':<28} {'agree':>6} {'mean TV':>8} {'top p':>6} {'gold acc':>8} {'tokens':>7} "
+          f"{'s/item':>7}")
     for size in sizes:
         p = np.stack(probs[size])
         agree = float(np.mean(p.argmax(1) == one.argmax(1)))
@@ -72,6 +75,8 @@ def main() -> None:
         print(f"{name:<28} {agree:>6.3f} {tv:>8.3f} {float(p.max(1).mean()):>6.3f} "
               f"{float(np.mean(p.argmax(1) == gold)):>8.3f} {tokens[size] / len(rows):>7.1f} "
               f"{seconds[size] / len(rows):>7.3f}")
+    answers = Counter(keys[i] for i in one.argmax(1))
+    print(f"\none prompt's answers: {dict(answers.most_common())}")
     for scorer in scorers.values():
         scorer.close()
 

@@ -40,6 +40,7 @@ from cascade.bundle import Bundle, Manifest
 from cascade.hashing import file_sha256
 from cascade.llama import default_gguf_path
 from cascade.prompts import PROMPT_VERSION
+from cascade.questions import parse_request
 from cascade.router import Cascade
 from cascade.tiers import Item
 from distill.store import LabelStore, Teacher, import_labels
@@ -52,10 +53,9 @@ TIMEOUT = 120.0
 
 def build_bundle(root: Path, teacher: Path, items: int) -> Path:
     """Train the encoder tier on generated messages, then pin ``teacher`` and fix the routes."""
-    from cascade.questions import parse_request
-
     messages = generate(items, seed=7)
-    questions = parse_request({"state": "x", "questions": {q: QUESTIONS_JSON[q] for q in (EASY, HARD)}}).questions
+    asked = {q: QUESTIONS_JSON[q] for q in (EASY, HARD)}
+    questions = parse_request({"state": "x", "questions": asked}).questions
     corpus = write_corpus(messages, root / "corpus.jsonl")
     with LabelStore(root / "labels.sqlite", Teacher(kind="external", model="generator")) as store:
         import_labels(store, write_labels(messages, root / "labels.jsonl"), questions, on_error="skip")
@@ -170,7 +170,8 @@ def saturated(url: str, easy: list[dict[str, Any]], hard: list[dict[str, Any]]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
     parser.add_argument("--items", type=int, default=300, help="generated items to train on")
     parser.add_argument("--port", type=int, default=18431)
@@ -204,7 +205,8 @@ def main() -> None:
         print(f"{name:<46} {row['requests']:>8.0f} {row['lost']:>5.0f} {row['per_s']:>8.1f} "
               f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
     one_server, one_local = rows["server batched, 1 clients"], rows["in-process, 1 clients"]
-    print(f"\nserver / in-process latency at 1 client (p50): {one_server['p50_ms'] / one_local['p50_ms']:.2f}x")
+    ratio = one_server["p50_ms"] / one_local["p50_ms"]
+    print(f"\nserver / in-process latency at 1 client (p50): {ratio:.2f}x")
     alone, busy = rows["easy alone (1 thread per model)"], rows["easy while 8 clients saturate the teacher"]
     print(f"easy p50 under teacher saturation / alone: {busy['p50_ms'] / alone['p50_ms']:.2f}x")
     print(json.dumps(rows))
