@@ -9,12 +9,15 @@ the mean total variation distance between the distributions, accuracy against th
 (4 of the 16 options are AG News's classes), prompt tokens and seconds per item.
 
     PYTHONPATH=. .venv/bin/python -m bench.option_rounds --items 200 --threads 2
+    PYTHONPATH=. .venv/bin/python -m bench.option_rounds --items 150 --threads 2 \
+        --model "$(.venv/bin/cascade teacher-model qwen2.5-coder-0.5b-instruct)"
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from collections import Counter
 
 import numpy as np
@@ -44,9 +47,11 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", type=Path, help="GGUF to read with (default: the embedded gemma-3-270m)")
+    parser.add_argument("--permutations", type=int, default=1, help="option orders averaged per reading")
     args = parser.parse_args()
     rows = read_rows("ag_news_test.jsonl", args.items)
-    model = default_gguf_path()
+    model = args.model or default_gguf_path()
     sizes = (16, 8, 4)
     scorers = {size: Scorer(model, n_ctx=2048, n_threads=args.threads, letters_per_prompt=size)
                for size in sizes}
@@ -58,13 +63,14 @@ def main() -> None:
         request = parse_request({"state": row["text"], "questions": {"section": QUESTION}})
         for size, scorer in scorers.items():  # interleaved, so that machine noise hits all alike
             started = time.perf_counter()
-            response = scorer.score(request)
+            response = scorer.score(request, permutations=args.permutations)
             seconds[size] += time.perf_counter() - started
             tokens[size] += response.usage.input_tokens
             probs[size].append(np.asarray(list(response.answers["section"].probabilities.values())))
     gold = np.asarray([keys.index(GOLD[row["label_name"]]) for row in rows])
     one = np.stack(probs[16])
-    print(f"{len(rows)} AG News items, gemma-3-270m, a 16-option question\n")
+    print(f"{len(rows)} AG News items, {model.name}, a 16-option question, {args.permutations} "
+          "option order(s)\n")
     print(f"{'reading':<28} {'agree':>6} {'mean TV':>8} {'top p':>6} {'gold acc':>8} {'tokens':>7} "
           f"{'s/item':>7}")
     for size in sizes:
