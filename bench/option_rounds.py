@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
