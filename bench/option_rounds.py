@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import read_rows
+from bench.common import TOPIC, read_rows
 from cascade.llama import default_gguf_path
 from cascade.questions import parse_request
 from cascade.readout import Scorer
 
 GOLD = {"World": "world", "Sports": "sports", "Business": "business", "Sci/Tech": "scitech"}
+"""AG News's classes by the keys both questions give them."""
 SECTIONS = {  # AG News's four classes spread over the groups of 4 and 8
     "world": "World news and international politics", "health": "Health and medicine",
     "travel": "Travel", "food": "Food and cooking",
@@ -38,8 +39,11 @@ SECTIONS = {  # AG News's four classes spread over the groups of 4 and 8
     "scitech": "Science and technology", "autos": "Cars", "property": "Housing and real estate",
     "opinion": "Opinion and letters",
 }
-QUESTION = {"type": "choice", "instructions": "Which section of a newspaper does this story belong to?",
-            "criteria": SECTIONS}
+QUESTIONS = {
+    "sections16": ({"type": "choice", "criteria": SECTIONS,
+                    "instructions": "Which section of a newspaper does this story belong to?"}, (16, 8, 4)),
+    "topic4": ({**TOPIC["topic"]}, (4, 2)),  # AG News's own four classes, rounds of 2
+}
 
 
 def main() -> None:
@@ -49,18 +53,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", type=Path, help="GGUF to read with (default: the embedded gemma-3-270m)")
     parser.add_argument("--permutations", type=int, default=1, help="option orders averaged per reading")
+    parser.add_argument("--question", choices=sorted(QUESTIONS), default="sections16",
+                        help="16 newspaper sections (4 of them AG News's classes), or the 4 classes")
     args = parser.parse_args()
     rows = read_rows("ag_news_test.jsonl", args.items)
     model = args.model or default_gguf_path()
-    sizes = (16, 8, 4)
+    question, sizes = QUESTIONS[args.question]
     scorers = {size: Scorer(model, n_ctx=2048, n_threads=args.threads, letters_per_prompt=size)
                for size in sizes}
-    keys = list(SECTIONS)
+    keys = list(question["criteria"])
     probs: dict[int, list[np.ndarray]] = {size: [] for size in sizes}
     tokens = {size: 0 for size in sizes}
     seconds = {size: 0.0 for size in sizes}
     for row in rows:
-        request = parse_request({"state": row["text"], "questions": {"section": QUESTION}})
+        request = parse_request({"state": row["text"], "questions": {"section": question}})
         for size, scorer in scorers.items():  # interleaved, so that machine noise hits all alike
             started = time.perf_counter()
             response = scorer.score(request, permutations=args.permutations)
@@ -68,16 +74,16 @@ def main() -> None:
             tokens[size] += response.usage.input_tokens
             probs[size].append(np.asarray(list(response.answers["section"].probabilities.values())))
     gold = np.asarray([keys.index(GOLD[row["label_name"]]) for row in rows])
-    one = np.stack(probs[16])
-    print(f"{len(rows)} AG News items, {model.name}, a 16-option question, {args.permutations} "
-          "option order(s)\n")
+    one = np.stack(probs[sizes[0]])
+    print(f"{len(rows)} AG News items, {model.name}, a {len(keys)}-option question, "
+          f"{args.permutations} option order(s)\n")
     print(f"{'reading':<28} {'agree':>6} {'mean TV':>8} {'top p':>6} {'gold acc':>8} {'tokens':>7} "
           f"{'s/item':>7}")
     for size in sizes:
         p = np.stack(probs[size])
         agree = float(np.mean(p.argmax(1) == one.argmax(1)))
         tv = float(np.mean(0.5 * np.abs(p - one).sum(1)))
-        name = "one prompt (16 letters)" if size == 16 else f"two rounds, groups of {size}"
+        name = "one prompt" if size == sizes[0] else f"two rounds, groups of {size}"
         print(f"{name:<28} {agree:>6.3f} {tv:>8.3f} {float(p.max(1).mean()):>6.3f} "
               f"{float(np.mean(p.argmax(1) == gold)):>8.3f} {tokens[size] / len(rows):>7.1f} "
               f"{seconds[size] / len(rows):>7.3f}")
