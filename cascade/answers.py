@@ -95,7 +95,8 @@ class Routing(BaseModel):
     ``overloaded`` is True when a server's teacher queue was full and the answer was kept below
     instead (also ``budget_limited``, and not ``certified``). ``covered`` is False for a question
     the bundle does not hold (another instructions text, say), which a server answers with the
-    teacher alone: no threshold was ever certified for it.
+    teacher alone: no threshold was ever certified for it. ``demoted`` is True when a drift
+    alarm on audited traffic took the question's cheap tiers out of its route (``cascade.audit``).
     """
 
     tier: str
@@ -111,6 +112,7 @@ class Routing(BaseModel):
     over_budget: bool = False
     overloaded: bool = False
     covered: bool = True
+    demoted: bool = False
 
 
 def _x(name: str) -> Any:

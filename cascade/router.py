@@ -55,7 +55,8 @@ class Cascade:
         self.questions: dict[str, Question] = manifest.parsed_questions()
         self.manifest_sha256 = manifest_sha256 or hashlib.sha256(
             manifest.model_dump_json().encode()).hexdigest()
-        self.calibration_version = _calibration_version(manifest)
+        self.calibration_version = manifest.calibration.version()
+        self.demoted: set[str] = set()  # questions a drift alarm sent to the top tier (cascade.audit)
 
     @classmethod
     def load(
@@ -206,6 +207,8 @@ class Cascade:
         condition for asking the tier at all. The top tier's always can; a tier without a head
         for the question has none; an answer that may clear a threshold can.
 
+        A question a drift alarm demoted (``demoted``) skips every cheap tier.
+
         Below a threshold of None an answer is kept only when a budget stops its escalation, so
         the tier is asked only if the budget can stop the escalation out of it (a time budget
         can stop any; the top-tier share only the one into the top tier) and no lower tier has
@@ -215,7 +218,7 @@ class Cascade:
         top, tier = len(self.tiers) - 1, self.tiers[t]
         if t == top:
             return True
-        if not tier.can_answer(qid):
+        if not tier.can_answer(qid) or qid in self.demoted:
             return False
         if self.manifest.threshold(qid, tier.name) is not None:
             return True
@@ -360,7 +363,8 @@ class Cascade:
                               calibrated=pick.calibrated,
                               budget_limited=pick.budget_limited, input_cut=pick.cut,
                               certified=self.certified and not pick.overloaded,
-                              over_budget=(i, qid) in run.over_budget, overloaded=pick.overloaded)
+                              over_budget=(i, qid) in run.over_budget, overloaded=pick.overloaded,
+                              demoted=qid in self.demoted and pick.tier == len(self.tiers) - 1)
             answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated,
                                                 readout=pick.readout)
             answers[qid] = answer.model_copy(update={"routing": routing})
@@ -379,15 +383,6 @@ class Cascade:
                      input_tokens=[picks[q].tokens for q in qids],
                      backend="+".join(dict.fromkeys(tier.backend for tier in answering)),
                      precision="+".join(dict.fromkeys(tier.precision for tier in answering)))
-
-
-def _calibration_version(manifest: Manifest) -> str:
-    """When the thresholds were certified and a digest of the calibration that certified them."""
-    calibration = manifest.calibration
-    if calibration.calibrated_at is None:
-        return "uncalibrated"
-    digest = hashlib.sha256(calibration.model_dump_json().encode()).hexdigest()
-    return f"{calibration.calibrated_at}+{digest[:12]}"
 
 
 def _add(total: Usage, more: Usage, seconds: float, ran_on: Mapping[str, str]) -> Usage:

@@ -15,6 +15,7 @@ say what those bundles did). A section is written back with the fields it was gi
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Annotated, Literal
 
@@ -134,6 +135,14 @@ class CalibrationSection(_Section):
     costs: dict[str, MeasuredCost] = {}
     flops_per_second: Positive | None = None
     payoffs: dict[str, TierPayoff] = {}
+
+    def version(self) -> str:
+        """When the thresholds were certified and a digest of the calibration that certified them:
+        what answers' audits name, and what audited traffic is counted against."""
+        if self.calibrated_at is None:
+            return "uncalibrated"
+        digest = hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+        return f"{self.calibrated_at}+{digest[:12]}"
 
     def dropped(self) -> set[str]:
         """Cheap tiers calibration took out of the cascade: they cost more than they saved."""

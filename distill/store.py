@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.checks import is_finite
 from cascade.errors import CascadeError
 from cascade.questions import Question
@@ -39,7 +40,17 @@ CREATE TABLE IF NOT EXISTS labels (
     created_at REAL NOT NULL,
     PRIMARY KEY (item_id, question_id)
 ) WITHOUT ROWID;
+-- audited live items (their teacher labels are in labels), added within schema 1: a store
+-- without the table reads as one without audits
+CREATE TABLE IF NOT EXISTS audits (
+    item_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    calibration_version TEXT NOT NULL,
+    system TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
 """
+
 
 _Pending = dict[str, dict[str, tuple[list[int], dict[str, float]]]]
 """An import's rows: item -> question -> (line numbers of identical rows, probabilities)."""
@@ -108,9 +119,11 @@ class LabelStore:
     nothing next to the teacher's cost per item, and imports amortise it over a batch.
     """
 
-    def __init__(self, path: Path, teacher: Teacher) -> None:
+    def __init__(self, path: Path, teacher: Teacher, any_thread: bool = False) -> None:
+        """``any_thread``: the connection may be used (and closed) from another thread than the
+        one that opened it, for a caller that serialises its use (``distill.auditing.StoreSink``)."""
         self.path, self.teacher, self._read_only = Path(path), teacher, False
-        self._conn = _connect(self.path, read_only=False)
+        self._conn = _connect(self.path, read_only=False, any_thread=any_thread)
         with _closed_on_error(self._conn, self.path):
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
@@ -216,6 +229,37 @@ class LabelStore:
                 conflicts.append(qid)
         return conflicts
 
+    def put_audit(self, record: AuditRecord) -> None:
+        """Store an audited item in one transaction: the teacher's labels (in ``labels``, as every
+        teacher label) and the audit row tagging them, with the state and what the system
+        answered, so that a kill never leaves labels without their audit or the reverse."""
+        with self._transaction():
+            conflicts = self._insert(record.item_id, record.teacher, record.prompt_hashes)
+            if conflicts:
+                raise StoreError(_conflict_message(record.item_id, conflicts))
+            system = json.dumps({q: a.model_dump() for q, a in record.system.items()})
+            self._conn.execute("INSERT OR IGNORE INTO audits VALUES (?,?,?,?,?)",
+                               (record.item_id, json.dumps(record.state), record.calibration_version,
+                                system, record.at))
+
+    def audits(self) -> list[AuditRecord]:
+        """Every audited item, oldest first, its teacher labels joined back (none in a store made
+        before audits existed)."""
+        try:
+            rows = self._conn.execute("SELECT * FROM audits ORDER BY created_at, item_id").fetchall()
+        except sqlite3.OperationalError:  # a read-only store from before the audits table
+            return []
+        records = []
+        for item_id, state, version, system, created in rows:
+            sql = "SELECT question_id, probabilities, prompt_hash FROM labels WHERE item_id=?"
+            labels = self._conn.execute(sql, (item_id,)).fetchall()
+            records.append(AuditRecord(
+                item_id=item_id, state=json.loads(state), calibration_version=version, at=created,
+                teacher={q: json.loads(p) for q, p, _ in labels},
+                prompt_hashes={q: h for q, _, h in labels if h},
+                system={q: SystemAnswer.model_validate(a) for q, a in json.loads(system).items()}))
+        return records
+
     def labels(self, question_id: str) -> dict[str, dict[str, float]]:
         """item_id -> probabilities for one question (empty if the store has none)."""
         sql = "SELECT item_id, probabilities FROM labels WHERE question_id=? ORDER BY item_id"
@@ -261,10 +305,11 @@ def removed_on_failure(path: Path) -> Iterator[None]:
         raise
 
 
-def _connect(path: Path, read_only: bool) -> sqlite3.Connection:
+def _connect(path: Path, read_only: bool, any_thread: bool = False) -> sqlite3.Connection:
     uri = f"{path.resolve().as_uri()}?mode={'ro' if read_only else 'rwc'}"
     try:
-        return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
+        return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0,
+                               check_same_thread=not any_thread)
     except sqlite3.Error as exc:
         raise StoreError(f"cannot open label store {path}: {exc}") from exc
 

@@ -115,7 +115,7 @@ def test_a_questions_file_with_an_error_on_line_12(tmp_path: Path) -> None:
     labels.write_text(json.dumps({"id": "a", "question": "urgent", "answer": True}) + "\n")
     result = run("label", "--import", str(labels), "--questions", str(path),
                  "--store", str(tmp_path / "s.sqlite"))
-    assert_one_clear_line(result, "q.json:12: questions.dept.criteria", "2 to 16 options")
+    assert_one_clear_line(result, "q.json:12: questions.dept.criteria", "2 to 255 options")
 
 
 def test_a_bundle_from_a_newer_schema(tmp_path: Path) -> None:

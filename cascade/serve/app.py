@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cascade.answers import DecisionResponse
+from cascade.audit.auditor import Auditor
 from cascade.errors import CascadeError, InputTooLongError, RequestError
 from cascade.questions import DecisionRequest, load_json, parse_request
 from cascade.router import Cascade
@@ -47,11 +48,13 @@ LOADING_RETRY_AFTER = "5"
 @dataclass(frozen=True)
 class ServeConfig:
     """How the server answers: ``api_key`` (None: no auth), ``max_body`` in bytes (after
-    inflating), and the engine's batching and overload settings."""
+    inflating), the engine's batching and overload settings, and ``audit``, which makes the
+    auditor of the loaded cascade (None, or returning None: no audit)."""
 
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     engine: EngineSettings = field(default_factory=EngineSettings)
+    audit: Callable[[Cascade], Auditor | None] | None = None
 
 
 class _Loaded:
@@ -78,7 +81,8 @@ def create_app(load: Callable[[], Cascade], config: ServeConfig | None = None,
             cascade = load()
             loaded.metrics = ServerMetrics(cascade.tiers[-1].name)
             loaded.index = QuestionIndex(cascade.questions)
-            loaded.engine = Engine(cascade, config.engine)
+            auditor = config.audit(cascade) if config.audit is not None else None
+            loaded.engine = Engine(cascade, config.engine, auditor)
         except BaseException as exc:  # reported to the command, which exits with it
             loaded.failure = exc
             if on_failure is not None:
@@ -125,6 +129,8 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
         state = ready()
         assert state.metrics is not None and state.engine is not None
         state.metrics.queues(state.engine.queue_depths())
+        auditor = state.engine.auditor
+        state.metrics.watched(state.engine.audit_counts, auditor.watch if auditor is not None else None)
         return Response(state.metrics.text(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")

@@ -15,10 +15,17 @@ The top tier's queue holds at most ``teacher_queue`` jobs. A job that would go p
 its best lower answers, marked budget-limited, overloaded and uncertified, where every escalated
 question has one. Questions the bundle does not hold are answered by the top tier alone, on its
 worker, after the job's routed questions.
+
+With an ``Auditor``, the answered requests its sample chooses (keyed on the engine's count of
+answered requests) are audited on the top tier's worker at the lowest priority: a worker takes an
+audit only when no live job waits, so a live escalation waits at most for the one audit being
+read. At most ``audit_queue`` audits wait; one past it is dropped and counted.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import queue
 import threading
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cascade.answers import DecisionResponse
+from cascade.audit.auditor import Auditor
 from cascade.questions import State
 from cascade.router import Cascade
 from cascade.run import Budget, Run
@@ -37,20 +45,24 @@ from cascade.serve.responses import Foreign, answer_foreign, assemble
 from cascade.serve.wire import HttpProblem
 from cascade.tiers import Item
 
+log = logging.getLogger("cascade.serve")
 Overload = Literal["refuse", "keep"]
-_STOP = None
+_LIVE, _STOP, _AUDIT = 0, 1, 2  # a worker takes live jobs first, audits only when none waits
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """``batch``: route the requests waiting at the encoder together (False: one at a time).
     ``max_batch``: most requests in one encoder batch. ``teacher_queue``: most requests waiting
-    for the top tier. ``overload``: what a request gets past that bound (see the module)."""
+    for the top tier. ``overload``: what a request gets past that bound (see the module).
+    ``audit_queue``: most audits waiting for the top tier; past it an audit is dropped (and
+    counted), which depends on the queue only, never on the item."""
 
     batch: bool = True
     max_batch: int = 64
     teacher_queue: int = 32
     overload: Overload = "refuse"
+    audit_queue: int = 64
 
 
 class Overloaded(HttpProblem):
@@ -77,53 +89,90 @@ class Job:
     foreign: Foreign | None = None
 
 
-class _Worker:
-    """A thread serving one tier's queue: ``serve`` gets the jobs it takes at once."""
+@dataclass
+class _Audit:
+    """An answered request the teacher is to audit: the item, its response, its bundle ids."""
 
-    def __init__(self, name: str, serve: Callable[[list[Job]], None], batch: int) -> None:
-        self.queue: queue.Queue[Job | None] = queue.Queue()
-        self.serve, self.batch = serve, batch
-        self.depth = 0  # jobs queued and not yet taken
+    item: Item
+    response: DecisionResponse
+    bundle_ids: dict[str, str]
+
+
+_Entry = tuple[int, int, "Job | _Audit | None"]
+
+
+class _Worker:
+    """A thread serving one tier's queue: ``serve`` gets the live jobs it takes at once, ``audit``
+    one audit at a time, taken only when no live job waits."""
+
+    def __init__(self, name: str, serve: Callable[[list[Job]], None], batch: int,
+                 audit: Callable[[_Audit], None]) -> None:
+        self.queue: queue.PriorityQueue[_Entry] = queue.PriorityQueue()
+        self.serve, self.audit, self.batch = serve, audit, batch
+        self.depth = 0  # live jobs queued and not yet taken
+        self.audits = 0  # audits queued and not yet taken
         self.lock = threading.Lock()
+        self._order = itertools.count()
         self.thread = threading.Thread(target=self._loop, name=f"cascade-{name}", daemon=True)
         self.thread.start()
 
     def put(self, job: Job) -> None:
         with self.lock:
             self.depth += 1
-        self.queue.put(job)
+        self.queue.put((_LIVE, next(self._order), job))
+
+    def put_audit(self, audit: _Audit) -> None:
+        with self.lock:
+            self.audits += 1
+        self.queue.put((_AUDIT, next(self._order), audit))
 
     def _loop(self) -> None:
-        while (first := self.queue.get()) is not _STOP:
-            jobs = [first]
+        while True:
+            kind, _, first = self.queue.get()
+            if kind == _STOP:
+                return
+            if isinstance(first, _Audit):
+                with self.lock:
+                    self.audits -= 1
+                self.audit(first)
+                continue
+            jobs = [first] if isinstance(first, Job) else []
             while len(jobs) < self.batch:
                 try:
-                    more = self.queue.get_nowait()
+                    entry = self.queue.get_nowait()
                 except queue.Empty:
                     break
-                if more is _STOP:
-                    self.queue.put(_STOP)
+                if not isinstance(entry[2], Job):
+                    self.queue.put(entry)
                     break
-                jobs.append(more)
+                jobs.append(entry[2])
             with self.lock:
                 self.depth -= len(jobs)
             self.serve(jobs)
 
     def stop(self) -> None:
-        self.queue.put(_STOP)
+        """Stop after the live jobs queued; audits still waiting are left undone."""
+        self.queue.put((_STOP, next(self._order), None))
         self.thread.join()
 
 
 class Engine:
     """The workers of one cascade; ``submit`` a request, get a future of its response."""
 
-    def __init__(self, cascade: Cascade, settings: EngineSettings | None = None) -> None:
+    def __init__(self, cascade: Cascade, settings: EngineSettings | None = None,
+                 auditor: Auditor | None = None) -> None:
+        """``auditor``: audits its sampler's share of the answered requests on the top tier's
+        worker, at the lowest priority (None: no audit)."""
         self.cascade = cascade
         self.settings = settings or EngineSettings()
+        self.auditor = auditor
         self.top = len(cascade.tiers) - 1
         self._top_seconds = 1.0  # running mean of a top-tier job, for Retry-After
+        self._answered = itertools.count()  # what the audit sample is keyed on
+        self.audit_counts = {"audited": 0, "dropped": 0, "failed": 0}
         self.workers = [
-            _Worker(tier.name, self._serving(t), self._batch_of(t)) for t, tier in enumerate(cascade.tiers)
+            _Worker(tier.name, self._serving(t), self._batch_of(t), self._audit)
+            for t, tier in enumerate(cascade.tiers)
         ]
 
     def _batch_of(self, t: int) -> int:
@@ -182,12 +231,34 @@ class Engine:
             t = self.top
         if t is None:
             routed = self.cascade.responses(job.run)[0] if job.run is not None else None
-            job.future.set_result(assemble(self.cascade, job.order, job.matched, routed, job.foreign))
+            response = assemble(self.cascade, job.order, job.matched, routed, job.foreign)
+            job.future.set_result(response)
+            self._sample(job, response)
             return
         if t == self.top and self.workers[t].depth >= self.settings.teacher_queue:
             self._overloaded(job)
             return
         self.workers[t].put(job)
+
+    def _sample(self, job: Job, response: DecisionResponse) -> None:
+        """Queue the audit of an answered request where the sample chose it (keyed on the count of
+        answered requests, not on anything the client sent)."""
+        if self.auditor is None or not self.auditor.sampler.chosen(str(next(self._answered))):
+            return
+        top = self.workers[self.top]
+        if top.audits >= self.settings.audit_queue:
+            self.audit_counts["dropped"] += 1
+            return
+        top.put_audit(_Audit(job.item, response, dict(job.matched.bundle)))
+
+    def _audit(self, audit: _Audit) -> None:
+        assert self.auditor is not None
+        try:
+            self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
+            self.audit_counts["audited"] += 1
+        except Exception:  # an audit never fails a request; it is logged and counted
+            log.exception("audit of request %s failed", audit.item.id)
+            self.audit_counts["failed"] += 1
 
     def _overloaded(self, job: Job) -> None:
         keep = (self.settings.overload == "keep" and not job.matched.foreign and job.run is not None

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cascade.answers import DecisionResponse
+from cascade.audit.watch import DriftWatch
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -40,6 +41,14 @@ class ServerMetrics:
                                       ["tier"], buckets=_SECONDS, registry=self.registry)
         self.queue = Gauge("cascade_queue_depth", "Requests waiting for a tier's worker", ["tier"],
                            registry=self.registry)
+        self.audits = Gauge("cascade_audits", "Audits since the server started, by outcome: audited, "
+                            "dropped (the audit queue was full), failed", ["outcome"], registry=self.registry)
+        self.audited = Gauge("cascade_audited_items", "Audited items counted by a question's drift alarm",
+                             ["question"], registry=self.registry)
+        self.lower = Gauge("cascade_agreement_lower_bound", "Anytime lower bound on a question's "
+                           "agreement with the teacher, from the audit", ["question"], registry=self.registry)
+        self.demoted = Gauge("cascade_demoted", "1 where a drift alarm sent a question's answers to the "
+                             "teacher", ["question"], registry=self.registry)
         self._given = self._escalated = 0
 
     def answered(self, response: DecisionResponse, bundle_ids: Mapping[str, str]) -> None:
@@ -64,6 +73,17 @@ class ServerMetrics:
     def queues(self, depths: Mapping[str, int]) -> None:
         for tier, depth in depths.items():
             self.queue.labels(tier).set(depth)
+
+    def watched(self, counts: Mapping[str, int], watch: DriftWatch | None) -> None:
+        """The audit's counts and, per question, its drift alarm's state."""
+        for outcome, n in counts.items():
+            self.audits.labels(outcome).set(n)
+        if watch is None:
+            return
+        for qid, monitor in watch.monitors.items():
+            self.audited.labels(qid).set(monitor.items)
+            self.lower.labels(qid).set(monitor.lower)
+            self.demoted.labels(qid).set(float(qid in watch.demoted))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

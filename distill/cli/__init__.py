@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from cascade.errors import CascadeError
 from distill.cli import (
+    audit,
     calibrate,
     decide,
     demo,
@@ -31,7 +32,7 @@ Command = Callable[[argparse.Namespace], int]
 COMMANDS = {"score": score.add_parser, "roofline": roofline.add_parser, "label": label.add_parser,
             "train": train.add_parser, "decide": decide.add_parser, "evaluate": evaluate.add_parser,
             "calibrate": calibrate.add_parser, "demo": demo.add_parser,
-            "teacher-model": teacher_model.add_parser, "serve": serve.add_parser}
+            "teacher-model": teacher_model.add_parser, "serve": serve.add_parser, "audit": audit.add_parser}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -80,3 +80,20 @@ def placement_of(args: argparse.Namespace) -> Placement:
     """The placement the command line asked for; fields not given stay None (tier defaults)."""
     return Placement(gpu_layers=args.gpu_layers, threads=getattr(args, "threads", None),
                      extra_buffers=args.extra_buffers)
+
+
+def add_audit_arguments(p: argparse.ArgumentParser) -> None:
+    """The audit of routed items by the teacher, spelled the same by decide and serve."""
+    p.add_argument("--audit-store", type=Path, metavar="S.sqlite",
+                   help="label store of the bundle's teacher to keep audits in: a seeded share of the "
+                   "routed items (--audit-share) is answered by the teacher on every bundle question, "
+                   "stored there (state, teacher labels, the system's answers) and watched by an "
+                   "anytime-valid drift alarm per question (default: no audit)")
+    p.add_argument("--audit-share", type=float, default=0.02, metavar="F",
+                   help="share of routed items audited, in [0, 1] (default 0.02; 0: none)")
+    p.add_argument("--audit-seed", default="audit", metavar="TEXT",
+                   help="seed of the audit sample (default 'audit')")
+    p.add_argument("--on-drift", choices=("demote", "alarm"), default="demote",
+                   help="when a question's drift alarm rises: demote it (its answers come from the "
+                   "teacher, marked demoted, until a calibration certifies it again; default), or only "
+                   "report it")

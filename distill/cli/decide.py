@@ -11,6 +11,7 @@ from typing import IO, TYPE_CHECKING
 
 from cascade.errors import CascadeError, RequestError
 from distill.cli.common import (
+    add_audit_arguments,
     add_budget_arguments,
     add_on_error_argument,
     add_placement_arguments,
@@ -19,6 +20,7 @@ from distill.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from cascade.audit.auditor import Auditor
     from cascade.router import Cascade
     from cascade.run import Budget
     from cascade.tiers import Item
@@ -45,6 +47,7 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     from cascade.router import Cascade
     from cascade.run import Budget
     from cascade.tiers import Item
+    from distill.auditing import auditor_for
 
     if args.batch_size < 1:
         raise RequestError(f"--batch-size must be at least 1; got {args.batch_size}")
@@ -57,6 +60,8 @@ def _cmd_decide(args: argparse.Namespace) -> int:
                       accept_other_teacher=args.accept_other_teacher) as cascade, \
             args.out.open("a", encoding="utf-8") as out, \
             tqdm(total=count_items(args.corpus), initial=len(done), unit="item") as bar:
+        auditor, sink = auditor_for(cascade, args.audit_store, args.audit_share, args.audit_seed,
+                                    args.on_drift)
         field = args.text_field or cascade.manifest.training.text_field or "text"
         batch: list[Item] = []
         for row in read_corpus(args.corpus, field, args.on_error, report_skipped):
@@ -64,21 +69,32 @@ def _cmd_decide(args: argparse.Namespace) -> int:
                 continue
             batch.append(Item(row.id, row.state))
             if len(batch) == args.batch_size:
-                written += _write(cascade, batch, budget, out, tiers)
+                written += _write(cascade, batch, budget, out, tiers, auditor)
                 bar.update(len(batch))
                 batch = []
         if batch:
-            written += _write(cascade, batch, budget, out, tiers)
+            written += _write(cascade, batch, budget, out, tiers, auditor)
             bar.update(len(batch))
+        if sink is not None:
+            sink.close()
     total = sum(tiers.values())
     shares = ", ".join(f"{name} {count / total:.1%}" for name, count in tiers.items()) or "-"
-    print(f"decided {written} items ({len(done)} already in {args.out}); answers by tier: {shares}")
+    audited = f"; audited {auditor.audited} by the teacher" if auditor is not None else ""
+    print(f"decided {written} items ({len(done)} already in {args.out}); answers by tier: {shares}{audited}")
     return 0
 
 
-def _write(cascade: Cascade, batch: list[Item], budget: Budget, out: IO[str], tiers: Counter[str]) -> int:
-    """Decide one batch and append its lines, flushed, so a kill loses at most this batch."""
-    for item, response in zip(batch, cascade.decide_batch(batch, budget), strict=True):
+def _write(cascade: Cascade, batch: list[Item], budget: Budget, out: IO[str], tiers: Counter[str],
+           auditor: Auditor | None) -> int:
+    """Decide one batch and append its lines, flushed, so a kill loses at most this batch; the
+    items the audit sample chose are audited (and stored) first."""
+    responses = cascade.decide_batch(batch, budget)
+    if auditor is not None:
+        every = {qid: qid for qid in cascade.questions}
+        for item, response in zip(batch, responses, strict=True):
+            if auditor.sampler.chosen(item.id):
+                auditor.audit(item, response, every)
+    for item, response in zip(batch, responses, strict=True):
         tiers.update(answer.routing.tier for answer in response.answers.values() if answer.routing)
         out.write(json.dumps({"id": item.id, **response.model_dump(mode="json")}, ensure_ascii=False)
                   + "\n")
@@ -133,5 +149,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_placement_arguments(p)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                    help="where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "
-                   "has it, and each answer's usage.ran_on says which it got)")
+                   "has it, and each answer's usage.x_cascade.ran_on says which it got)")
+    add_audit_arguments(p)
     p.set_defaults(run=_cmd_decide)

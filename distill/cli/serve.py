@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from cascade.errors import CascadeError
-from distill.cli.common import add_placement_arguments, placement_of, whole_number
+from distill.cli.common import add_audit_arguments, add_placement_arguments, placement_of, whole_number
 
 API_KEY_VARIABLE = "CASCADE_API_KEY"
 DESCRIPTION = f"""\
@@ -43,19 +43,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise CascadeError(f'cascade serve needs the serve extra ({exc}): pip install "cascade-router[serve]"'
                            ) from None
+    from cascade.audit.auditor import Auditor
     from cascade.router import Cascade
+    from distill.auditing import StoreSink, auditor_for
 
     if not (args.bundle / "manifest.json").is_file():
         raise CascadeError(f"no bundle at {args.bundle} (no manifest.json); give a folder that "
                            "cascade train wrote")
     key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     settings = EngineSettings(batch=not args.no_batch, max_batch=args.max_batch,
-                              teacher_queue=args.teacher_queue, overload=args.overload)
+                              teacher_queue=args.teacher_queue, overload=args.overload,
+                              audit_queue=args.audit_queue)
     failures: list[BaseException] = []
 
     def load() -> Cascade:
         return Cascade.load(args.bundle, teacher=args.teacher, device=args.device, threads=args.threads,
                             placement=placement_of(args), accept_other_teacher=args.accept_other_teacher)
+
+    sinks: list[StoreSink] = []
+
+    def audit(cascade: Cascade) -> Auditor | None:
+        auditor, sink = auditor_for(cascade, args.audit_store, args.audit_share, args.audit_seed,
+                                    args.on_drift)
+        sinks.extend([sink] if sink is not None else [])
+        return auditor
 
     server: uvicorn.Server | None = None
 
@@ -64,17 +75,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(load, ServeConfig(api_key=key, max_body=args.max_body, engine=settings), failed)
+    config = ServeConfig(api_key=key, max_body=args.max_body, engine=settings, audit=audit)
+    app = create_app(load, config, failed)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=args.grace)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=args.grace))
     print(f"serving {args.bundle} at http://{args.host}:{args.port}/v1/systemone "
           f"(auth {'on' if key else 'off'}; models loading, /health says when ready)", file=sys.stderr)
     # uvicorn stops gracefully on SIGTERM and then raises the signal again under the handler it
     # found: this one, so that a requested stop exits 0 instead of dying of the signal
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
+    for sink in sinks:
+        sink.close()
     if failures:
         failure = failures[0]
         if isinstance(failure, CascadeError):
@@ -117,4 +130,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                    help="where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "
                    "has it, and each answer's x_cascade.ran_on says which it got)")
+    add_audit_arguments(p)
+    p.add_argument("--audit-queue", type=whole_number(1), default=64, metavar="N",
+                   help="most audits waiting for the teacher, which takes them only when no live request "
+                   "waits (default 64); past it an audit is dropped and counted in /metrics")
     p.set_defaults(run=_cmd_serve)

@@ -1,0 +1,79 @@
+"""Auditing one routed item: the teacher answers every bundle question, the record is written,
+and the drift watch counts it.
+
+``Cascade.decide`` callers (``cascade decide``) audit inline, on the thread that routed; the server
+audits on the top tier's worker at the lowest priority (``cascade.serve.engine``). Only a live
+GGUF teacher can audit: with recorded labels as the top tier there is nothing new to learn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from cascade.answers import DecisionResponse
+from cascade.audit.record import AuditRecord, AuditSink, certified_answers
+from cascade.audit.sample import AuditSampler
+from cascade.audit.watch import DriftWatch, OnDrift
+from cascade.errors import CascadeError
+from cascade.router import Cascade
+from cascade.tiers import Item
+
+log = logging.getLogger("cascade.audit")
+
+
+class Auditor:
+    """Audits a ``sampler``'s share of a cascade's items into ``sink``, watched by a ``DriftWatch``
+    (None where the bundle has no calibration target to watch)."""
+
+    def __init__(self, cascade: Cascade, sampler: AuditSampler, sink: AuditSink,
+                 on_drift: OnDrift = "demote") -> None:
+        if not cascade.tiers[-1].reads_any_question:
+            raise CascadeError(f"auditing needs a live teacher as the top tier; {cascade.tiers[-1].name!r} "
+                               "replays recorded labels (give --teacher PATH.gguf, or --audit-share 0)")
+        if not cascade.certified:
+            raise CascadeError("auditing needs the teacher the thresholds were certified against; "
+                               "--accept-other-teacher runs another (give --audit-share 0)")
+        self.cascade, self.sampler, self.sink = cascade, sampler, sink
+        calibration = cascade.manifest.calibration
+        self.watch = None
+        if calibration.target is not None and calibration.delta is not None:
+            self.watch = DriftWatch(cascade.questions, calibration.target, calibration.delta,
+                                    cascade.calibration_version, on_drift)
+            cascade.demoted = self.watch.demoted
+        self.audited = 0
+
+    def replay(self, records: list[AuditRecord]) -> None:
+        """Count records written before (a restart): a question demoted stays demoted."""
+        if self.watch is not None:
+            for record in records:
+                self.watch.observe(record)
+
+    def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str]) -> AuditRecord:
+        """Ask the teacher every bundle question about ``item``; ``response`` is what the system
+        answered, ``bundle_ids`` maps its question ids to the bundle's."""
+        qids = list(self.cascade.questions)
+        reply = self.cascade.tiers[-1].reply([item], [qids], self.cascade.questions)
+        teacher = {qid: dict(zip(self.cascade.questions[qid].option_keys(), map(float, reply.answers[0][qid]),
+                                 strict=True)) for qid in qids}
+        record = AuditRecord(
+            item_id=f"audit:{item.id}", state=item.state,
+            calibration_version=self.cascade.calibration_version, at=time.time(), teacher=teacher,
+            prompt_hashes={qid: r.prompt_hash for qid, r in reply.readouts[0].items()},
+            system=certified_answers(response.answers, bundle_ids))
+        self.sink(record)
+        self.audited += 1
+        if self.watch is not None:
+            for qid in self.watch.observe(record):
+                self._report(self.watch, qid)
+        return record
+
+    @staticmethod
+    def _report(watch: DriftWatch, qid: str) -> None:
+        monitor = watch.monitors[qid]
+        then = ("its answers now escalate to the teacher until a calibration certifies it again"
+                if watch.on_drift == "demote" else "reported only (--on-drift alarm)")
+        log.warning("drift alarm on question %r after %d audited items: agreement %.3f, anytime lower "
+                    "bound %.3f below the target %.3f; %s", qid, monitor.items, monitor.agreement or 0.0,
+                    monitor.lower, monitor.target, then)

@@ -1,0 +1,132 @@
+"""Audits kept in the bundle's label store, and what ``cascade audit`` reports from them.
+
+The runtime's auditor (``cascade.audit.auditor``) writes through a sink it is given; this module
+gives it one that puts each record in a ``LabelStore`` of the bundle's teacher (so audits from
+another teacher can never mix in), replays the records already there so that a restarted server
+or run keeps a demoted question demoted, and turns a store's audits into the per-question table
+and plot of ``cascade audit``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from cascade.audit.alarms import AgreementMonitor
+from cascade.audit.auditor import Auditor
+from cascade.audit.record import AuditRecord
+from cascade.audit.sample import AuditSampler
+from cascade.audit.watch import OnDrift
+from cascade.bundle import Manifest
+from cascade.router import Cascade
+from distill.store import LabelStore, StoreError, Teacher
+
+
+def bundle_teacher(manifest: Manifest) -> Teacher:
+    return Teacher.model_validate(manifest.teacher.model_dump())
+
+
+class StoreSink:
+    """Writes audit records into the label store at ``path``, opened on first use (no audit, no
+    file), one record at a time whatever the thread (the server's top-tier worker writes, the
+    command closes)."""
+
+    def __init__(self, path: Path, teacher: Teacher) -> None:
+        self.path, self.teacher = Path(path), teacher
+        self._store: LabelStore | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, record: AuditRecord) -> None:
+        with self._lock:
+            if self._store is None:
+                self._store = LabelStore(self.path, self.teacher, any_thread=True)
+            self._store.put_audit(record)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+
+def stored_audits(path: Path) -> list[AuditRecord]:
+    """The audits in the store at ``path``, oldest first (none where there is no store yet)."""
+    if not Path(path).is_file():
+        return []
+    with LabelStore.open_existing(path) as store:
+        return store.audits()
+
+
+def auditor_for(cascade: Cascade, store: Path | None, share: float, seed: str,
+                on_drift: OnDrift) -> tuple[Auditor | None, StoreSink | None]:
+    """The auditor a command runs with, and its sink to close; (None, None) when audits are off,
+    said on stderr when only the store is missing."""
+    if share == 0:
+        return None, None
+    if store is None:
+        print(f"audits off: give --audit-store (the bundle's label store) to audit {share:.0%} of the "
+              "items with the teacher and watch the certificate", file=sys.stderr)
+        return None, None
+    sink = StoreSink(store, bundle_teacher(cascade.manifest))
+    auditor = Auditor(cascade, AuditSampler(share, seed), sink, on_drift)
+    auditor.replay(stored_audits(store))
+    if auditor.watch is not None and auditor.watch.demoted:
+        print(f"questions demoted by earlier audits: {sorted(auditor.watch.demoted)} (their answers come "
+              "from the teacher until a calibration certifies them again)", file=sys.stderr)
+    return auditor, sink
+
+
+@dataclass(frozen=True)
+class QuestionAudit:
+    """One question's audit under the bundle's calibration, and its monitor replayed in order."""
+
+    question: str
+    monitor: AgreementMonitor
+    lowers: list[float]
+    agreements: list[float]
+
+
+def audit_report(manifest: Manifest, calibration_version: str, path: Path) -> list[QuestionAudit]:
+    """Each bundle question's audited items of this calibration, replayed through its alarm."""
+    target, delta = manifest.calibration.target, manifest.calibration.delta
+    if target is None or delta is None:
+        raise StoreError(f"bundle {manifest.name!r} has no calibration target to audit against; "
+                         "run cascade calibrate first")
+    records = [r for r in stored_audits(path) if r.calibration_version == calibration_version]
+    out = []
+    for qid in manifest.questions:
+        monitor = AgreementMonitor(target, delta)
+        lowers, agreements = [], []
+        for record in records:
+            if qid in record.system and qid in record.teacher:
+                monitor.update([record.agreed(qid)])
+                lowers.append(monitor.lower)
+                agreements.append(monitor.agreement or 0.0)
+        out.append(QuestionAudit(qid, monitor, lowers, agreements))
+    return out
+
+
+def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:
+    """Agreement and its anytime lower bound over the audited items, per question, and the target."""
+    figure = Figure(figsize=(7, 4), dpi=110)
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    for row in rows:
+        items = range(1, len(row.lowers) + 1)
+        line = ax.plot(items, row.agreements, label=f"{row.question}: agreement")[0]
+        ax.plot(items, row.lowers, linestyle="--", color=line.get_color(),
+                label=f"{row.question}: anytime lower bound")
+    ax.axhline(target, color="black", linewidth=1, label=f"target {target}")
+    ax.set_xlabel("audited items")
+    ax.set_ylabel("agreement with the teacher")
+    ax.set_ylim(0, 1.02)
+    ax.legend(loc="lower right", fontsize=7)
+    ax.set_title("The certificate on audited traffic")
+    figure.tight_layout()
+    figure.savefig(path)
+    return path

@@ -1,0 +1,49 @@
+"""``cascade audit``: the certificate on audited traffic, per question, with a plot over time."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DESCRIPTION = """\
+Read the audits `cascade serve` and `cascade decide --audit-store` kept in a label store (a seeded
+share of routed items, each answered by the teacher on every bundle question) and replay, per
+question, the anytime-valid drift alarm on the bundle's certified target: audited items, their
+agreement with the teacher, the anytime lower bound (valid however often it is read, at the
+calibration's delta), the target, and whether the alarm rose. Only audits made under the bundle's
+current calibration count. Writes the agreement and its lower bound over the audited items as a
+PNG."""
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from cascade.bundle import Bundle
+    from distill.auditing import audit_report, plot_audit
+
+    manifest = Bundle.load(args.bundle).manifest
+    version = manifest.calibration.version()
+    rows = audit_report(manifest, version, args.store)
+    target = manifest.calibration.target
+    assert target is not None  # audit_report refuses an uncalibrated bundle
+    print(f"bundle {manifest.name!r}, calibration {version}, target {target}, delta "
+          f"{manifest.calibration.delta}")
+    print(f"{'question':<18} {'audited':>8} {'agreement':>10} {'lower bound':>12} {'target':>7}  alarm")
+    for row in rows:
+        m = row.monitor
+        agreement = f"{m.agreement:.3f}" if m.agreement is not None else "-"
+        alarm = f"raised at audited item {m.alarm_at}" if m.alarm else "quiet"
+        print(f"{row.question:<18} {m.items:>8} {agreement:>10} {m.lower:>12.3f} {target:>7}  {alarm}")
+    plot = args.plot or args.store.with_suffix(".audit.png")
+    print(f"plot: {plot_audit(rows, target, plot)}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("audit", help="the certificate on audited traffic: agreement, anytime bound, alarm",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example: cascade audit --bundle models/support-v1 --store labels.sqlite")
+    p.add_argument("--bundle", type=Path, required=True, metavar="DIR", help="model bundle folder")
+    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
+                   help="the label store the audits went to (--audit-store of serve or decide)")
+    p.add_argument("--plot", type=Path, metavar="P.png", help="where to write the plot (default: beside "
+                   "the store, S.audit.png)")
+    p.set_defaults(run=_cmd_audit)
