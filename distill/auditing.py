@@ -112,7 +112,8 @@ def audit_report(manifest: Manifest, calibration_version: str, path: Path) -> li
 
 
 def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:
-    """Agreement and its anytime lower bound over the audited items, per question, and the target."""
+    """Agreement and its anytime lower bound over the audited items, per question, the target, and
+    where an alarm rose."""
     figure = Figure(figsize=(7, 4), dpi=110)
     FigureCanvasAgg(figure)
     ax = figure.subplots()
@@ -121,6 +122,10 @@ def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:
         line = ax.plot(items, row.agreements, label=f"{row.question}: agreement")[0]
         ax.plot(items, row.lowers, linestyle="--", color=line.get_color(),
                 label=f"{row.question}: anytime lower bound")
+        if row.monitor.alarm_at is not None:
+            at = row.monitor.alarm_at
+            ax.plot([at], [row.agreements[at - 1]], marker="v", markersize=9, color=line.get_color(),
+                    linestyle="none", label=f"{row.question}: drift alarm (item {at})")
     ax.axhline(target, color="black", linewidth=1, label=f"target {target}")
     ax.set_xlabel("audited items")
     ax.set_ylabel("agreement with the teacher")

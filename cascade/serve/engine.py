@@ -30,6 +30,7 @@ import math
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -249,7 +250,9 @@ class Engine:
         if top.audits >= self.settings.audit_queue:
             self.audit_counts["dropped"] += 1
             return
-        top.put_audit(_Audit(job.item, response, dict(job.matched.bundle)))
+        # a client may send the same X-Request-Id twice: the audit's id is the server's own
+        item = Item(f"{job.item.id}.{uuid.uuid4().hex[:12]}", job.item.state)
+        top.put_audit(_Audit(item, response, dict(job.matched.bundle)))
 
     def _audit(self, audit: _Audit) -> None:
         assert self.auditor is not None
