@@ -96,7 +96,9 @@ class Routing(BaseModel):
     instead (also ``budget_limited``, and not ``certified``). ``covered`` is False for a question
     the bundle does not hold (another instructions text, say), which a server answers with the
     teacher alone: no threshold was ever certified for it. ``demoted`` is True when a drift
-    alarm on audited traffic took the question's cheap tiers out of its route (``cascade.audit``).
+    alarm on audited traffic took the question's cheap tiers out of its route (``cascade.audit``);
+    ``unfamiliar`` when the encoder's gate found the state unlike its training items and sent it
+    up (``cascade.familiar``).
     """
 
     tier: str
@@ -113,6 +115,7 @@ class Routing(BaseModel):
     overloaded: bool = False
     covered: bool = True
     demoted: bool = False
+    unfamiliar: bool = False
 
 
 def _x(name: str) -> Any:

@@ -52,7 +52,7 @@ from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
 from cascade.sections import CalibrationSection, TrainingSection
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 VECTORS_ALONE_SCHEMA = 3
 """The first schema whose thresholds certify encoder vectors computed from each text alone
 (``cascade.encoder``); before it, an encoder with dynamic int8 activations ran in batches."""
@@ -118,6 +118,16 @@ class TierSpec(_Strict):
         """ValueError where the tier's fields disagree with the bundle's questions."""
 
 
+class GateInfo(_Strict):
+    """The encoder tier's gate for unfamiliar inputs (``cascade.familiar``): its file, how many
+    training vectors it holds, the quantile its radius was set at, and the radius."""
+
+    file: BundleFile
+    reference: int = Field(ge=2)
+    quantile: float = Field(gt=0, lt=1)
+    radius: float = Field(ge=0, le=2)
+
+
 class EncoderTier(TierSpec):
     """Tier 0: one sentence embedding per state (with n-grams beside it), one softmax head per question."""
 
@@ -134,6 +144,7 @@ class EncoderTier(TierSpec):
     heads_file: BundleFile
     heads: dict[str, HeadInfo]
     ngrams: NgramInfo | None = None  # None: the heads read the embedding alone
+    gate: GateInfo | None = None  # None: every state is answered (bundles before schema 4)
 
     def model_path(self, directory: Path) -> Path:
         """Where the encoder model is, for a bundle in ``directory``."""
@@ -155,6 +166,8 @@ class EncoderTier(TierSpec):
         yield "heads file", self.heads_file
         if self.ngrams is not None:
             yield "n-gram features file", self.ngrams.file
+        if self.gate is not None:
+            yield "familiarity gate file", self.gate.file
 
     def check_questions(self, questions: Mapping[str, Question]) -> None:
         for qid, info in self.heads.items():
@@ -228,10 +241,12 @@ class Manifest(_Strict):
     makes it schema 2, so a cascade that predates the margin refuses it rather than read margins
     as top probabilities. Schema 3 (``VECTORS_ALONE_SCHEMA``) changes no field: its thresholds
     were certified on encoder vectors that do not depend on their batch, and the router refuses
-    an older bundle whose encoder's did, until it is calibrated again.
+    an older bundle whose encoder's did, until it is calibrated again. Schema 4 adds the encoder
+    tier's optional ``gate`` (``cascade.familiar``), so that an older cascade says its schema is
+    too old rather than failing on an unknown field; a bundle without one routes as before.
     """
 
-    schema_version: Literal[1, 2, 3] = 3
+    schema_version: Literal[1, 2, 3, 4] = 4
     name: str = Field(min_length=1)
     created_at: datetime
     prompt_version: str = PROMPT_VERSION

@@ -270,6 +270,9 @@ class Cascade:
         tier = self.tiers[t]
         run.usage[i] = _add(run.usage[i], reply.usage[row], seconds, {tier.name: tier.ran_on})
         run.took[t][i] = seconds
+        if reply.unfamiliar[row] and not top:  # unlike the training items: its questions go up
+            run.unfamiliar.add(i)
+            return
         for qid in qids:
             if qid not in reply.answers[row]:
                 if top:
@@ -364,7 +367,8 @@ class Cascade:
                               budget_limited=pick.budget_limited, input_cut=pick.cut,
                               certified=self.certified and not pick.overloaded,
                               over_budget=(i, qid) in run.over_budget, overloaded=pick.overloaded,
-                              demoted=qid in self.demoted and pick.tier == len(self.tiers) - 1)
+                              demoted=qid in self.demoted and pick.tier == len(self.tiers) - 1,
+                              unfamiliar=i in run.unfamiliar)
             answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated,
                                                 readout=pick.readout)
             answers[qid] = answer.model_copy(update={"routing": routing})

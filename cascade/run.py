@@ -113,6 +113,7 @@ class Run:
     answered: list[list[list[str]]] = field(init=False)  # tier -> item -> question ids answered
     took: list[list[float]] = field(init=False)  # tier -> item -> seconds measured
     over_budget: set[tuple[int, str]] = field(default_factory=set)  # (item, question)
+    unfamiliar: set[int] = field(default_factory=set)  # items the encoder's gate sent up
     usage: list[Usage] = field(init=False)
     spent: float = 0.0
     top_used: int = 0

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from cascade.bundle import Bundle, EncoderTier, ExternalTier, GgufTier, TierSpec
 from cascade.encoder import Device, EmbeddingCache, Encoder
 from cascade.errors import CascadeError
+from cascade.familiar import FamiliarityGate
 from cascade.placement import Placement, Placements, for_tier
 from cascade.pricing import TEACHER_PARAMS
 from cascade.readout import Scorer, branch_slots
@@ -136,7 +137,8 @@ class EncoderKind(TierKind[EncoderTier]):
                               f"{spec.model_path(bundle.directory)} (sha256 {spec.model.sha256}, "
                               f"max_length {spec.max_length})")
         cache = EmbeddingCache(Path(build.cache_dir), encoder) if build.cache_dir else None
-        return HeadsTier(spec.name, encoder, bundle.heads, cache, bundle.ngrams)
+        gate = FamiliarityGate.load(bundle.directory / spec.gate.file.name) if spec.gate else None
+        return HeadsTier(spec.name, encoder, bundle.heads, cache, bundle.ngrams, gate)
 
     def weights(self, spec: EncoderTier) -> tuple[float, str]:
         raise RouterError(f"tier {spec.name!r} is an encoder tier, which is never a bundle's top tier: "

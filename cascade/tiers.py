@@ -23,6 +23,7 @@ import numpy as np
 from cascade.answers import Readout, Usage
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
+from cascade.familiar import FamiliarityGate
 from cascade.heads import HeadStack, SoftmaxHead
 from cascade.ngrams import NgramFeatures, beside
 from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens, gguf_flops_per_token
@@ -48,18 +49,20 @@ Answers = list[dict[str, np.ndarray]]
 @dataclass
 class Reply:
     """A tier's answers with what they took: per item, the llama.cpp work, from a readout tier how
-    each answer was read (prompt hash, letter mass), and how the tier shortened the item's state
-    (None: read whole), so routed answers keep all of it."""
+    each answer was read (prompt hash, letter mass), how the tier shortened the item's state
+    (None: read whole), and whether the encoder's gate found the state unlike its training items
+    (the router then sends the item up: ``cascade.familiar``), so routed answers keep all of it."""
 
     answers: Answers
     usage: list[Usage]
     readouts: list[dict[str, Readout]]
     cuts: list[str | None]
+    unfamiliar: list[bool]
 
     @classmethod
     def empty(cls, n: int) -> Reply:
         return cls([{} for _ in range(n)], [Usage() for _ in range(n)], [{} for _ in range(n)],
-                   [None] * n)
+                   [None] * n, [False] * n)
 
 
 class Tier(ABC):
@@ -142,6 +145,7 @@ class HeadsTier(Tier):
         heads: Mapping[str, SoftmaxHead],
         cache: EmbeddingCache | None = None,
         ngrams: NgramFeatures | None = None,
+        gate: FamiliarityGate | None = None,
     ) -> None:
         self.name = name
         self.encoder = encoder
@@ -149,6 +153,7 @@ class HeadsTier(Tier):
         self.stack = HeadStack(self.heads)
         self.cache = cache
         self.ngrams = ngrams
+        self.gate = gate
 
     @property
     def ran_on(self) -> str:
@@ -193,9 +198,11 @@ class HeadsTier(Tier):
         texts = [render_state(items[i].state) for i in wanted]
         vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
         answers = self.stack.predict_proba(beside(vectors, self.ngrams, texts))
+        familiar = self.gate.familiar(vectors) if self.gate is not None else np.ones(len(texts), bool)
         for row, (i, (tokens, cut)) in enumerate(zip(wanted, self.encoder.cuts(texts), strict=True)):
             out.cuts[i] = cut
             out.usage[i] = Usage(input_tokens=tokens)
+            out.unfamiliar[i] = not familiar[row]
             for qid in asked[i]:
                 if qid in answers:
                     out.answers[i][qid] = answers[qid][row]

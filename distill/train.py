@@ -29,6 +29,7 @@ from cascade.bundle import (
     BundleFile,
     EncoderTier,
     ExternalTier,
+    GateInfo,
     GgufTier,
     HeadInfo,
     Manifest,
@@ -42,6 +43,7 @@ from cascade.checks import is_finite
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
 from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles
 from cascade.errors import CascadeError
+from cascade.familiar import GATE_NAME, QUANTILE, FamiliarityGate
 from cascade.hashing import file_sha256
 from cascade.heads import Matrix, SoftmaxHead, save_heads
 from cascade.ngrams import NgramFeatures, beside
@@ -135,6 +137,7 @@ def train_bundle(
         save_heads(stage / HEADS_NAME, heads)
         infos = {q: info for q, (_, info) in fitted.items()}
         first = _encoder_tier(encoder, stage, infos, _save_ngrams(grams, stage), tuned is not None)
+        first.gate = _save_gate([vectors[i] for i in parts["train"]], stage)
         tiers = [first, *middle, top]
         split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
                           file=write_json_file(stage, SPLIT_NAME, parts))
@@ -318,6 +321,17 @@ def _labelled_texts(
                          f"questions {sorted(labels)} ({len(wanted)} labelled ids, none in the "
                          "corpus); label this corpus first, or check --corpus and --store")
     return texts
+
+
+def _save_gate(train_vectors: list[np.ndarray], bundle_dir: Path) -> GateInfo | None:
+    """The gate for unfamiliar inputs, fitted on the train part's vectors only (so it spends
+    nothing of the calibration part); None with fewer than 2 train items."""
+    if len(train_vectors) < 2:
+        return None
+    gate = FamiliarityGate.fit(np.stack(train_vectors))
+    gate.save(bundle_dir / GATE_NAME)
+    return GateInfo(file=BundleFile.of(bundle_dir, GATE_NAME), reference=len(gate.reference),
+                    quantile=QUANTILE, radius=gate.radius)
 
 
 def _save_ngrams(grams: NgramFeatures | None, bundle_dir: Path) -> NgramInfo | None:

@@ -25,6 +25,7 @@ from cascade.bundle import (
 from cascade.corpus import read_corpus
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
+from cascade.familiar import GATE_NAME
 from cascade.hashing import file_sha256
 from cascade.heads import Matrix
 from cascade.ngrams import NgramFeatures, beside
@@ -68,7 +69,8 @@ def test_bundle_round_trips(trained: Bundle, features: Matrix) -> None:
                                    head.predict_proba(features), rtol=0, atol=1e-6)
     assert loaded.split_ids() == trained.split_ids()
     assert sorted((trained.directory).iterdir()) == [
-        trained.directory / name for name in sorted((HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME))
+        trained.directory / name
+        for name in sorted((GATE_NAME, HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME))
     ]
 
 
@@ -131,10 +133,10 @@ CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
      r".*manifest.json to the file the bundle was trained with, or re-train the bundle"),
     (lambda d: edit_manifest(d, _move_encoder),
      r"tier 'encoder' encoder model /nowhere/model.onnx not found; re-point its 'path'"),
-    (lambda d: edit_manifest(d, lambda m: m.update(schema_version=4)),
-     r"bundle schema 4 is newer than this cascade \(3\); upgrade cascade"),
+    (lambda d: edit_manifest(d, lambda m: m.update(schema_version=5)),
+     r"bundle schema 5 is newer than this cascade \(4\); upgrade cascade"),
     (lambda d: edit_manifest(d, lambda m: m.update(schema_version="1")),
-     r"schema_version '1' is not a bundle schema version \(this cascade reads 3\)"),
+     r"schema_version '1' is not a bundle schema version \(this cascade reads 4\)"),
     (lambda d: edit_manifest(d, lambda m: m.update(schema_version=1)),
      r"a schema-1 manifest's thresholds are on the top probability; threshold_on 'margin' needs "
      r"schema_version 2"),

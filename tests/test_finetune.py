@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 
 from corpora import HEADED, QUESTIONS, copy_bundle, corpus_items, train
 
-from cascade.bundle import Bundle, BundleError, BundleFile
+from cascade.bundle import SCHEMA_VERSION, Bundle, BundleError, BundleFile
 from cascade.encoder import EmbeddingCache, Encoder, default_encoder_files
 from cascade.onnx_header import weight_precision, weight_types
 from cascade.router import Cascade
@@ -168,7 +168,7 @@ def test_a_bundle_calibrated_on_batch_dependent_vectors_is_refused_until_calibra
         calibrate_bundle(Bundle.load(old.directory), labelled[0], store, target=0.9, delta=0.1,
                          progress=False)
     with Cascade.load(old.directory, labels=labels) as cascade:
-        assert cascade.manifest.schema_version == 3
+        assert cascade.manifest.schema_version == SCHEMA_VERSION
 
 
 def test_the_fine_tuned_encoder_is_not_the_frozen_one(tuned_bundle: Bundle, encoder: Encoder) -> None:
