@@ -14,9 +14,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from cascade.audit.alarms import AgreementMonitor
 from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord
@@ -113,7 +110,10 @@ def audit_report(manifest: Manifest, calibration_version: str, path: Path) -> li
 
 def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:
     """Agreement and its anytime lower bound over the audited items, per question, the target, and
-    where an alarm rose."""
+    where an alarm rose. (matplotlib is imported here: routing commands audit without plotting.)"""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(7, 4), dpi=110)
     FigureCanvasAgg(figure)
     ax = figure.subplots()

@@ -60,7 +60,7 @@ from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import GENERATOR_VERSION, generate, write_corpus, write_labels, write_questions
 from distill.train import middle_tier, train_bundle
 
-DEMO_VERSION = "demo-v3"
+DEMO_VERSION = "demo-v4"
 """Part of the reuse fingerprint: a change to how the demo builds its bundle invalidates reuse."""
 DEFAULT_WORKDIR = Path("runs/demo")
 DEFAULT_ITEMS = 2000

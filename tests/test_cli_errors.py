@@ -121,7 +121,7 @@ def test_a_questions_file_with_an_error_on_line_12(tmp_path: Path) -> None:
 def test_a_bundle_from_a_newer_schema(tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
     bundle.mkdir()
-    (bundle / "manifest.json").write_text(json.dumps({"schema_version": 4, "name": "future"}))
+    (bundle / "manifest.json").write_text(json.dumps({"schema_version": 99, "name": "future"}))
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
     result = run("decide", "--bundle", str(bundle), "--corpus", str(corpus),

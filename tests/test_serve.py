@@ -23,7 +23,7 @@ import httpx
 import pytest
 import schemathesis
 import zstandard
-from corpora import QUESTIONS_JSON
+from corpora import QUESTIONS_JSON, corpus_items
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from servers import ESCALATED, KEPT, free_port, running, serving_bundle
@@ -34,7 +34,7 @@ from cascade.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import EngineSettings
 
-STATE = "Our payroll export has failed since this morning and salaries go out tonight."
+STATE = corpus_items()[5].text  # like the training messages, so that the encoder's gate lets it in
 SCORE = {"type": "score", "instructions": "How severe is the problem?",
          "criteria": ["Minor", {"label": "Degraded", "description": "works, slowly"}, "Blocking"]}
 KEY = "test-key-123"
@@ -236,7 +236,7 @@ def route_alone_and_together(url: str, bodies: list[dict[str, Any]]) -> tuple[li
 def test_the_same_request_gets_the_same_answer_alone_and_in_a_concurrent_batch(url: str) -> None:
     """Tolerance 0: the encoder gives each text the same vector in any batch, and llama.cpp
     reads each state on its own."""
-    states = [f"{STATE} (ticket {n})" if n % 2 else f"Invoice {n} shows the wrong VAT." for n in range(8)]
+    states = [item.text for item in corpus_items()[10:18]]
     bodies = [{"state": s, "questions": questions(KEPT, ESCALATED)} for s in states]
     alone, together = route_alone_and_together(url, bodies)
     assert [one["answers"] for one in alone] == [many["answers"] for many in together]
@@ -384,7 +384,7 @@ def test_without_the_serve_extra_routing_works_and_serve_says_how_to_install_it(
     route = BLOCK_SERVE_EXTRA + (
         "from cascade.router import Cascade\n"
         f"with Cascade.load({str(bundle_dir)!r}, labels={{'urgent': {{}}, 'department': {{}}}}) as c:\n"
-        "    print(c.decide('Help, it is down', questions=['urgent']).answers['urgent'].routing.tier)\n")
+        f"    print(c.decide({STATE!r}, questions=['urgent']).answers['urgent'].routing.tier)\n")
     done = subprocess.run([sys.executable, "-c", route], capture_output=True, text=True)
     assert (done.returncode, done.stdout.strip()) == (0, "encoder"), done.stderr
     argv = ["serve", "--bundle", str(bundle_dir)]
