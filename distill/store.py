@@ -51,7 +51,6 @@ CREATE TABLE IF NOT EXISTS audits (
 );
 """
 
-
 _Pending = dict[str, dict[str, tuple[list[int], dict[str, float]]]]
 """An import's rows: item -> question -> (line numbers of identical rows, probabilities)."""
 
