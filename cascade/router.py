@@ -56,6 +56,9 @@ class Cascade:
         self.manifest_sha256 = manifest_sha256 or hashlib.sha256(
             manifest.model_dump_json().encode()).hexdigest()
         self.calibration_version = manifest.calibration.version()
+        # what every answer's audit lists per question, hashed once here instead of per answer
+        self._audit_hashes = {qid: (template_sha256(q), letters_sha256(q))
+                              for qid, q in self.questions.items()}
         self.demoted: set[str] = set()  # questions a drift alarm sent to the top tier (cascade.audit)
 
     @classmethod
@@ -382,8 +385,8 @@ class Cascade:
         qids, picks = list(run.asked[i]), run.picks[i]
         answering = [self.tiers[t] for t in sorted({picks[q].tier for q in qids})]
         return Audit(model_hash=self.manifest_sha256, calibration_version=self.calibration_version,
-                     prompt_template_sha256=[template_sha256(self.questions[q]) for q in qids],
-                     allowed_token_set_hash=[letters_sha256(self.questions[q]) for q in qids],
+                     prompt_template_sha256=[self._audit_hashes[q][0] for q in qids],
+                     allowed_token_set_hash=[self._audit_hashes[q][1] for q in qids],
                      input_tokens=[picks[q].tokens for q in qids],
                      backend="+".join(dict.fromkeys(tier.backend for tier in answering)),
                      precision="+".join(dict.fromkeys(tier.precision for tier in answering)))
