@@ -4,7 +4,8 @@ every look, for false alarms at the target and for how soon a real drop is caugh
 Simulated streams of audited outcomes (True: the cascade agreed with the teacher), seeded. Each
 alarm watches "agreement >= target" at level alpha:
 
-- ``betting``: ``cascade.audit.alarms.AgreementMonitor`` (anytime-valid by Ville's inequality);
+- ``betting``: ``cascade.audit.alarms.AgreementMonitor`` (anytime-valid by Ville's inequality),
+  with its online-Newton stakes and with the plug-in ones;
 - ``Clopper-Pearson, all so far``: the one-sided exact upper bound on all items audited so far,
   tested every ``--every`` items, alarming once it falls below the target;
 - ``Clopper-Pearson, window``: the same on the last ``--window`` items (as peers re-test a fixed
@@ -25,15 +26,15 @@ from collections.abc import Callable
 import numpy as np
 from scipy.stats import beta
 
-from cascade.audit.alarms import AgreementMonitor
+from cascade.audit.alarms import AgreementMonitor, Stake
 
 Alarm = Callable[[np.ndarray], int | None]
 """An alarm run over one stream: the audited item at which it fired, or None."""
 
 
-def betting(target: float, alpha: float) -> Alarm:
+def betting(target: float, alpha: float, stake: Stake = "ons") -> Alarm:
     def run(outcomes: np.ndarray) -> int | None:
-        monitor = AgreementMonitor(target, alpha, grid=2)
+        monitor = AgreementMonitor(target, alpha, grid=2, stake=stake)
         monitor.update([bool(x) for x in outcomes])
         return monitor.alarm_at
 
@@ -65,18 +66,19 @@ def main() -> None:
     parser.add_argument("--drops", type=float, nargs="+", default=[0.93, 0.90])
     args = parser.parse_args()
     alarms = {
-        "betting (anytime-valid)": betting(args.target, args.alpha),
+        "betting, ONS stakes (anytime-valid)": betting(args.target, args.alpha),
+        "betting, plug-in stakes (anytime-valid)": betting(args.target, args.alpha, "plug-in"),
         "Clopper-Pearson, all so far": clopper_pearson(args.target, args.alpha, args.every, None),
         f"Clopper-Pearson, last {args.window}": clopper_pearson(args.target, args.alpha, args.every,
                                                                 args.window),
     }
     print(f"{args.streams} streams of {args.items} audited items, target {args.target}, alpha "
           f"{args.alpha}; Clopper-Pearson looked at every {args.every} items")
-    header = f"{'alarm':32} {'false alarms at target':>23}"
+    header = f"{'alarm':40} {'false alarms at target':>23}"
     header += "".join(f" {f'caught at {drop}':>14} {'median items':>13}" for drop in args.drops)
     print(header)
     for name, alarm in alarms.items():
-        row = f"{name:32} {_share(alarm, args.target, args):>23.1%}"
+        row = f"{name:40} {_share(alarm, args.target, args):>23.1%}"
         for drop in args.drops:
             fired = _fired(alarm, drop, args)
             caught = [at for at in fired if at is not None]

@@ -107,12 +107,23 @@ def dropped_tiers(payoffs: dict[str, TierPayoff]) -> set[str]:
     return {tier for tier, payoff in payoffs.items() if not payoff.kept}
 
 
+class AuditSpan(_Section):
+    """The audited items a calibration certified on: how many, and when the first and last were
+    audited (ISO 8601, UTC)."""
+
+    items: int
+    first: str
+    last: str
+
+
 class CalibrationSection(_Section):
     """The settings of the last calibration, its per-(question, tier) facts and the tier costs.
 
     ``questions`` and ``skipped`` map question -> tier -> facts, or why the pair was left
     uncalibrated; ``cascade`` is by question and ``costs`` by tier name. ``flops_per_second`` is
     the throughput that prices tiers without a measured cost (an external teacher) on the roofline.
+    ``source`` says which labelled items certified ("audit" or "both" with the audited ``audits``;
+    None: the calibration part alone, as before audits existed).
     """
 
     calibrated_at: str | None = None
@@ -135,13 +146,17 @@ class CalibrationSection(_Section):
     costs: dict[str, MeasuredCost] = {}
     flops_per_second: Positive | None = None
     payoffs: dict[str, TierPayoff] = {}
+    source: Literal["audit", "both"] | None = None
+    audits: AuditSpan | None = None
 
     def version(self) -> str:
         """When the thresholds were certified and a digest of the calibration that certified them:
-        what answers' audits name, and what audited traffic is counted against."""
+        what answers' audits name, and what audited traffic is counted against. Fields added since
+        are left out where unset, so that a bundle calibrated before keeps its version."""
         if self.calibrated_at is None:
             return "uncalibrated"
-        digest = hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+        unset = {name for name in ("source", "audits") if getattr(self, name) is None}
+        digest = hashlib.sha256(self.model_dump_json(exclude=unset).encode()).hexdigest()
         return f"{self.calibrated_at}+{digest[:12]}"
 
     def dropped(self) -> set[str]:

@@ -44,7 +44,8 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
         "bundle": result.bundle, "name": result.name, "mode": result.mode, "target": result.target,
         "delta": result.delta, "escalation_fraction": result.escalation_fraction,
         "family_wise": result.family_wise, "family_size": result.family_size,
-        "unlabelled_items": result.unlabelled_items,
+        "unlabelled_items": result.unlabelled_items, "source": result.source,
+        "audits": None if result.audits is None else result.audits.model_dump(),
         "tier_target": result.tier_target, "tier_delta": result.tier_delta,
         "calibration_items": result.items, "temperature_share": result.temperature_share,
         "guarantee": _guarantee_text(result), "not_promised": _NOT_PROMISED,
@@ -141,7 +142,7 @@ def _guarantee_text(result: CalibrationResult) -> str:
         "trained the heads; the temperature rescales reported probabilities only and never moves "
         "which answers are kept. A tier whose threshold could not be certified keeps nothing: the "
         "teacher answers, so the guarantee still holds, at full cost."
-        + _split_text(result) + _unlabelled_text(result)
+        + _source_text(result) + _split_text(result) + _unlabelled_text(result)
     )
 
 
@@ -152,15 +153,47 @@ def _scope_text(result: CalibrationResult) -> str:
         return (f"For all {q} calibrated questions at once: with probability at least "
                 f"{1 - delta:.1%} (1 - delta) over the draw of the calibration items, every one of "
                 f"them agrees with the teacher on at least {target} (the target) of new items from "
-                "the same distribution (family-wise: delta is split over the questions).")
+                f"{drawn_from(result)} (family-wise: delta is split over the questions).")
     joint = (f"all {q} hold together only with probability at least {max(0.0, 1 - q * delta):.0%} "
              f"(1 - {q} x delta, by the union bound)" if q > 1 else "there is one question")
     return (f"For each question on its own: with probability at least {1 - delta:.1%} (1 - delta) "
             "over the draw of the calibration items, that question's answers agree with the "
-            f"teacher on at least {target} (the target) of new items from the same distribution. "
+            f"teacher on at least {target} (the target) of new items from {drawn_from(result)}. "
             f"Each question spends its own delta, so {joint}; calibrate with --family-wise "
             "(family_wise=True) for one statement about all questions at once, at a cost in "
             "coverage.")
+
+
+def drawn_from(result: CalibrationResult) -> str:
+    """The distribution the certificate is about, in words: the items it was certified on."""
+    span = result.audits
+    if result.source == "calibration" or span is None:
+        return "the same distribution"
+    audited = (f"the traffic the audit sampled ({span.items} items audited from {span.first} to "
+               f"{span.last})")
+    if result.source == "audit":
+        return audited
+    return (f"the pool of the calibration part ({result.items - span.items} items) and {audited}, in "
+            "those proportions; for either alone only where the two are one distribution")
+
+
+def _items_text(result: CalibrationResult) -> str:
+    audited = 0 if result.audits is None else result.audits.items
+    if result.source == "calibration":
+        return f"{result.items} calibration items"
+    if result.source == "audit":
+        return f"{audited} audited items"
+    return f"{result.items - audited} calibration items and {audited} audited ones"
+
+
+def _source_text(result: CalibrationResult) -> str:
+    """What a certificate on audited traffic holds for, with a leading space; or nothing."""
+    if result.source == "calibration":
+        return ""
+    return (" Audited items are a seeded uniform share of the routed traffic, chosen before any tier "
+            "ran, and the heads never trained on them: the certificate holds for traffic like it, "
+            "for as long as it stays so, which the drift alarm watches on the audits made under "
+            "this calibration.")
 
 
 def _split_text(result: CalibrationResult) -> str:
@@ -262,7 +295,7 @@ def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
             if result.escalation_fraction is None
             else f"budget mode: escalation fraction {result.escalation_fraction:.3g}")
     return _TEMPLATE.format(
-        name=_e(result.name), bundle=_e(result.bundle), mode=_e(mode), items=result.items,
+        name=_e(result.name), bundle=_e(result.bundle), mode=_e(mode), items=_e(_items_text(result)),
         temperature=f"{result.temperature_share:.0%}", rest=f"{1 - result.temperature_share:.0%}",
         tiers=_e(" -> ".join([*(f"{name} (taken out)" if name in result.dropped() else name
                                 for name in result.cheap_tiers), result.teacher_tier])),
@@ -372,7 +405,7 @@ figure {{ margin: 0; }} figure img {{ width: 100%; height: auto; border: 1px sol
 </style></head>
 <body>
 <h1>Calibration report: {name}</h1>
-<p class="meta">Bundle {bundle}<br>Cascade {tiers}; {mode}; {items} calibration items
+<p class="meta">Bundle {bundle}<br>Cascade {tiers}; {mode}; {items}
 (all of them certify the thresholds, on each tier's raw margin: its top probability's lead over
 the runner-up; {temperature} of them fit the temperatures, whose reliability diagrams are drawn
 on the other {rest}).</p>

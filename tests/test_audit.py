@@ -8,6 +8,7 @@ with gemma on about half the items: a drift the alarm must catch).
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,16 +111,19 @@ def test_audit_writes_survive_a_sigkill(tmp_path: Path) -> None:
 
 
 def test_a_drifted_question_is_demoted_and_a_recalibration_brings_it_back(
-    bundle_dir: Path, gemma_path: Path, tmp_path: Path
+    bundle_dir: Path, gemma_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     records: list[AuditRecord] = []
+    store = tmp_path / "labels.sqlite"
     every = {qid: qid for qid in QUESTIONS_JSON}
     with Cascade.load(bundle_dir, teacher=gemma_path, threads=2) as cascade:
-        auditor = Auditor(cascade, AuditSampler(1.0), records.append)
+        sink = StoreSink(store, bundle_teacher(cascade.manifest))
+        auditor = Auditor(cascade, AuditSampler(1.0), lambda r: (records.append(r), sink(r)))
         for item in items(16):
             auditor.audit(item, cascade.decide(item.state), every)
             if KEPT in cascade.demoted:
                 break
+        sink.close()
         assert cascade.demoted == {KEPT}, [r.system for r in records]
         assert auditor.watch is not None and auditor.watch.monitors[KEPT].alarm
         after = cascade.decide(items(1, 40)[0].state, questions=[KEPT]).answers[KEPT].routing
@@ -128,15 +132,20 @@ def test_a_drifted_question_is_demoted_and_a_recalibration_brings_it_back(
         again = Auditor(cascade, AuditSampler(1.0), records.append)
         again.replay(records)
         assert again.watch is not None and again.watch.demoted == {KEPT}
-    data = Bundle.load(bundle_dir).manifest.model_dump(mode="json")
-    data["calibration"]["calibrated_at"] = "2026-12-02T00:00:00Z"  # calibrated again
     recalibrated = tmp_path / "recalibrated"
-    Bundle(Manifest.model_validate(data), bundle_dir).save(recalibrated)
+    shutil.copytree(bundle_dir, recalibrated)
+    assert main(["calibrate", "--bundle", str(recalibrated), "--store", str(store), "--calibrate-on",
+                 "audit", "--target-agreement", "0.6", "--teacher-items", "0", "--report",
+                 str(tmp_path / "report")]) == 0
+    assert f"the traffic the audit sampled ({len(records)} items audited" in capsys.readouterr().out
     with Cascade.load(recalibrated, teacher=gemma_path, threads=2) as cascade:
-        fresh = Auditor(cascade, AuditSampler(1.0), records.append)
-        fresh.replay(records)
+        threshold = cascade.manifest.threshold(KEPT, "encoder")
+        assert threshold is not None  # certified again, on what the audit saw
+        fresh, _ = auditor_for(cascade, store, 1.0, "s", "demote")
+        assert fresh is not None and fresh.watch is not None and fresh.watch.monitors[KEPT].items == 0
         assert cascade.demoted == set()
-        assert cascade.decide(items(1, 40)[0].state, questions=[KEPT]).answers[KEPT].routing.tier == "encoder"
+        routes = [cascade.decide(item.state, questions=[KEPT]).answers[KEPT].routing for item in items(8, 40)]
+        assert all(r is not None and not r.demoted for r in routes)
 
 
 def test_auditing_needs_a_live_certified_teacher(bundle_dir: Path, gemma_path: Path) -> None:

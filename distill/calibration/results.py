@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from cascade.sections import QuestionFacts, TierPayoff, dropped_tiers
+from cascade.sections import AuditSpan, QuestionFacts, TierPayoff, dropped_tiers
+from distill.calibration.inputs import Source
 
 FACTS = tuple(QuestionFacts.model_fields)
 """The fields of a QuestionTier that go into the manifest (the figures stay in the report)."""
@@ -89,7 +90,9 @@ class CalibrationResult(BaseModel):
     on each (each holds on its own). ``unlabelled_items`` counts corpus items of the
     calibration part with no teacher label at all (the teacher skipped them: over-long, or
     failed under ``--on-error skip``): they never entered calibration, so nothing here is
-    certified about items like them, though the router still answers them.
+    certified about items like them, though the router still answers them. ``source`` says which
+    labelled items certified (``distill.calibration.inputs.Source``), ``audits`` the audited ones
+    among them.
     """
 
     bundle: str
@@ -114,6 +117,8 @@ class CalibrationResult(BaseModel):
     teacher_cost: TierCost | None = None
     teacher_cost_note: str = ""
     payoffs: dict[str, TierPayoff] = {}
+    source: Source = "calibration"
+    audits: AuditSpan | None = None
 
     def dropped(self) -> set[str]:
         """Cheap tiers taken out of the cascade because they cost more than they saved."""

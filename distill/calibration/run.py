@@ -1,14 +1,19 @@
 """The calibration run: temperatures, acceptance thresholds and tier costs from held-out items.
 
-Only the bundle's "calibration" part is used: the heads never saw it, so what the tiers do on it
-is what they will do on new items. Thresholds are on each tier's RAW probabilities reduced to one
-score, the top probability's lead over the runner-up (``cascade.calibration_math``): a score
-fixed before any calibration item was drawn, so every calibration item certifies them: the
-finite-sample certificate assumes exactly that, and a score fitted on the same items would
-spend part of it. The temperature only rescales the probabilities answers report (and orders
-escalations under a budget); it never moves which answers are kept. It is fitted on a part of
-the calibration items picked by a hash of their id (30%), and its reliability diagrams are
-drawn on the rest.
+By default only the bundle's "calibration" part is used: the heads never saw it, so what the
+tiers do on it is what they will do on new items. With ``source="audit"`` the store's audited
+live items certify instead (the heads never saw those either: a seeded uniform sample of the
+traffic, answered by the teacher on every question), and the certificate is then about new items
+from that traffic; ``"both"`` pools them, which certifies the pooled mixture and is the one to
+choose only where the two come from one distribution (``inputs``).
+
+Thresholds are on each tier's RAW probabilities reduced to one score, the top probability's lead
+over the runner-up (``cascade.calibration_math``): a score fixed before any calibration item was
+drawn, so every calibration item certifies them: the finite-sample certificate assumes exactly
+that, and a score fitted on the same items would spend part of it. The temperature only rescales
+the probabilities answers report (and orders escalations under a budget); it never moves which
+answers are kept. It is fitted on a part of the calibration items picked by a hash of their id
+(30%), and its reliability diagrams are drawn on the rest.
 
 With several cheap tiers (the encoder tier and GGUF middle tiers), the error budget
 ``1 - target`` and ``delta`` are split evenly across them: each tier is certified to disagree
@@ -65,7 +70,16 @@ from cascade.readout import Scorer
 from cascade.tierkinds import Build, RouterError, build_tiers, close_tiers, kind_of
 from cascade.tiers import Item, Tier
 from distill.calibration.fits import TEMPERATURE_SHARE, fit_all, replay
-from distill.calibration.inputs import Labels, calibration_items, calibration_labels, check_teacher
+from distill.calibration.inputs import (
+    SOURCES,
+    Labels,
+    Source,
+    audit_inputs,
+    calibration_items,
+    calibration_labels,
+    check_teacher,
+    merged,
+)
 from distill.calibration.manifest import updated_manifest
 from distill.calibration.maths import CalibrationError
 from distill.calibration.payoff import tier_payoffs
@@ -81,7 +95,7 @@ adds about a minute."""
 
 def calibrate_bundle(
     bundle: Bundle,
-    corpus_path: Path,
+    corpus_path: Path | None,
     store: LabelStore,
     target: float = 0.98,
     delta: float = 0.05,
@@ -98,6 +112,8 @@ def calibrate_bundle(
     on_bad: Callable[[BadLine], None] | None = None,
     teacher_items: int = TEACHER_ITEMS,
     keep_costly_tiers: bool = False,
+    source: Source = "calibration",
+    audits_since: float | None = None,
 ) -> CalibrationResult:
     """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
 
@@ -115,9 +131,13 @@ def calibrate_bundle(
     to ``on_bad``, as ``read_corpus`` does (a calibration item on it is then reported missing).
     ``teacher_items`` calibration items time a GGUF teacher (0: price it on the roofline).
     A middle tier that costs more than it saves the top tier is taken out of the cascade
-    (``distill.calibration.payoff``), unless ``keep_costly_tiers``.
+    (``distill.calibration.payoff``), unless ``keep_costly_tiers``. ``source`` picks the items that
+    certify: the calibration part (of ``corpus_path``), the store's audits (those audited at or
+    after ``audits_since``, a Unix time, where given; no corpus needed) or both.
     """
     _check_arguments(target, delta, escalation_fraction, family_wise)
+    if source not in SOURCES:
+        raise CalibrationError(f"source must be one of {', '.join(SOURCES)}; got {source!r}")
     if not isinstance(teacher_items, int) or isinstance(teacher_items, bool) or teacher_items < 0:
         raise CalibrationError(f"teacher_items must be a whole number >= 0; got {teacher_items!r}")
     if flops_per_second is not None and not (is_finite(flops_per_second) and flops_per_second > 0):
@@ -126,9 +146,20 @@ def calibrate_bundle(
     check_teacher(manifest, store)
     bundle.verify()
     questions = manifest.parsed_questions()
-    labels = calibration_labels(store, questions, bundle.split_ids()["calibration"], manifest.name)
-    items, unlabelled = calibration_items(Path(corpus_path), text_field, labels, manifest.split,
-                                          on_error, on_bad)
+    labels: Labels = {}
+    items: list[Item] = []
+    unlabelled, audits = 0, None
+    if source != "audit":
+        if corpus_path is None:
+            raise CalibrationError(f"calibrating on {source!r} reads the calibration part's states from "
+                                   "the corpus the bundle was trained on: give it (--corpus), or "
+                                   "calibrate on the audits alone (--calibrate-on audit)")
+        labels = calibration_labels(store, questions, bundle.split_ids()["calibration"], manifest.name)
+        items, unlabelled = calibration_items(Path(corpus_path), text_field, labels, manifest.split,
+                                              on_error, on_bad)
+    if source != "calibration":
+        audited, audit_items, audits = audit_inputs(store, questions, audits_since)
+        labels, items = merged(labels, audited), items + audit_items
     cheap = manifest.tiers[:-1]
     if not cheap:
         raise CalibrationError(f"bundle {manifest.name!r} has only its top tier: there is no cheap "
@@ -161,7 +192,7 @@ def calibrate_bundle(
         cascades={qid: replay(qid, routed, by_tier, teacher) for qid, by_tier in fits.items()},
         skipped=skipped, costs=costs, flops_per_second=flops, payoffs=payoffs,
         family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
-        teacher_cost=teacher_cost, teacher_cost_note=teacher_note,
+        teacher_cost=teacher_cost, teacher_cost_note=teacher_note, source=source, audits=audits,
     )
     Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
     return result

@@ -32,6 +32,10 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         agreement = f"{m.agreement:.3f}" if m.agreement is not None else "-"
         alarm = f"raised at audited item {m.alarm_at}" if m.alarm else "quiet"
         print(f"{row.question:<18} {m.items:>8} {agreement:>10} {m.lower:>12.3f} {target:>7}  {alarm}")
+    if any(row.monitor.alarm for row in rows):
+        print(f"to certify on what the audit saw: cascade calibrate --bundle {args.bundle} --store "
+              f"{args.store} --calibrate-on audit --report REPORT_DIR (add --audits-since TIME to keep "
+              "the recent audits only)")
     plot = args.plot or args.store.with_suffix(".audit.png")
     print(f"plot: {plot_audit(rows, target, plot)}")
     return 0

@@ -39,11 +39,22 @@ reported. Also measures each tier's cost on this machine, the teacher's too wher
 pins its GGUF (--teacher-items). A middle tier (a GGUF between the encoder and the teacher)
 that costs more on the calibration items than it saves the teacher is taken out of the cascade,
 with the figures printed (--keep-costly-tiers keeps it). Writes report.html (self-contained) and
-report.json."""
+report.json.
+
+Recalibrating from the audit: `cascade serve` and `cascade decide --audit-store S` keep a seeded
+uniform share of live traffic in the store, each item answered by the teacher on every question.
+--calibrate-on audit certifies on those instead (no --corpus needed; --audits-since keeps the
+recent ones, e.g. those after a drift alarm): the guarantee is then about new items from the
+traffic the audit sampled, for as long as it stays so, and a question the drift alarm demoted
+routes again as certified (a new calibration starts the watch afresh). --calibrate-on both pools
+the calibration part and the audits: it certifies the pooled mixture, so choose it only where the
+two come from one distribution."""
 EPILOG = """\
 example:
   cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
-      --target-agreement 0.98 --delta 0.05 --report models/support-v1/report"""
+      --target-agreement 0.98 --delta 0.05 --report models/support-v1/report
+  cascade calibrate --bundle models/support-v1 --store labels.sqlite --calibrate-on audit \\
+      --audits-since 2026-11-30T00:00:00Z --report models/support-v1/report"""
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -55,7 +66,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     bundle = Bundle.load(args.bundle)
     with LabelStore.open_existing(args.store) as store:
         result = calibrate_bundle(
-            bundle, args.corpus, store, target=args.target_agreement, delta=args.delta,
+            bundle, args.corpus, store, source=args.calibrate_on, audits_since=args.audits_since,
+            target=args.target_agreement, delta=args.delta,
             escalation_fraction=args.escalation_fraction, text_field=args.text_field,
             placement=placement_of(args), family_wise=args.family_wise, on_error=args.on_error,
             on_bad=report_skipped, teacher_items=args.teacher_items,
@@ -69,6 +81,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _print_table(result: CalibrationResult) -> None:
     """One row per (question, tier), then what each unreachable target would need."""
+    from distill.report import drawn_from
+
     rows = [("question", "tier", "n", "T", "ECE", "threshold", "kept", "agreement", "bound", "guarantee")]
     for fit in result.calibrations:
         threshold = "-" if fit.threshold is None else f"{fit.threshold:.4g}"
@@ -91,6 +105,7 @@ def _print_table(result: CalibrationResult) -> None:
         print(f"{skip.question} / {skip.tier}: {skip.reason}")
     if result.escalation_fraction is None:
         print(_scope(result))
+        print(f"certified on new items from {drawn_from(result)}")
     for tier, payoff in result.payoffs.items():
         print(f"tier {tier}: {payoff.reason}")
     print(f"teacher cost: {result.teacher_cost_note}")
@@ -118,8 +133,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bundle", type=Path, required=True, metavar="DIR",
                    help="bundle folder (from `cascade train`); its manifest is rewritten")
-    p.add_argument("--corpus", type=Path, required=True, metavar="C.jsonl",
-                   help="the JSONL corpus the bundle was trained on")
+    p.add_argument("--corpus", type=Path, metavar="C.jsonl",
+                   help="the JSONL corpus the bundle was trained on (needed unless --calibrate-on "
+                   "audit)")
     p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
                    help="the label store the bundle was trained from (teacher labels)")
     p.add_argument("--target-agreement", type=float, default=0.98, metavar="P",
@@ -145,6 +161,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep a middle tier that costs more than it saves the top tier on the "
                    "calibration items (by default it is taken out: empty thresholds, never loaded; "
                    "the figures are printed either way)")
+    p.add_argument("--calibrate-on", choices=("calibration", "audit", "both"), default="calibration",
+                   help="the labelled items that certify: the bundle's calibration part (default), "
+                   "the audited live items in --store, or both pooled (one distribution only)")
+    p.add_argument("--audits-since", type=utc_time, metavar="TIME",
+                   help="with --calibrate-on audit or both: only items audited at or after TIME "
+                   "(ISO 8601, e.g. 2026-11-30T12:00:00Z; no zone means UTC)")
     add_on_error_argument(p)
     add_placement_arguments(p)
     p.set_defaults(run=_cmd_calibrate)
+
+
+def utc_time(text: str) -> float:
+    """An ISO 8601 time as Unix seconds (UTC where it names no zone), for argparse."""
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r} (e.g. 2026-11-30T12:00:00Z)"
+                                         ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
