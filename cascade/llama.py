@@ -111,12 +111,12 @@ class LlamaModel:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         tokens = (llama_cpp.llama_token * capacity)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special, True)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_special, True)
         if n < 0:
             capacity = -n
             tokens = (llama_cpp.llama_token * capacity)()
             n = llama_cpp.llama_tokenize(
-                self._vocab, data, len(data), tokens, capacity, add_special, True
+                self.vocab, data, len(data), tokens, capacity, add_special, True
             )
         return list(tokens[:n])
 
@@ -125,27 +125,33 @@ class LlamaModel:
         arr = (llama_cpp.llama_token * len(tokens))(*tokens)
         capacity = 8 * len(tokens) + 16
         buf = ctypes.create_string_buffer(capacity)
-        n = llama_cpp.llama_detokenize(self._vocab, arr, len(tokens), buf, capacity, False, False)
+        n = llama_cpp.llama_detokenize(self.vocab, arr, len(tokens), buf, capacity, False, False)
         if n < 0:
             capacity = -n
             buf = ctypes.create_string_buffer(capacity)
-            n = llama_cpp.llama_detokenize(self._vocab, arr, len(tokens), buf, capacity, False, False)
+            n = llama_cpp.llama_detokenize(self.vocab, arr, len(tokens), buf, capacity, False, False)
         return buf.raw[:n].decode("utf-8", errors="replace")
 
     def bos_text(self) -> str:
         """The BOS token's text, which chat templates expect as ``bos_token``."""
-        bos = llama_cpp.llama_vocab_bos(self._vocab)
+        bos = llama_cpp.llama_vocab_bos(self.vocab)
         if bos < 0:
             return ""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, bos, buf, 64, 0, True)
+        n = llama_cpp.llama_token_to_piece(self.vocab, bos, buf, 64, 0, True)
         return buf.raw[: max(n, 0)].decode("utf-8", errors="replace")
 
     def add_bos(self) -> bool:
-        return bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        return bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
 
     def bos_token(self) -> int:
-        return int(llama_cpp.llama_vocab_bos(self._vocab))
+        return int(llama_cpp.llama_vocab_bos(self.vocab))
+
+    @property
+    def vocab(self) -> llama_cpp.llama_vocab_p:
+        """The vocabulary, refused once the model is closed (llama.cpp would read freed memory)."""
+        self.handle  # noqa: B018 (raises once closed)
+        return self._vocab
 
     @property
     def handle(self) -> llama_cpp.llama_model_p:
@@ -159,16 +165,19 @@ class ContextConfig:
     """Sizes of a decision context.
 
     ``n_ctx`` is shared by all sequences (``kv_unified``), so it must hold the state's tokens plus
-    every branch suffix decoded at once; ``n_seq_max`` is branches + 1 (seq 0 keeps the prefix).
+    every branch suffix decoded at once; ``n_seq_max`` is branches + 1 (seq 0 keeps the prefix)
+    + ``reserved`` (sequences kept across requests, such as the scorer's prompt head, whose cells
+    sequence 0 shares when it is copied from them).
     """
 
     n_ctx: int = 4096
     n_seq_max: int = 17
     n_threads: int | None = None
+    reserved: int = 0
 
     @property
     def max_branches(self) -> int:
-        return self.n_seq_max - 1
+        return self.n_seq_max - 1 - self.reserved
 
 
 class LlamaContext:
@@ -250,6 +259,10 @@ class LlamaContext:
 
     def clear(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
+
+    def keep_only(self, seq_id: int) -> None:
+        """Remove every sequence but ``seq_id`` (whole sequences: hybrid models support it)."""
+        llama_cpp.llama_memory_seq_keep(self._mem, seq_id)
 
     def copy_sequence(self, src: int, dst: int) -> None:
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)

@@ -8,7 +8,13 @@ A tier charges ``seconds_per_state`` for each state it reads and ``seconds_per_t
 token it runs. The encoder tier runs a state's tokens once for all its questions. A readout tier
 prefills a state once and fans its questions out, so the first question of a state escalated to
 it pays the prompt (template + state) and its own suffix, and every further question of that
-state only its suffix (the question block, once per option order).
+state only its suffix (the question block, once per option order). The template's head, the text
+before the state, is not charged: a scorer prefills it once per run and copies it (the prompt
+head of ``cascade.readout``), and the seconds per token calibration measures count the tokens it
+decoded, without the head. With the options first (one branch: ``cascade.prompts.plan_layout``)
+the question's block is part of that head too, so a state costs its tokens, the template around
+it and its answer line (a run that forces options first on several branches is priced as if each
+read only that: their state is read once per branch, which this leaves out).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cascade.prompts import PromptTemplate, question_blocks
+from cascade.prompts import Layout, PromptTemplate, question_blocks
 from cascade.questions import Question
 
 TEACHER_PARAMS = 4.0e9
@@ -67,15 +73,18 @@ class TierPricing:
     fanout: bool
     permutations: int = 1
     template: PromptTemplate = field(default_factory=lambda: PromptTemplate("plain"))
+    layout: Layout = "state-first"
     _suffix: dict[str, int] = field(default_factory=dict)
     _overhead: int | None = None
 
     def prompt_tokens(self, state_text: str) -> int:
-        """Tokens of the shared prompt part: the state, plus the template around it for a readout."""
+        """Tokens of the shared prompt part a state costs: the state, plus for a readout the
+        template around it but its head (prefilled once per run)."""
         if not self.fanout:
             return self.count_tokens([state_text])[0]
         if self._overhead is None:
-            self._overhead = self.count_tokens([self.template.render("", "")])[0]
+            whole, head = self.count_tokens([self.template.render("", ""), self.template.head()])
+            self._overhead = whole - head
         return self._overhead + self.count_tokens([state_text])[0]
 
     def suffix_tokens(self, qid: str, question: Question) -> int:
@@ -84,5 +93,8 @@ class TierPricing:
         if not self.fanout:
             return 0
         if qid not in self._suffix:
-            self._suffix[qid] = sum(self.count_tokens(question_blocks(question))) * self.permutations
+            blocks = question_blocks(question)
+            if self.layout == "options-first":  # the rest is in the head; the answer line is not
+                blocks = [block.rsplit("\n", 1)[1] for block in blocks]
+            self._suffix[qid] = sum(self.count_tokens(blocks)) * self.permutations
         return self._suffix[qid]

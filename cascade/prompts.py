@@ -4,6 +4,13 @@ A readout prompt puts the state (the evidence) first and the question last, so t
 about one state shares the longest possible token prefix (the fan-out prefills it once), and it
 ends exactly where the answer letter goes. Any change to the text here changes answers, so it must
 come with a new ``PROMPT_VERSION``: label stores and bundles refuse to mix versions.
+
+A second layout, options first, puts the question and its options before the state and the
+answer line after it. Every item of a one-question run then starts with the same template and
+block, which the scorer prefills once per run (its prompt head), so each item costs its state and
+the answer line. It moves answers (a model reads the options before the evidence), so it is a
+prompt version of its own (``OPTIONS_FIRST_VERSION``), a teacher identity like the model's sha256:
+a store and a bundle hold one. ``plan_layout`` says which layout prefills fewer tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from cascade.errors import ModelError
 from cascade.questions import OPTION_LETTERS, NoulQuestion, Question, ScoreQuestion, State
 
 PROMPT_VERSION = "readout-v1"
+OPTIONS_FIRST_VERSION = "readout-v1-options-first"
+
+Layout = Literal["state-first", "options-first"]
+LAYOUTS: tuple[Layout, ...] = ("state-first", "options-first")
+_VERSIONS: dict[Layout, str] = {"state-first": PROMPT_VERSION, "options-first": OPTIONS_FIRST_VERSION}
 
 FINALISTS_HEADING = "Options (finalists, each the pick of a group of options):"
 """Heads the second round's block; the round's prompts part from the first round's right there,
@@ -98,6 +110,10 @@ def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
 
 
+_STATE_MARK = "\x1fstate\x1f"
+"""Stands for the state where a render is cut at it (a text no state holds)."""
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
     """How one model is prompted: its own chat template when it has one, else a plain layout.
@@ -114,8 +130,20 @@ class PromptTemplate:
     def letter_lead(self) -> str:
         return "" if self.kind == "chat" else " "
 
-    def render(self, state_text: str, block: str) -> str:
-        user = f"Evidence:\n{state_text}\n\n{block}"
+    def head(self, block: str = "", layout: Layout = "state-first") -> str:
+        """A prompt's text before the state (template, system text, the evidence heading; with the
+        options first, ``block``'s question and options too): what a scorer prefills once per run
+        (``cascade.readout``)."""
+        return self.render(_STATE_MARK, block or "\n", layout).split(_STATE_MARK)[0]
+
+    def render(self, state_text: str, block: str, layout: Layout = "state-first") -> str:
+        """The prompt: state then question block, or (options first) the block's question and
+        options, the state, then the block's answer line."""
+        if layout == "options-first":
+            ask, cue = block.rsplit("\n", 1)
+            user = f"{ask}\n\nEvidence:\n{state_text}\n\n{cue}"
+        else:
+            user = f"Evidence:\n{state_text}\n\n{block}"
         if self.kind == "plain":
             return f"{SYSTEM_TEXT}\n\n{user}\n\nAnswer:"
         return self._render_chat(user)
@@ -156,10 +184,37 @@ def _digest(parts: Sequence[str]) -> str:
     return hashlib.sha256("\x1e".join(parts).encode("utf-8")).hexdigest()
 
 
-def template_sha256(question: Question) -> str:
+def template_sha256(question: Question, version: str = PROMPT_VERSION) -> str:
     """sha256 of what identifies a question's readout prompt apart from the state and the model's
     chat template (which the model's hash pins): the prompt version and the question block."""
-    return _digest([PROMPT_VERSION, *question_blocks(question)])
+    return _digest([version, *question_blocks(question)])
+
+
+def prompt_version(layout: Layout) -> str:
+    """The prompt version a layout reads with."""
+    return _VERSIONS[layout]
+
+
+def layout_of(version: str | None) -> Layout | None:
+    """The layout of a prompt version this code reads with; None for any other (or none)."""
+    return next((layout for layout, known in _VERSIONS.items() if known == version), None)
+
+
+def plan_layout(questions: Sequence[Question], permutations: int) -> tuple[Layout, str]:
+    """The layout that prefills fewer tokens per item, and why, in words.
+
+    With the prompt head computed once per run, state first costs an item its state, then each
+    branch's block and answer line (one branch per question, option order and option group);
+    options first costs each branch its state and answer line, and saves the block only where
+    every item starts with it: where there is one branch. So options first wins exactly with one
+    branch (one question, one option order, at most 16 options), and the fan-out wins otherwise.
+    """
+    branches = sum(len(question_blocks(q)) for q in questions) * permutations
+    if branches == 1:
+        return "options-first", ("options-first: one question in one option order, so its block is "
+                                 "prefilled once per run and each item reads its state and the answer line")
+    return "state-first", (f"state-first: {branches} prompts per item share the state, prefilled once "
+                           "per item and fanned out to each block")
 
 
 def letters_sha256(question: Question) -> str:

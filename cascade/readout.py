@@ -11,6 +11,9 @@ three decode paths run exactly the tokens of one full prompt per question:
 - ``fresh``: one full prompt per question from an empty memory (the reference the others match).
 
 Nothing falls back from one path to another: the caller names the path.
+
+The prompt head (the prompt's text before the state) is decoded once and copied into each
+request's sequence 0 by ``cascade.prompt_head``; ``fresh`` never uses it.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ from cascade.hashing import file_sha256
 from cascade.llama import ContextConfig, LlamaContext, LlamaModel
 from cascade.orders import Order, balanced_orders, unpermute
 from cascade.placement import ExtraBuffers, Placement, say_once
+from cascade.prompt_head import PromptHead, common_prefix
 from cascade.prompts import (
     FINALISTS_HEADING,
-    PROMPT_VERSION,
+    Layout,
     PromptTemplate,
     letters_sha256,
     option_groups,
     prompt_hash,
+    prompt_version,
     question_block,
     render_state,
     template_sha256,
@@ -87,6 +92,7 @@ class _Branch:
     tokens: list[int]
     shown: tuple[int, ...]
     final: bool = False
+    head: str = ""  # the prompt's text before the state
 
 
 @dataclass
@@ -111,8 +117,11 @@ class Scorer:
         chat_template: str | None = None,
         extra_buffers: ExtraBuffers | None = None,
         letters_per_prompt: int = len(OPTION_LETTERS),
+        layout: Layout = "state-first",
     ) -> None:
         """``chat_template`` (Jinja text) replaces the one in the GGUF, e.g. for a file without one.
+        ``layout``: the state before the questions (the fan-out's) or the options first
+        (``cascade.prompts``); each is its own prompt version, which every answer records.
         ``letters_per_prompt``: most options one prompt letters (16); a question of more is read
         in two rounds (``cascade.prompts.option_groups``). Fewer is for measuring the rounds
         against one prompt (bench/option_rounds.py); the cost model prices groups of 16.
@@ -124,7 +133,11 @@ class Scorer:
         if max_branches < 1:
             raise RequestError(f"max_branches must be at least 1; got {max_branches}")
         option_groups(2, letters_per_prompt)  # refuses a size no prompt can letter
+        if layout not in ("state-first", "options-first"):
+            raise RequestError(f"layout must be 'state-first' or 'options-first'; got {layout!r}")
         self.letters_per_prompt = letters_per_prompt
+        self.layout: Layout = layout
+        self.prompt_version = prompt_version(layout)
         self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers, extra_buffers=extra_buffers)
         self.n_ctx_note = ""
         if n_ctx > self.model.n_ctx_train > 0:
@@ -132,18 +145,19 @@ class Scorer:
             say_once(f"{self.model.path.name}: {self.n_ctx_note}")
             n_ctx = self.model.n_ctx_train
         self.template = self._choose_template(template, chat_template)
-        self.ctx = LlamaContext(
-            self.model, ContextConfig(n_ctx=n_ctx, n_seq_max=max_branches + 1, n_threads=n_threads)
-        )
+        self.ctx = LlamaContext(self.model, ContextConfig(n_ctx=n_ctx, n_seq_max=max_branches + 2,
+                                                          n_threads=n_threads, reserved=1))
         self.letter_ids = self._letter_ids()
+        self.head = PromptHead(self.ctx, max_branches + 1, self.template, layout)
 
     @classmethod
     def placed(cls, model_path: str | Path, place: Placement, max_branches: int = 16,
-               template: Literal["auto", "chat", "plain"] = "auto") -> Scorer:
+               template: Literal["auto", "chat", "plain"] = "auto", layout: Layout = "state-first"
+               ) -> Scorer:
         """A scorer where ``place`` says (fields left None: CPU, all cores, 4096 tokens)."""
         return cls(model_path, n_ctx=place.n_ctx or 4096, max_branches=max_branches,
                    n_threads=place.threads, n_gpu_layers=place.gpu_layers or 0, template=template,
-                   extra_buffers=place.extra_buffers)
+                   extra_buffers=place.extra_buffers, layout=layout)
 
     def _choose_template(self, template: str, override: str | None) -> PromptTemplate:
         chat = override or self.model.meta("tokenizer.chat_template")
@@ -240,7 +254,7 @@ class Scorer:
         """A raw readout's audit: no calibration stands behind its numbers."""
         questions = list(request.questions.values())
         return Audit(model_hash=self.model_sha256, calibration_version="uncalibrated",
-                     prompt_template_sha256=[template_sha256(q) for q in questions],
+                     prompt_template_sha256=[template_sha256(q, self.prompt_version) for q in questions],
                      allowed_token_set_hash=[letters_sha256(q) for q in questions],
                      input_tokens=[a.readout.tokens if a.readout else 0 for a in answers.values()],
                      backend=f"llama.cpp {'gpu' if self.model.gpu_layers else 'cpu'}",
@@ -283,8 +297,8 @@ class Scorer:
         out = []
         for order in balanced_orders(len(shown), k):
             block = question_block(question, [shown[i] for i in order], heading)
-            text = self.template.render(state_text, block)
-            out.append(_Branch(qid, order, text, self._tokens(text), shown, final))
+            text = self.template.render(state_text, block, self.layout)
+            out.append(_Branch(qid, order, text, self._tokens(text), shown, final, self.head.text(block)))
         return out
 
     def _finals(self, request: DecisionRequest, state_text: str, branches: list[_Branch],
@@ -328,20 +342,29 @@ class Scorer:
         ``shared`` tokens (a second round), so they are not decoded again."""
         readings = readings if readings is not None else _Readings([], [])
         if path == "fresh":
+            self.head.forget()
             for branch in branches:
                 self.ctx.clear()
                 self.ctx.decode([(0, 0, branch.tokens)])
                 self._collect(readings, [branch], 0)
             return readings
         if not prefilled:
-            self.ctx.clear()
-        if shared and not prefilled:
-            self.ctx.decode([(0, 0, branches[0].tokens[:shared])], outputs=False)
+            self.head.prefill(branches[0].tokens[:shared], [b.head for b in branches], self._tokens)
         if path == "serial":
             self._read_serial(branches, shared, readings)
         else:
             self._read_fanout(branches, shared, readings)
         return readings
+
+    @property
+    def prompt_head(self) -> int:
+        """Tokens of the prompt head held now: what the next request copies rather than decodes."""
+        return len(self.head)
+
+    def forget_head(self) -> None:
+        """Drop the prompt head, so that the next request decodes it again (for measuring with
+        and without it: the numbers are the same either way)."""
+        self.head.forget()
 
     def _read_serial(self, branches: list[_Branch], shared: int, readings: _Readings) -> None:
         """Each branch after the shared tokens, sequence 0 restored to them after each (so that a
@@ -401,7 +424,7 @@ class Scorer:
             readout = Readout(
                 model=self.model.path.name,
                 model_sha256=self.model_sha256,
-                prompt_version=PROMPT_VERSION,
+                prompt_version=self.prompt_version,
                 prompt_hash=prompt_hash([branches[i].text for i in picked]),
                 letter_mass=float(np.mean([readings.letter_mass[i] for i in picked])),
                 permutations=sum(1 for i in picked if not branches[i].final
@@ -456,11 +479,4 @@ def _longest(branches: Sequence[_Branch]) -> int:
 def _shared_prefix(branches: Sequence[_Branch]) -> int:
     """Tokens every branch shares, leaving each at least one token of its own to read logits at."""
     first = branches[0].tokens
-    n = min(len(b.tokens) for b in branches) - 1
-    for branch in branches[1:]:
-        tokens = branch.tokens
-        i = 0
-        while i < n and tokens[i] == first[i]:
-            i += 1
-        n = i
-    return n
+    return min(min(common_prefix(first, b.tokens), len(b.tokens) - 1) for b in branches)

@@ -32,7 +32,7 @@ from cascade.encoder import Device, quantizes_per_call
 from cascade.errors import CascadeError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placements
-from cascade.prompts import PROMPT_VERSION, letters_sha256, template_sha256
+from cascade.prompts import PROMPT_VERSION, layout_of, letters_sha256, template_sha256
 from cascade.questions import Question, State
 from cascade.run import Budget, Pick, Run, allowance
 from cascade.tierkinds import Build, Labels, RouterError, build_tiers, close_tiers, kind_of
@@ -57,7 +57,9 @@ class Cascade:
             manifest.model_dump_json().encode()).hexdigest()
         self.calibration_version = manifest.calibration.version()
         # what every answer's audit lists per question, hashed once here instead of per answer
-        self._audit_hashes = {qid: (template_sha256(q), letters_sha256(q))
+        version = manifest.teacher.prompt_version
+        version = version if version is not None and layout_of(version) else PROMPT_VERSION
+        self._audit_hashes = {qid: (template_sha256(q, version), letters_sha256(q))
                               for qid, q in self.questions.items()}
         self.demoted: set[str] = set()  # questions a drift alarm sent to the top tier (cascade.audit)
 
@@ -452,9 +454,9 @@ def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
     elif file_sha256(teacher) != pinned.model_sha256:
         problem = (f"its labels came from {pinned.model!r} (sha256 {pinned.model_sha256[:12]}...), "
                    f"and {teacher.name} has sha256 {file_sha256(teacher)[:12]}...")
-    elif pinned.prompt_version != PROMPT_VERSION:
-        problem = (f"its labels were read with prompt {pinned.prompt_version!r} and this version "
-                   f"reads with {PROMPT_VERSION!r}")
+    elif layout_of(pinned.prompt_version) is None:
+        problem = (f"its labels were read with prompt {pinned.prompt_version!r}, which this version "
+                   "cannot read with (it reads readout-v1 and readout-v1-options-first)")
     if problem and not accept:
         raise RouterError(f"bundle {manifest.name!r} cannot escalate to {teacher}: {problem}; give "
                           f"that teacher, or accept another (--accept-other-teacher / "

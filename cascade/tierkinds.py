@@ -23,6 +23,7 @@ from cascade.errors import CascadeError
 from cascade.familiar import FamiliarityGate
 from cascade.placement import Placement, Placements, for_tier
 from cascade.pricing import TEACHER_PARAMS
+from cascade.prompts import Layout, layout_of
 from cascade.readout import Scorer, branch_slots
 from cascade.tiers import HeadsTier, LabelsTier, ReadoutTier, Tier
 
@@ -169,7 +170,8 @@ class GgufKind(TierKind[GgufTier]):
         given = build.scorers.get(spec.name)
         if given is None:
             place = build.placement(spec.name, spec.default_placement())
-            scorer = Scorer.placed(spec.model.path, place, branches, spec.template)
+            layout = teacher_layout(bundle) if top else "state-first"
+            scorer = Scorer.placed(spec.model.path, place, branches, spec.template, layout)
             return ReadoutTier(spec.name, scorer, spec.permutations)
         if given.model_sha256 != spec.model.sha256:
             raise RouterError(f"scorers[{spec.name!r}] runs {given.model.path} (sha256 "
@@ -209,10 +211,17 @@ class ExternalKind(TierKind[ExternalTier]):
                               "GGUF (teacher=) or recorded labels (labels=)")
         place = build.placement(spec.name, None)
         questions = len(bundle.manifest.questions)
-        return ReadoutTier(spec.name, Scorer.placed(build.teacher, place, branch_slots(questions)))
+        return ReadoutTier(spec.name, Scorer.placed(build.teacher, place, branch_slots(questions),
+                                                    layout=teacher_layout(bundle)))
 
     def weights(self, spec: ExternalTier) -> tuple[float, str]:
         return TEACHER_PARAMS, f"external: taken as a {TEACHER_PARAMS / 1e9:.0f}B model"
+
+
+def teacher_layout(bundle: Bundle) -> Layout:
+    """The layout the bundle's labels were read with, for the teacher that answers in their place
+    (state first where the version is not one this code reads: only an accepted other teacher)."""
+    return layout_of(bundle.manifest.teacher.prompt_version) or "state-first"
 
 
 register(EncoderKind())

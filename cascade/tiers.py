@@ -258,7 +258,7 @@ class ReadoutTier(Tier):
     def pricing(self, cost: TierCost) -> TierPricing:
         """The prompt once per state, then each question's block once per option order."""
         return TierPricing(cost, self.count_tokens, fanout=True, permutations=self.permutations,
-                           template=self.scorer.template)
+                           template=self.scorer.template, layout=self.scorer.layout)
 
     def close(self) -> None:
         if self.owned:

@@ -23,7 +23,7 @@ from cascade.corpus import BadLine, CorpusItem, OnError, check_on_error, count_i
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import ExtraBuffers
-from cascade.prompts import PROMPT_VERSION
+from cascade.prompts import Layout, prompt_version
 from cascade.questions import DecisionRequest, Question
 from cascade.readout import HeadTailExcerpt, Scorer, branch_slots
 from distill.store import LabelStore, StoreMismatchError, Teacher
@@ -57,27 +57,30 @@ def open_teacher(
     n_gpu_layers: int = 0,
     n_threads: int | None = None,
     extra_buffers: ExtraBuffers | None = None,
+    layout: Layout = "state-first",
 ) -> Scorer:
-    """A scorer with one branch slot per (question, option order): one decode reads them all."""
+    """A scorer with one branch slot per (question, option order): one decode reads them all.
+    ``layout`` is the prompt layout, and with it the prompt version of its labels."""
     branches = branch_slots(len(questions), permutations)
     return Scorer(model_path, n_ctx=n_ctx, max_branches=branches, n_threads=n_threads,
-                  n_gpu_layers=n_gpu_layers, extra_buffers=extra_buffers)
+                  n_gpu_layers=n_gpu_layers, extra_buffers=extra_buffers, layout=layout)
 
 
 def teacher_of(scorer: Scorer) -> Teacher:
-    """The store identity of a scorer's labels: its model file, pinned by sha256, and prompt."""
+    """The store identity of a scorer's labels: its model file, pinned by sha256, and prompt
+    version (which names its layout)."""
     return Teacher(kind="gguf", model=scorer.model.path.name, model_sha256=scorer.model_sha256,
-                   prompt_version=PROMPT_VERSION)
+                   prompt_version=scorer.prompt_version)
 
 
-def teacher_of_file(model_path: str | Path) -> Teacher:
-    """``teacher_of`` a scorer of this file, without loading it: for a driver that only writes
-    the store while the model runs elsewhere (on Ray actors)."""
+def teacher_of_file(model_path: str | Path, layout: Layout = "state-first") -> Teacher:
+    """``teacher_of`` a scorer of this file in ``layout``, without loading it: for a driver that
+    only writes the store while the model runs elsewhere (on Ray actors)."""
     path = Path(model_path)
     if not path.is_file():
         raise ModelError(f"model file not found: {path}; pass the path of a .gguf file")
     return Teacher(kind="gguf", model=path.name, model_sha256=file_sha256(path),
-                   prompt_version=PROMPT_VERSION)
+                   prompt_version=prompt_version(layout))
 
 
 def label_corpus(

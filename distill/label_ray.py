@@ -32,6 +32,7 @@ from cascade.checks import is_int
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
 from cascade.errors import CascadeError
 from cascade.placement import Placement
+from cascade.prompts import Layout
 from cascade.questions import Question
 from cascade.readout import HeadTailExcerpt
 from distill.label import (
@@ -90,6 +91,7 @@ class TeacherSpec:
     n_ctx: int = 4096
     placement: Placement = field(default_factory=Placement)
     excerpt: HeadTailExcerpt | None = None
+    layout: Layout = "state-first"
 
     def __post_init__(self) -> None:
         """The model path made absolute (symlinks kept, as they name the teacher): actors run in
@@ -117,7 +119,7 @@ class TeacherActor:
         self.spec, self.corpus_path = spec, Path(corpus_path)
         place = spec.placement
         self.scorer = open_teacher(spec.model_path, spec.questions, spec.permutations, spec.n_ctx,
-                                   place.gpu_layers or 0, spec.threads, place.extra_buffers)
+                                   place.gpu_layers or 0, spec.threads, place.extra_buffers, spec.layout)
         found = teacher_of(self.scorer)
         if found != teacher:
             self.scorer.close()
@@ -156,11 +158,11 @@ def label_on_ray(
 
     The corpus is read and checked whole before any actor starts, so a bad line in stop mode
     stops the run before any teacher work. ``store`` must belong to
-    ``teacher_of_file(spec.model_path)``. Ctrl-C ends the run with ``interrupted`` set.
+    ``teacher_of_file(spec.model_path, spec.layout)``. Ctrl-C ends the run with ``interrupted`` set.
     """
     ray = require_ray()
     check_label_options(spec.questions, on_error, spec.permutations)
-    teacher = _check_store(store, spec.model_path)
+    teacher = _check_store(store, spec.model_path, spec.layout)
     summary, started = LabelSummary(), time.perf_counter()
     rows = _todo_rows(store, spec.questions, Path(corpus_path), text_field, on_error, summary)
     bar = tqdm(total=len(rows), unit="item", desc="labelling", disable=not progress,
@@ -202,13 +204,13 @@ def _has_labels(path: Path) -> bool:
         return len(store) > 0
 
 
-def _check_store(store: LabelStore, model_path: Path) -> Teacher:
+def _check_store(store: LabelStore, model_path: Path, layout: Layout) -> Teacher:
     """The teacher the model file is; the same check ``label_corpus`` makes on its scorer."""
-    teacher = teacher_of_file(model_path)
+    teacher = teacher_of_file(model_path, layout)
     if store.teacher != teacher:
         raise StoreMismatchError(
             f"label store {store.path} belongs to teacher {store.teacher}, not to {model_path}'s "
-            f"{teacher}; open the store with LabelStore(path, teacher_of_file(model)), or use a "
+            f"{teacher}; open the store with LabelStore(path, teacher_of_file(model, layout)), or use a "
             "new store path for this teacher's labels"
         )
     return teacher

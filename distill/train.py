@@ -49,7 +49,7 @@ from cascade.heads import Matrix, SoftmaxHead, save_heads
 from cascade.ngrams import NgramFeatures, beside
 from cascade.pins import write_json_file
 from cascade.placement import Placement
-from cascade.prompts import PROMPT_VERSION, render_state
+from cascade.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of, render_state
 from cascade.questions import Question
 from cascade.sections import FinetuneSection, TrainingSection
 from distill.finetune import FinetuneConfig
@@ -292,10 +292,11 @@ def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None)
     """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only."""
     if teacher.kind == "external":
         return ExternalTier(name=TEACHER_TIER, labels=teacher.model)
-    if teacher.prompt_version != PROMPT_VERSION:
+    if layout_of(teacher.prompt_version) is None:
         raise TrainError(f"the store's labels were made with prompt version "
-                         f"{teacher.prompt_version!r}; this cascade prompts with {PROMPT_VERSION!r}, "
-                         "so its top tier would answer differently. Relabel with this version")
+                         f"{teacher.prompt_version!r}; this cascade prompts with {PROMPT_VERSION!r} "
+                         f"or {OPTIONS_FIRST_VERSION!r}, so its top tier would answer differently. "
+                         "Relabel with this version")
     if model is None:
         raise TrainError(f"the store's teacher is the GGUF {teacher.model!r} (sha256 "
                          f"{teacher.model_sha256}); give its path (--teacher-model / teacher_model) "

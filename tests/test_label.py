@@ -25,6 +25,7 @@ from distill.label import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore, StoreMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
+PATH_TOLERANCE = 0.15  # BENCHMARKS.md, "Decode paths: measured tolerance" (gemma's quantized kernels)
 QUESTIONS_JSON = {
     "urgent": {"type": "noul", "instructions": "Does this message convey urgency?"},
     "team": {"type": "choice", "instructions": "Which team should handle this?",
@@ -85,6 +86,24 @@ def test_labels_every_question_of_every_item_then_resume_skips_them(
 
     again = label(teacher, corpus, path)
     assert (again.items, again.labelled, again.skipped_done) == (6, 0, 6)
+
+
+def test_labels_read_with_the_prompt_head_agree_with_each_prompt_read_fresh(
+    teacher: Scorer, tmp_path: Path
+) -> None:
+    """The run learns the prompt head from its first two items and copies it into the others;
+    every label stays within the decode paths' tolerance of its prompts read from scratch."""
+    teacher.forget_head()
+    corpus, path = write_corpus(tmp_path / "c.jsonl"), tmp_path / "s.sqlite"
+    label(teacher, corpus, path)
+    assert teacher.prompt_head >= 8
+    with LabelStore.open_existing(path) as store:
+        stored = {qid: store.labels(qid) for qid in QUESTIONS}
+    for i, text in enumerate(TEXTS):
+        fresh = teacher.score(parse_request({"state": text, "questions": QUESTIONS_JSON}), path="fresh")
+        for qid, answer in fresh.answers.items():
+            label_probs = stored[qid][f"e{i:02d}"]
+            assert max(abs(label_probs[k] - p) for k, p in answer.probabilities.items()) <= PATH_TOLERANCE
 
 
 def test_a_new_question_labels_only_that_question(teacher: Scorer, tmp_path: Path) -> None:
@@ -159,6 +178,25 @@ def test_cli_labels_then_resumes(gemma_path: Path, tmp_path: Path, capsys) -> No
     assert capsys.readouterr().out.startswith("labelled 3 items, 0 already done, 0 bad, in ")
     assert main(argv) == 0
     assert capsys.readouterr().out.startswith("labelled 0 items, 3 already done, 0 bad, in ")
+
+
+def test_cli_layout_auto_puts_one_question_options_first_and_the_store_keeps_that_teacher(
+    gemma_path: Path, tmp_path: Path, capsys
+) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", n=3)
+    one = write_questions(tmp_path / "one.json", {"team": QUESTIONS_JSON["team"]})
+    argv = ["label", "--questions", str(one), "--corpus", str(corpus), "--store", str(tmp_path / "s.sqlite"),
+            "--teacher", str(gemma_path), "--n-ctx", "1024", "--threads", "1", "--layout", "auto"]
+    assert main(argv) == 0
+    assert "layout options-first: one question in one option order" in capsys.readouterr().err
+    with LabelStore.open_existing(tmp_path / "s.sqlite") as store:
+        assert store.teacher.prompt_version == "readout-v1-options-first"
+    # the layout is part of the teacher: resuming the store in the other one is refused
+    assert main([*argv[:-1], "state-first"]) == 2
+    assert "prompt_version" in capsys.readouterr().err
+    both = write_questions(tmp_path / "both.json")
+    assert main([*argv[:2], str(both), *argv[3:6], str(tmp_path / "t.sqlite"), *argv[7:]]) == 0
+    assert "layout state-first: 2 prompts per item share the state" in capsys.readouterr().err
 
 
 def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:

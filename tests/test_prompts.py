@@ -8,8 +8,14 @@ import pytest
 from cascade.pricing import TierCost, TierPricing
 from cascade.prompts import (
     FINALISTS_HEADING,
+    LAYOUTS,
+    PROMPT_VERSION,
+    PromptTemplate,
+    layout_of,
     letters_sha256,
     option_groups,
+    plan_layout,
+    prompt_version,
     question_block,
     question_blocks,
     template_sha256,
@@ -55,3 +61,41 @@ def test_the_cost_model_prices_every_block_and_the_audit_hashes_them() -> None:
     assert words.suffix_tokens("q", choice(40)) == sum(len(b.split()) for b in question_blocks(choice(40)))
     assert template_sha256(choice(40)) != template_sha256(choice(39))
     assert letters_sha256(choice(40)) != letters_sha256(choice(39))
+
+
+def test_options_first_puts_the_question_and_options_before_the_state_and_the_answer_line_after() -> None:
+    question = choice(3)
+    block = question_block(question, [0, 1, 2])
+    template = PromptTemplate("plain")
+    text = template.render("THE STATE", block, "options-first")
+    ask, cue = block.rsplit("\n", 1)
+    assert text.index(ask) < text.index("Evidence:\nTHE STATE") < text.index(cue)
+    assert text.endswith(f"{cue}\n\nAnswer:") and cue.startswith("Answer with one letter")
+    for layout in LAYOUTS:  # the head is what every prompt of the run starts with, up to the state
+        head = template.head(block, layout)
+        assert template.render("THE STATE", block, layout).startswith(head + "THE STATE")
+    assert template.head(block, "state-first") == template.head()
+    assert (layout_of(prompt_version("options-first")), layout_of(PROMPT_VERSION)) == (
+        "options-first", "state-first")
+    assert layout_of("readout-v0") is None
+    assert template_sha256(question, prompt_version("options-first")) != template_sha256(question)
+
+
+def test_the_planner_puts_the_options_first_only_where_one_prompt_reads_an_item() -> None:
+    small, big = choice(4), choice(40)
+    assert plan_layout([small], 1)[0] == "options-first"
+    assert plan_layout([small], 2)[0] == "state-first"  # two option orders: two prompts
+    assert plan_layout([small, choice(3)], 1)[0] == "state-first"
+    layout, why = plan_layout([big], 1)  # three groups and the finalists
+    assert layout == "state-first" and why.startswith("state-first: 4 prompts per item")
+
+
+def test_options_first_is_priced_without_its_block_but_with_its_answer_line() -> None:
+    question = choice(4)
+    words = lambda texts: [len(t.split()) for t in texts]  # noqa: E731
+    kinds = {layout: TierPricing(TierCost(0.0, 1.0), words, fanout=True, template=PromptTemplate("plain"),
+                                 layout=layout) for layout in LAYOUTS}
+    state_first, options_first = kinds["state-first"], kinds["options-first"]
+    assert options_first.prompt_tokens("a b c") == state_first.prompt_tokens("a b c")
+    assert options_first.suffix_tokens("q", question) == 5  # "Answer with one letter (A-D)."
+    assert state_first.suffix_tokens("q", question) == len(question_block(question, range(4)).split())

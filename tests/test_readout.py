@@ -100,19 +100,77 @@ def test_probabilities_sum_to_one_for_every_type(gemma_scorer: Scorer) -> None:
 
 @pytest.mark.parametrize("n", range(1, 9))
 def test_fanout_matches_one_fresh_prompt_per_question(gemma_scorer: Scorer, n: int) -> None:
+    gemma_scorer.forget_head()
     fanout = gemma_scorer.score(request(n), path="fanout")
     fresh = gemma_scorer.score(request(n), path="fresh")
-    assert fanout.usage.forward_passes == 2
+    assert fanout.usage.forward_passes == 3  # the head, the rest of the shared tokens, the branches
     assert fresh.usage.forward_passes == n
     assert fanout.usage.input_tokens < fresh.usage.input_tokens or n == 1
     assert_close(fanout, fresh, PATH_TOLERANCE)
 
 
+HEADS = (STATE, "Hi team, our build server has been down since this morning and nobody can deploy.",
+         "Dear support, please cancel my subscription at the end of this month.",
+         "Our office moves to the new building next week; the phones will be off on Tuesday.")
+
+
+def test_the_prompt_head_is_decoded_once_and_every_number_is_the_same_either_way(gemma_scorer: Scorer
+                                                                                   ) -> None:
+    """The head (the prompt before the state) is decoded in a batch of its own by the first
+    request and copied by the next; decoded again or copied, the numbers are identical."""
+    gemma_scorer.forget_head()
+    responses = [gemma_scorer.score(request(3, state=state)) for state in HEADS]
+    head = gemma_scorer.prompt_head
+    assert [r.usage.forward_passes for r in responses] == [3, 2, 2, 2] and head >= 8
+    gemma_scorer.forget_head()
+    again = gemma_scorer.score(request(3, state=HEADS[3]))
+    assert again.usage.forward_passes == 3
+    assert again.usage.input_tokens - responses[3].usage.input_tokens == head
+    assert_close(again, responses[3], 0.0)
+    for response, state in zip(responses, HEADS, strict=True):
+        assert_close(response, gemma_scorer.score(request(3, state=state), path="fresh"), PATH_TOLERANCE)
+
+
+def test_options_first_prefills_the_block_once_and_reads_each_state_and_the_answer_line(
+    gemma_path: Path
+) -> None:
+    scorer = Scorer(gemma_path, n_ctx=2048, max_branches=4, layout="options-first")
+    plain = Scorer(gemma_path, n_ctx=2048, max_branches=4)
+
+    def team(state: str) -> object:
+        return parse_request({"state": state, "questions": {"team": QUESTIONS["team"]}})
+
+    try:
+        two = scorer.score(request(2, state=HEADS[0]))  # two questions: each prompt reads the state
+        two_fresh = scorer.score(request(2, state=HEADS[0]), path="fresh")
+        single = [scorer.score(team(state)) for state in HEADS]
+        head = scorer.prompt_head
+        fresh = scorer.score(team(HEADS[3]), path="fresh")
+        state_first = plain.score(team(HEADS[3]))
+        state_tokens = len(plain.model.tokenize(HEADS[3]))
+    finally:
+        scorer.close()
+        plain.close()
+    answer = single[3].answers["team"]
+    assert answer.readout is not None and answer.readout.prompt_version == "readout-v1-options-first"
+    assert state_first.answers["team"].readout.prompt_version == PROMPT_VERSION
+    assert single[3].audit.prompt_template_sha256 != state_first.audit.prompt_template_sha256
+    assert head > plain.prompt_head >= 8  # the question block is in the head
+    with pytest.raises(ModelError, match="was closed"):
+        plain.model.tokenize(HEADS[3])  # never a read of freed memory
+    assert state_tokens < single[3].usage.input_tokens < state_tokens + 24  # the state, the answer line
+    assert single[3].usage.input_tokens < state_first.usage.input_tokens - 40
+    assert_close(single[3], fresh, PATH_TOLERANCE)
+    assert_close(two, two_fresh, PATH_TOLERANCE)
+
+
 def test_serial_matches_fanout(gemma_scorer: Scorer) -> None:
+    gemma_scorer.forget_head()
     serial = gemma_scorer.score(request(), path="serial")
+    gemma_scorer.forget_head()
     fanout = gemma_scorer.score(request(), path="fanout")
     assert serial.usage.input_tokens == fanout.usage.input_tokens
-    assert serial.usage.forward_passes == 1 + len(QUESTIONS)
+    assert serial.usage.forward_passes == 2 + len(QUESTIONS)
     assert_close(serial, fanout, PATH_TOLERANCE)
 
 
@@ -138,8 +196,9 @@ def test_permuted_scores_map_back_to_their_options(gemma_scorer: Scorer) -> None
 
 
 def test_permutations_share_one_prefill(gemma_scorer: Scorer) -> None:
+    gemma_scorer.forget_head()
     response = gemma_scorer.score(request(4), permutations=3)
-    assert response.usage.forward_passes == 2
+    assert response.usage.forward_passes == 3  # the head, the rest of the state, every branch
     perms = {q: a.readout.permutations for q, a in response.answers.items()}
     assert perms == {"urgent": 2, "team": 3, "severity": 3, "spam": 2}
 
@@ -148,7 +207,7 @@ def test_batches_larger_than_the_branch_slots_are_split(gemma_path: Path) -> Non
     small = Scorer(gemma_path, n_ctx=2048, max_branches=3)
     try:
         split = small.score(request())
-        assert split.usage.forward_passes == 1 + 3
+        assert split.usage.forward_passes == 2 + 3  # the head and the rest, then 3 groups
         reference = small.score(request(), path="fresh")
     finally:
         small.close()
@@ -226,6 +285,22 @@ def test_hybrid_fanout_serial_and_fresh_agree(qwen35: Path) -> None:
     assert_close(again, fanout, 0.0)
 
 
+def test_a_hybrid_model_copies_its_prompt_head_whole_and_agrees_with_fresh(qwen35: Path) -> None:
+    """Attention cells and recurrent state both come from the head sequence (never a rewind)."""
+    scorer = Scorer(qwen35, n_ctx=1024, max_branches=3)
+    try:
+        cached = [scorer.score(request(3, state=state)) for state in HEADS]
+        head = scorer.prompt_head
+        for response, state in zip(cached, HEADS, strict=True):
+            assert_close(response, scorer.score(request(3, state=state), path="fresh"), F32_TOLERANCE)
+        again = scorer.score(request(3, state=HEADS[3]))  # the fresh path dropped the head: decoded again
+    finally:
+        scorer.close()
+    assert [r.usage.forward_passes for r in cached] == [3, 2, 2, 2] and head >= 8
+    assert again.usage.forward_passes == 3
+    assert_close(again, cached[3], 0.0)
+
+
 CITIES = {f"city{i}": f"the city numbered {i}" for i in range(40)}
 MANY = {"type": "choice", "instructions": "Which city does the writer live in?", "criteria": CITIES}
 
@@ -238,15 +313,17 @@ def many_options(n: int = 40, **more: object) -> object:
 
 def test_a_choice_of_more_options_than_letters_is_read_in_two_rounds(gemma_scorer: Scorer) -> None:
     """40 options: 3 groups (13, 14 and 13) in the first round, their winners in the second; the
-    state prefilled once for both (3 passes: prefix, round 1 with the noul branch, round 2)."""
+    state prefilled once for both (4 passes: the prompt head, the rest of the prefix, round 1 with
+    the noul branch, round 2)."""
     req = many_options(urgent=QUESTIONS["urgent"])
+    gemma_scorer.forget_head()
     fanout = gemma_scorer.score(req)
     fresh = gemma_scorer.score(req, path="fresh")
     serial = gemma_scorer.score(req, path="serial")
     answer = fanout.answers["city"]
     assert list(answer.probabilities) == list(CITIES) and answer.choice in CITIES
     assert sum(answer.probabilities.values()) == pytest.approx(1.0, abs=1e-9)
-    assert fanout.usage.forward_passes == 3 and fresh.usage.forward_passes == 3 + 1 + 1
+    assert fanout.usage.forward_passes == 4 and fresh.usage.forward_passes == 3 + 1 + 1
     assert answer.readout.tokens == fresh.answers["city"].readout.tokens > 0
     assert_close(fanout, fresh, PATH_TOLERANCE)
     assert_close(serial, fanout, PATH_TOLERANCE)
@@ -323,7 +400,7 @@ def test_cli_score_prints_the_response(gemma_path: Path, tmp_path: Path, capsys)
     # the System One wire shape clients type (tests/test_serve.py calls them), the rest under x_
     assert set(out) == {"model", "answers", "usage", "audit"} and out["model"] == gemma_path.name
     assert set(out["answers"]["urgent"]) == {"type", "noul", "x_calibrated", "x_readout"}
-    assert out["usage"]["output_tokens"] == 0 and out["usage"]["x_cascade"]["forward_passes"] == 2
+    assert out["usage"]["output_tokens"] == 0 and out["usage"]["x_cascade"]["forward_passes"] == 3  # head, rest, branches
     tokens = out["audit"]["input_tokens"]
     assert [a["x_readout"]["tokens"] for a in out["answers"].values()] == tokens
     assert sum(tokens) > out["usage"]["input_tokens"]  # the prefill is shared, counted once

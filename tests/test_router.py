@@ -28,7 +28,7 @@ from cascade.errors import ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placement
 from cascade.pricing import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
-from cascade.prompts import PROMPT_VERSION, PromptTemplate
+from cascade.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, PromptTemplate
 from cascade.questions import DecisionRequest
 from cascade.router import Cascade, RouterError
 from cascade.run import Budget
@@ -388,8 +388,9 @@ def test_cost_model_prices_a_state_once_and_its_questions_each(replay: Any, text
     assert costs.seconds("encoder", 0, ["urgent"]) == pytest.approx(0.002 + encoder_tokens * 1e-5)
     assert costs.seconds("encoder", 0, ["urgent", "department"]) == costs.seconds("encoder", 0, ["urgent"])
     # fan-out: the shared prompt (template + state, len / 4 tokens without a tokenizer) once
-    prompt = math.ceil(len(PromptTemplate("plain").render("", "")) / CHARS_PER_TOKEN)
-    prompt += math.ceil(len(text) / CHARS_PER_TOKEN)
+    template = PromptTemplate("plain")  # the head before the state is prefilled once per run
+    prompt = math.ceil(len(template.render("", "")) / CHARS_PER_TOKEN)
+    prompt += math.ceil(len(text) / CHARS_PER_TOKEN) - math.ceil(len(template.head()) / CHARS_PER_TOKEN)
     one = costs.seconds("teacher", 0, ["urgent"]) + costs.seconds("teacher", 0, ["department"])
     both = costs.seconds("teacher", 0, ["urgent", "department"])
     assert one - both == pytest.approx(0.05 + prompt * 1e-3)
@@ -411,8 +412,27 @@ def test_roofline_prices_tiers_without_measured_costs(
         scorer = live.tiers[-1].scorer
         costs = live.costs.batch([Item("x", "Hello there")])
         overhead = len(scorer.model.tokenize(scorer.template.render("", "")))
+        overhead -= len(scorer.model.tokenize(scorer.template.head()))
         state = len(scorer.model.tokenize("Hello there"))
         assert costs.seconds("teacher", 0, ["urgent"]) > (overhead + state) * per_token
+
+
+def test_a_teacher_whose_labels_were_read_options_first_answers_options_first(
+    trained: tuple, texts: Mapping, tmp_path: Path, gemma_path: Path
+) -> None:
+    directory = variant(trained[2], tmp_path / "b", teacher=pinned(gemma_path, OPTIONS_FIRST_VERSION))
+    plain = variant(trained[2], tmp_path / "p", teacher=pinned(gemma_path))
+    item = Item("x", next(iter(texts.values())))
+    with Cascade.load(directory, teacher=gemma_path, threads=1) as cascade, \
+            Cascade.load(plain, teacher=gemma_path, threads=1) as state_first:
+        assert (cascade.tiers[-1].scorer.layout, state_first.tiers[-1].scorer.layout) == (
+            "options-first", "state-first")
+        ours, theirs = (c.decide_batch([item], questions=["rare"])[0] for c in (cascade, state_first))
+    answer = ours.answers["rare"]
+    assert answer.routing.tier == "teacher" and answer.routing.certified
+    assert answer.readout.prompt_version == OPTIONS_FIRST_VERSION
+    assert theirs.answers["rare"].readout.prompt_version == PROMPT_VERSION
+    assert ours.audit.prompt_template_sha256 != theirs.audit.prompt_template_sha256
 
 
 def test_a_gguf_teacher_answers_escalations_end_to_end(
@@ -424,6 +444,7 @@ def test_a_gguf_teacher_answers_escalations_end_to_end(
     with Cascade.load(directory, teacher=gemma_path, threads=1) as cascade:
         responses = cascade.decide_batch(items, questions=list(asked))
         scorer = cascade.tiers[-1].scorer
+        scorer.forget_head()  # the first reference decodes the head again, as the first item did
         references = [scorer.score(DecisionRequest(
             state=item.state, questions={q: cascade.questions[q] for q in asked})) for item in items]
     for response, reference in zip(responses, references, strict=True):

@@ -82,6 +82,11 @@ def _label(args: argparse.Namespace) -> int:
         args.parser.error(f"--{ray_only[0].replace('_', '-')} needs --ray")
     questions = load_questions(args.questions)
     excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
+    if args.layout == "auto":
+        from cascade.prompts import plan_layout
+
+        args.layout, why = plan_layout(list(questions.values()), args.permutations)
+        print(f"layout {why}", file=sys.stderr)
     summary = (_label_on_ray if args.ray else _label_here)(args, questions, excerpt)
     for bad in summary.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
@@ -101,7 +106,7 @@ def _label_here(args: argparse.Namespace, questions: dict[str, Question],
     from distill.store import LabelStore
 
     scorer = open_teacher(args.teacher, questions, args.permutations, args.n_ctx, args.gpu_layers or 0,
-                          args.threads, args.extra_buffers)
+                          args.threads, args.extra_buffers, args.layout)
     try:
         with LabelStore(args.store, teacher_of(scorer)) as store:
             return label_corpus(scorer, questions, args.corpus, store, args.text_field,
@@ -126,9 +131,10 @@ def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
 
     require_ray()
     spec = TeacherSpec(model_path=args.teacher, questions=questions, permutations=args.permutations,
-                       n_ctx=args.n_ctx, placement=placement_of(args), excerpt=excerpt)
+                       n_ctx=args.n_ctx, placement=placement_of(args), excerpt=excerpt, layout=args.layout)
     options = RayOptions(address=args.ray, actors=args.actors or 1, batch_size=args.batch_size or 8)
-    with dropped_if_failed_empty(args.store), LabelStore(args.store, teacher_of_file(args.teacher)) as store:
+    teacher = teacher_of_file(args.teacher, args.layout)
+    with dropped_if_failed_empty(args.store), LabelStore(args.store, teacher) as store:
         return label_on_ray(spec, args.corpus, store, options, args.text_field, args.on_error)
 
 
@@ -202,6 +208,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"with --import: who made the labels (default: {DEFAULT_TEACHER_NAME!r})")
     p.add_argument("--permutations", type=int, default=1, metavar="K",
                    help="average over K balanced option orders to cancel position bias (cost: K x)")
+    p.add_argument("--layout", choices=("state-first", "options-first", "auto"), default="state-first",
+                   help="prompt layout, a teacher identity as its model is (a store holds one): the "
+                   "state first, its questions fanned out from it (default), or the question and "
+                   "options first, prefilled once per run, so that each item reads only its state and "
+                   "the answer line; auto picks the one that prefills fewer tokens (options first for "
+                   "one question in one option order) and says which. Options first moves answers: "
+                   "see BENCHMARKS.md before you choose it")
     p.add_argument("--excerpt", metavar="head_tail:N",
                    help="label over-long items from their first and last N/2 state tokens "
                    "(default: an over-long item is a bad item, see --on-error)")

@@ -21,7 +21,8 @@ def _cmd_score(args: argparse.Namespace) -> int:
         print(f"no --model given: using the embedded {args.model.name}", file=sys.stderr)
     excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
     place = placement_of(args).model_copy(update={"n_ctx": args.n_ctx})
-    scorer = Scorer.placed(args.model, place, max_branches=args.max_branches, template=args.template)
+    scorer = Scorer.placed(args.model, place, max_branches=args.max_branches, template=args.template,
+                           layout=args.layout)
     response = scorer.score(
         request,
         path="serial" if args.serial else "fanout",
@@ -79,6 +80,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--template",
         choices=("auto", "chat", "plain"),
         default="auto",
-        help="prompt layout: the model's chat template when it has one (auto), or plain",
+        help="prompt format: the model's chat template when it has one (auto), or plain",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("state-first", "options-first"),
+        default="state-first",
+        help="the state before the questions (default: the fan-out's), or each question and its "
+        "options before the state (a prompt version of its own)",
     )
     p.set_defaults(run=_cmd_score)
