@@ -9,18 +9,23 @@ far the answers moved (largest |dp| and argmax agreement: a cached head was deco
 batch than a fresh prefill decodes it), over the items after the first two (the first has no
 head to learn from, the second learns it).
 
-The default model is the installed teacher part Qwen2.5-Coder-0.5B-Instruct: its tokenizer is the
-1.5B's, so the token counts are the 1.5B's too; the seconds are the 0.5B's.
+Both scorers split the head off (its numbers are the same decoded or copied), so their answers
+agree exactly. With ``--labels`` (an export of bench/labels/ made by the same model before the
+head existed, one whole prefill per item), the topic answers are also compared with those, on the
+items both hold: how far splitting the prefill moved the numbers.
 
-    PYTHONPATH=. .venv/bin/python -m bench.prompt_head --items 200 --threads 2 \\
-        --model "$(.venv/bin/cascade teacher-model qwen2.5-coder-0.5b-instruct)"
+    PYTHONPATH=. .venv/bin/python -m bench.prompt_head --items 100 --threads 2 \\
+        --model "$(.venv/bin/cascade teacher-model qwen2.5-coder-1.5b-instruct)" \\
+        --labels bench/labels/ag_news.qwen2.5-coder-1.5b.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,8 +44,10 @@ def main() -> None:
     parser.add_argument("--questions", type=int, nargs="+", default=[1, 4],
                         help="question sets to run: 1 is AG News's topic question; n > 1 adds "
                         "bench.common's other questions about the same story")
+    parser.add_argument("--labels", type=Path, help="an export of the topic question by this model")
     args = parser.parse_args()
-    texts = [row["text"] for row in read_rows("ag_news_test.jsonl", args.items)]
+    rows = read_rows("ag_news_test.jsonl", args.items)
+    texts = [row["text"] for row in rows]
     before = Scorer(args.model, n_ctx=2048, max_branches=8, n_threads=args.threads)
     after = Scorer(args.model, n_ctx=2048, max_branches=8, n_threads=args.threads)
     print(f"{args.items} AG News items, {before.model.path.name}, {args.threads} threads, interleaved\n")
@@ -55,6 +62,8 @@ def main() -> None:
               f"{seconds[0]:>14.3f} {seconds[1]:>13.3f} {seconds[0] / seconds[1]:>6.2f}x "
               f"{max(r['dp'] for r in rows):>9.4f} {statistics.mean(r['same'] for r in rows):>12.1%}")
     print(f"\nhead held by 'after': {after.prompt_head} tokens")
+    if args.labels:
+        _against(after, rows, args.labels)
     before.close()
     after.close()
 
@@ -86,6 +95,24 @@ def _run(before: Scorer, after: Scorer, texts: list[str], questions: dict[str, A
                      "seconds_before": seconds["before"], "seconds_after": seconds["after"],
                      "dp": max(dp), "same": float(np.mean(same))})
     return rows[2:]  # the first item has no head to learn from, the second learns it: steady state after
+
+
+def _against(scorer: Scorer, rows: list[dict[str, Any]], labels: Path) -> None:
+    """The topic answers with the head against an export made with one whole prefill."""
+    stored = {}
+    for line in labels.open(encoding="utf-8"):
+        row = json.loads(line)
+        if row["question"] == "topic":
+            stored[row["id"]] = row["probabilities"]
+    both = [row for row in rows if row["id"] in stored]
+    dps, same = [], []
+    for row in both:
+        answer = scorer.score(parse_request({"state": row["text"], "questions": TOPIC})).answers["topic"]
+        old = stored[row["id"]]
+        dps.append(max(abs(p - old[key]) for key, p in answer.probabilities.items()))
+        same.append(_top(answer.probabilities) == _top(old))
+    print(f"against {labels.name} on the {len(both)} items it holds: max |dp| {max(dps):.4f}, mean "
+          f"{statistics.mean(dps):.4f}, argmax same {statistics.mean(same):.1%}")
 
 
 def _top(probabilities: dict[str, float]) -> str:

@@ -9,8 +9,8 @@ token it runs. The encoder tier runs a state's tokens once for all its questions
 prefills a state once and fans its questions out, so the first question of a state escalated to
 it pays the prompt (template + state) and its own suffix, and every further question of that
 state only its suffix (the question block, once per option order). The template's head, the text
-before the state, is not charged: a scorer prefills it once per run and copies it (the prompt
-head of ``cascade.readout``), and the seconds per token calibration measures count the tokens it
+before the state, is not charged: a scorer prefills it once per run and copies it
+(``cascade.prompt_head``), and the seconds per token calibration measures count the tokens it
 decoded, without the head. With the options first (one branch: ``cascade.prompts.plan_layout``)
 the question's block is part of that head too, so a state costs its tokens, the template around
 it and its answer line (a run that forces options first on several branches is priced as if each

@@ -133,7 +133,7 @@ class PromptTemplate:
     def head(self, block: str = "", layout: Layout = "state-first") -> str:
         """A prompt's text before the state (template, system text, the evidence heading; with the
         options first, ``block``'s question and options too): what a scorer prefills once per run
-        (``cascade.readout``)."""
+        (``cascade.prompt_head``)."""
         return self.render(_STATE_MARK, block or "\n", layout).split(_STATE_MARK)[0]
 
     def render(self, state_text: str, block: str, layout: Layout = "state-first") -> str:

@@ -32,7 +32,7 @@ from cascade.encoder import Device, quantizes_per_call
 from cascade.errors import CascadeError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placements
-from cascade.prompts import PROMPT_VERSION, layout_of, letters_sha256, template_sha256
+from cascade.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of, letters_sha256, template_sha256
 from cascade.questions import Question, State
 from cascade.run import Budget, Pick, Run, allowance
 from cascade.tierkinds import Build, Labels, RouterError, build_tiers, close_tiers, kind_of
@@ -456,7 +456,7 @@ def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
                    f"and {teacher.name} has sha256 {file_sha256(teacher)[:12]}...")
     elif layout_of(pinned.prompt_version) is None:
         problem = (f"its labels were read with prompt {pinned.prompt_version!r}, which this version "
-                   "cannot read with (it reads readout-v1 and readout-v1-options-first)")
+                   f"cannot read with (it reads {PROMPT_VERSION!r} and {OPTIONS_FIRST_VERSION!r})")
     if problem and not accept:
         raise RouterError(f"bundle {manifest.name!r} cannot escalate to {teacher}: {problem}; give "
                           f"that teacher, or accept another (--accept-other-teacher / "

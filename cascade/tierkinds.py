@@ -168,11 +168,15 @@ class GgufKind(TierKind[GgufTier]):
         questions = len(bundle.manifest.questions)
         branches = branch_slots(questions, spec.permutations)
         given = build.scorers.get(spec.name)
+        layout: Layout = teacher_layout(bundle) if top else "state-first"
         if given is None:
             place = build.placement(spec.name, spec.default_placement())
-            layout = teacher_layout(bundle) if top else "state-first"
             scorer = Scorer.placed(spec.model.path, place, branches, spec.template, layout)
             return ReadoutTier(spec.name, scorer, spec.permutations)
+        if given.layout != layout:
+            raise RouterError(f"scorers[{spec.name!r}] reads its prompts {given.layout}, and tier "
+                              f"{spec.name!r} was certified on prompts read {layout}; open it with "
+                              f"layout={layout!r}")
         if given.model_sha256 != spec.model.sha256:
             raise RouterError(f"scorers[{spec.name!r}] runs {given.model.path} (sha256 "
                               f"{given.model_sha256}); tier {spec.name!r} pins {spec.model.path} "

@@ -24,7 +24,7 @@ from servers import KEPT, running, serving_bundle
 from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.audit.sample import AuditSampler
-from cascade.bundle import Bundle, Manifest
+from cascade.bundle import Bundle
 from cascade.errors import CascadeError
 from cascade.router import Cascade
 from cascade.serve.app import ServeConfig

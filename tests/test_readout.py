@@ -400,7 +400,8 @@ def test_cli_score_prints_the_response(gemma_path: Path, tmp_path: Path, capsys)
     # the System One wire shape clients type (tests/test_serve.py calls them), the rest under x_
     assert set(out) == {"model", "answers", "usage", "audit"} and out["model"] == gemma_path.name
     assert set(out["answers"]["urgent"]) == {"type", "noul", "x_calibrated", "x_readout"}
-    assert out["usage"]["output_tokens"] == 0 and out["usage"]["x_cascade"]["forward_passes"] == 3  # head, rest, branches
+    # three passes: the prompt head, the rest of the shared tokens, the branches
+    assert out["usage"]["output_tokens"] == 0 and out["usage"]["x_cascade"]["forward_passes"] == 3
     tokens = out["audit"]["input_tokens"]
     assert [a["x_readout"]["tokens"] for a in out["answers"].values()] == tokens
     assert sum(tokens) > out["usage"]["input_tokens"]  # the prefill is shared, counted once

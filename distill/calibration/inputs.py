@@ -5,7 +5,8 @@ refused, since a threshold certifies agreement with one teacher on one distribut
 The items are the bundle's calibration part (states from the corpus it was trained on), the
 audited live items the store holds (a seeded uniform sample of recent traffic, each with the
 teacher's answer to every bundle question and its state), or both (``Source``). The certificate
-is then about new items from the distribution those were drawn from: see ``scope``.
+is then about new items from the distribution those were drawn from (``distill.report.drawn_from``
+says which, in words).
 """
 
 from __future__ import annotations

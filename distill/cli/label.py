@@ -87,6 +87,9 @@ def _label(args: argparse.Namespace) -> int:
 
         args.layout, why = plan_layout(list(questions.values()), args.permutations)
         print(f"layout {why}", file=sys.stderr)
+        if args.layout == "options-first":
+            print("layout options-first is chosen by tokens alone: it moves answers (far worse against "
+                  "gold on Qwen2.5-Coder-1.5B, BENCHMARKS.md); measure your teacher's", file=sys.stderr)
     summary = (_label_on_ray if args.ray else _label_here)(args, questions, excerpt)
     for bad in summary.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
@@ -213,8 +216,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "state first, its questions fanned out from it (default), or the question and "
                    "options first, prefilled once per run, so that each item reads only its state and "
                    "the answer line; auto picks the one that prefills fewer tokens (options first for "
-                   "one question in one option order) and says which. Options first moves answers: "
-                   "see BENCHMARKS.md before you choose it")
+                   "one question in one option order) and says which. Options first moves answers: on "
+                   "Qwen2.5-Coder-1.5B it was far worse against gold on all three shared sets "
+                   "(BENCHMARKS.md), so measure your teacher before you choose it")
     p.add_argument("--excerpt", metavar="head_tail:N",
                    help="label over-long items from their first and last N/2 state tokens "
                    "(default: an over-long item is a bad item, see --on-error)")
