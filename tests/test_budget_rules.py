@@ -237,6 +237,21 @@ def test_calibration_refuses_a_scorer_that_decodes_other_batches_than_the_router
     assert (bundle.directory / "manifest.json").read_bytes() == before
 
 
+def test_calibration_refuses_a_scorer_that_reads_another_prompt_layout_than_the_tier(
+    with_middle: Bundle, inputs: tuple[Path, Path, Path], encoder: Encoder, tiny: Path, tmp_path: Path
+) -> None:
+    bundle = copy_bundle(with_middle, tmp_path / "b")
+    scorer = Scorer(tiny, n_ctx=1024, max_branches=4, n_threads=1, layout="options-first")
+    try:
+        with LabelStore.open_existing(inputs[2]) as store, pytest.raises(
+                CalibrationError, match=r"reads its prompts options-first, and tier 'small' was certified "
+                                        r"on prompts read state-first"):
+            calibrate_bundle(bundle, inputs[0], store, target=0.8, progress=False, encoder=encoder,
+                             scorers={"small": scorer}, flops_per_second=1e11)
+    finally:
+        scorer.close()
+
+
 def test_budget_mode_sets_each_tier_on_what_reaches_it(
     with_middle: Bundle, inputs: tuple[Path, Path, Path], encoder: Encoder, tmp_path: Path
 ) -> None:
