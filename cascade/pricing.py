@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cascade.prompts import Layout, PromptTemplate, question_blocks
+from cascade.prompts import Layout, PromptTemplate, question_blocks, split_block
 from cascade.questions import Question
 
 TEACHER_PARAMS = 4.0e9
@@ -95,6 +95,6 @@ class TierPricing:
         if qid not in self._suffix:
             blocks = question_blocks(question)
             if self.layout == "options-first":  # the rest is in the head; the answer line is not
-                blocks = [block.rsplit("\n", 1)[1] for block in blocks]
+                blocks = [split_block(block)[1] for block in blocks]
             self._suffix[qid] = sum(self.count_tokens(blocks)) * self.permutations
         return self._suffix[qid]

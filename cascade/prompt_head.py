@@ -34,6 +34,7 @@ class PromptHead:
         self.ctx, self.seq, self.template, self.layout = ctx, seq, template, layout
         self.tokens: list[int] = []  # what the head sequence holds
         self._texts: dict[str, str] = {}  # block ("" with the state first) -> text before the state
+        self._tokenized: dict[str, list[int]] = {}  # head text -> its tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,6 +49,20 @@ class PromptHead:
             self._texts[key] = self.template.head(block, self.layout)
         return self._texts[key]
 
+    def _head_of(self, shared: list[int], texts: Sequence[str], tokenize: Callable[[str], list[int]]
+                 ) -> list[int]:
+        """The prompts' common text before the state, tokenized (once per text), as far as
+        ``shared`` starts with it (none below ``MIN_HEAD``)."""
+        text = texts[0]
+        for other in texts[1:]:
+            text = text[:common_prefix(text, other)]
+        if text not in self._tokenized:
+            if len(self._tokenized) >= _TEXTS:
+                self._tokenized.clear()
+            self._tokenized[text] = tokenize(text) if text else []
+        n = common_prefix(self._tokenized[text], shared)
+        return shared[:n] if n >= MIN_HEAD else []
+
     def forget(self) -> None:
         """Drop the head; the next prefill decodes it again."""
         self.ctx.drop_sequence(self.seq)
@@ -59,7 +74,7 @@ class PromptHead:
         the state) and nothing else does but the head: the head in a batch of its own (copied
         where it is held already), then the rest in the next."""
         self.ctx.keep_only(self.seq)
-        head = _head_of(shared, texts, tokenize)
+        head = self._head_of(shared, texts, tokenize)
         if head != self.tokens:
             self.forget()
             self.tokens = head
@@ -69,17 +84,6 @@ class PromptHead:
             self.ctx.copy_sequence(self.seq, 0)
         if shared[len(head):]:
             self.ctx.decode([(0, len(head), shared[len(head):])], outputs=False)
-
-
-def _head_of(shared: list[int], texts: Sequence[str], tokenize: Callable[[str], list[int]]) -> list[int]:
-    """The prompts' common text before the state, tokenized, as far as ``shared`` starts with
-    it (none below ``MIN_HEAD``)."""
-    text = texts[0]
-    for other in texts[1:]:
-        text = text[:common_prefix(text, other)]
-    head = tokenize(text) if text else []
-    n = common_prefix(head, shared)
-    return shared[:n] if n >= MIN_HEAD else []
 
 
 def common_prefix(a: Sequence[int] | str, b: Sequence[int] | str) -> int:

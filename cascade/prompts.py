@@ -106,6 +106,13 @@ def question_block(question: Question, order: Sequence[int], heading: str = "Opt
     return "\n".join(lines)
 
 
+def split_block(block: str) -> tuple[str, str]:
+    """A question block's question and options, and its answer line (its last line): what the
+    options-first layout puts before and after the state."""
+    ask, cue = block.rsplit("\n", 1)
+    return ask, cue
+
+
 def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
 
@@ -140,7 +147,7 @@ class PromptTemplate:
         """The prompt: state then question block, or (options first) the block's question and
         options, the state, then the block's answer line."""
         if layout == "options-first":
-            ask, cue = block.rsplit("\n", 1)
+            ask, cue = split_block(block)
             user = f"{ask}\n\nEvidence:\n{state_text}\n\n{cue}"
         else:
             user = f"Evidence:\n{state_text}\n\n{block}"

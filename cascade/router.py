@@ -32,10 +32,17 @@ from cascade.encoder import Device, quantizes_per_call
 from cascade.errors import CascadeError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placements
-from cascade.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of, letters_sha256, template_sha256
+from cascade.prompts import (
+    OPTIONS_FIRST_VERSION,
+    PROMPT_VERSION,
+    layout_of,
+    letters_sha256,
+    prompt_version,
+    template_sha256,
+)
 from cascade.questions import Question, State
 from cascade.run import Budget, Pick, Run, allowance
-from cascade.tierkinds import Build, Labels, RouterError, build_tiers, close_tiers, kind_of
+from cascade.tierkinds import Build, Labels, RouterError, build_tiers, close_tiers, kind_of, teacher_layout
 from cascade.tiers import Item, Reply, Tier
 
 
@@ -57,8 +64,7 @@ class Cascade:
             manifest.model_dump_json().encode()).hexdigest()
         self.calibration_version = manifest.calibration.version()
         # what every answer's audit lists per question, hashed once here instead of per answer
-        version = manifest.teacher.prompt_version
-        version = version if version is not None and layout_of(version) else PROMPT_VERSION
+        version = prompt_version(teacher_layout(manifest))
         self._audit_hashes = {qid: (template_sha256(q, version), letters_sha256(q))
                               for qid, q in self.questions.items()}
         self.demoted: set[str] = set()  # questions a drift alarm sent to the top tier (cascade.audit)

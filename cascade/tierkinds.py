@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
-from cascade.bundle import Bundle, EncoderTier, ExternalTier, GgufTier, TierSpec
+from cascade.bundle import Bundle, EncoderTier, ExternalTier, GgufTier, Manifest, TierSpec
 from cascade.encoder import Device, EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.familiar import FamiliarityGate
@@ -168,7 +168,7 @@ class GgufKind(TierKind[GgufTier]):
         questions = len(bundle.manifest.questions)
         branches = branch_slots(questions, spec.permutations)
         given = build.scorers.get(spec.name)
-        layout: Layout = teacher_layout(bundle) if top else "state-first"
+        layout: Layout = teacher_layout(bundle.manifest) if top else "state-first"
         if given is None:
             place = build.placement(spec.name, spec.default_placement())
             scorer = Scorer.placed(spec.model.path, place, branches, spec.template, layout)
@@ -216,16 +216,16 @@ class ExternalKind(TierKind[ExternalTier]):
         place = build.placement(spec.name, None)
         questions = len(bundle.manifest.questions)
         return ReadoutTier(spec.name, Scorer.placed(build.teacher, place, branch_slots(questions),
-                                                    layout=teacher_layout(bundle)))
+                                                    layout=teacher_layout(bundle.manifest)))
 
     def weights(self, spec: ExternalTier) -> tuple[float, str]:
         return TEACHER_PARAMS, f"external: taken as a {TEACHER_PARAMS / 1e9:.0f}B model"
 
 
-def teacher_layout(bundle: Bundle) -> Layout:
-    """The layout the bundle's labels were read with, for the teacher that answers in their place
+def teacher_layout(manifest: Manifest) -> Layout:
+    """The layout a bundle's labels were read with, for the teacher that answers in their place
     (state first where the version is not one this code reads: only an accepted other teacher)."""
-    return layout_of(bundle.manifest.teacher.prompt_version) or "state-first"
+    return layout_of(manifest.teacher.prompt_version) or "state-first"
 
 
 register(EncoderKind())

@@ -97,3 +97,9 @@ def add_audit_arguments(p: argparse.ArgumentParser) -> None:
                    help="when a question's drift alarm rises: demote it (its answers come from the "
                    "teacher, marked demoted, until a calibration certifies it again; default), or only "
                    "report it")
+
+
+def add_accept_other_teacher_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accept-other-teacher", action="store_true",
+                   help="run --teacher even if it is not the model the bundle's labels came from "
+                   "(another sha256 or prompt version); every answer is then marked certified=false")

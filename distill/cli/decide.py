@@ -11,6 +11,7 @@ from typing import IO, TYPE_CHECKING
 
 from cascade.errors import CascadeError, RequestError
 from distill.cli.common import (
+    add_accept_other_teacher_argument,
     add_audit_arguments,
     add_budget_arguments,
     add_on_error_argument,
@@ -143,9 +144,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_on_error_argument(p)
     p.add_argument("--batch-size", type=int, default=32, metavar="N",
                    help="items routed together: one encoder batch and one budget (default 32)")
-    p.add_argument("--accept-other-teacher", action="store_true",
-                   help="run --teacher even if it is not the model the bundle's labels came from "
-                   "(another sha256 or prompt version); every answer is then marked certified=false")
+    add_accept_other_teacher_argument(p)
     add_placement_arguments(p)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                    help="where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "

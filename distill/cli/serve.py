@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 
 from cascade.errors import CascadeError
-from distill.cli.common import add_audit_arguments, add_placement_arguments, placement_of, whole_number
+from distill.cli.common import (
+    add_accept_other_teacher_argument,
+    add_audit_arguments,
+    add_placement_arguments,
+    placement_of,
+    whole_number,
+)
 
 API_KEY_VARIABLE = "CASCADE_API_KEY"
 DESCRIPTION = f"""\
@@ -104,9 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher", type=Path, metavar="PATH.gguf",
                    help="GGUF to run as the top tier (escalations, and questions the bundle does not "
                    "hold); without one, a bundle whose teacher is external labels answers only its own")
-    p.add_argument("--accept-other-teacher", action="store_true",
-                   help="run --teacher even if it is not the model the bundle's labels came from; "
-                   "every answer is then marked certified=false")
+    add_accept_other_teacher_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; "
                    "0.0.0.0 for every interface)")
     p.add_argument("--port", type=whole_number(0), default=8080, help="port (default 8080)")
