@@ -28,13 +28,14 @@ from unittest import mock
 
 from gguf import GGUFReader
 
-from cascade.bundle import Bundle, GgufTier, Manifest, ModelFile
+from cascade.bundle import Bundle, Manifest, ModelFile
 from cascade.corpus import load_questions
 from cascade.cost import ModelShape
 from cascade.encoder import Encoder
 from cascade.llama import default_gguf_path
 from cascade.readout import Scorer, branch_slots
 from cascade.router import Cascade
+from cascade.tier_specs import GgufTier
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.train import train_bundle

@@ -7,8 +7,8 @@ referenced by name and sha256 (``cascade.pins``). Loading runs no code from the 
 ``np.load`` with ``allow_pickle=False``), and refuses any file whose bytes differ from what the
 manifest pinned: thresholds calibrated for one model say nothing about another.
 
-Each kind of tier declares here what it pins, what it reads from the bundle folder and where in
-the cascade it may stand (``TierSpec``); how it is built and run is in ``cascade.tierkinds``.
+Each kind of tier declares what it pins, what it reads from the bundle folder and where in the
+cascade it may stand in ``cascade.tier_specs``; how it is built and run is in ``cascade.tierkinds``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     FieldSerializationInfo,
     PrivateAttr,
@@ -35,7 +34,6 @@ from pydantic import (
 
 from cascade.calibration_math import ThresholdScore
 from cascade.checks import is_int
-from cascade.encoder import EncoderFiles
 from cascade.errors import BundleError, ModelError
 from cascade.heads import SoftmaxHead, load_heads
 from cascade.ngrams import NgramFeatures
@@ -47,12 +45,12 @@ from cascade.pins import (
     read_json,
     write_atomically,
 )
-from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
 from cascade.sections import CalibrationSection, TrainingSection
+from cascade.tier_specs import TIER_SPECS, EncoderTier, StrictModel, Tier, TierSpec
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 VECTORS_ALONE_SCHEMA = 3
 """The first schema whose thresholds certify encoder vectors computed from each text alone
 (``cascade.encoder``); before it, an encoder with dynamic int8 activations ran in batches."""
@@ -64,159 +62,9 @@ SPLIT_NAME = "split.json"
 _QUESTIONS = TypeAdapter(dict[str, Question])
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
-class HeadInfo(_Strict):
-    """One question's head: its columns, how it was trained, or why it has none."""
-
-    option_keys: list[str]
-    train_items: int = 0
-    held_out_items: int = 0
-    held_out_agreement: float | None = None
-    skipped: str | None = None  # why there is no head (the router starts this question one tier up)
-
-    @property
-    def has_head(self) -> bool:
-        return self.skipped is None
-
-
-class NgramInfo(_Strict):
-    """Hashed word n-grams the heads read beside the embedding (cascade.ngrams), and their file."""
-
-    n_features: int = Field(ge=1)
-    ngram_range: tuple[int, int]
-    file: BundleFile
-
-
-class TierSpec(_Strict):
-    """What every kind of tier declares in the manifest, beside its fields.
-
-    ``first_only``: the kind may only be the first tier; ``top_only``: only the last; ``may_top``:
-    whether it can be the last tier at all (the top tier answers everything that reaches it).
-    """
-
-    first_only: ClassVar[bool] = False
-    top_only: ClassVar[bool] = False
-    may_top: ClassVar[bool] = True
-
-    if TYPE_CHECKING:  # each kind declares them, with its defaults (declared here, they would
-        # come first in every tier's JSON)
-        kind: str
-        name: str
-
-    def model_files(self) -> Iterator[tuple[str, ModelFile]]:
-        """The model files outside the bundle this tier pins, each with what it is."""
-        return iter(())
-
-    def bundle_files(self) -> Iterator[tuple[str, BundleFile]]:
-        """The files inside the bundle folder this tier reads, each with what it is."""
-        return iter(())
-
-    def check_questions(self, questions: Mapping[str, Question]) -> None:
-        """ValueError where the tier's fields disagree with the bundle's questions."""
-
-
-class GateInfo(_Strict):
-    """The encoder tier's gate for unfamiliar inputs (``cascade.familiar``): its file, how many
-    training vectors it holds, the quantile its radius was set at, and the radius."""
-
-    file: BundleFile
-    reference: int = Field(ge=2)
-    quantile: float = Field(gt=0, lt=1)
-    radius: float = Field(ge=0, le=2)
-
-
-class EncoderTier(TierSpec):
-    """Tier 0: one sentence embedding per state (with n-grams beside it), one softmax head per question."""
-
-    first_only: ClassVar[bool] = True
-    may_top: ClassVar[bool] = False
-
-    kind: Literal["encoder"] = "encoder"
-    name: str = Field(default="encoder", min_length=1)
-    # a shared encoder lives outside the bundle; one fine-tuned for it (cascade train
-    # --finetune) inside, so that the bundle moves and is deleted with it
-    model: ModelFile | BundleFile
-    tokenizer: ModelFile
-    max_length: int = Field(ge=2)
-    heads_file: BundleFile
-    heads: dict[str, HeadInfo]
-    ngrams: NgramInfo | None = None  # None: the heads read the embedding alone
-    gate: GateInfo | None = None  # None: every state is answered (bundles before schema 4)
-
-    def model_path(self, directory: Path) -> Path:
-        """Where the encoder model is, for a bundle in ``directory``."""
-        if isinstance(self.model, BundleFile):
-            return Path(directory) / self.model.name
-        return Path(self.model.path)
-
-    def files(self, directory: Path) -> EncoderFiles:
-        return EncoderFiles(model=self.model_path(directory), tokenizer=Path(self.tokenizer.path))
-
-    def model_files(self) -> Iterator[tuple[str, ModelFile]]:
-        if isinstance(self.model, ModelFile):
-            yield f"tier {self.name!r} encoder model", self.model
-        yield f"tier {self.name!r} tokenizer", self.tokenizer
-
-    def bundle_files(self) -> Iterator[tuple[str, BundleFile]]:
-        if isinstance(self.model, BundleFile):
-            yield f"tier {self.name!r} fine-tuned encoder model", self.model
-        yield "heads file", self.heads_file
-        if self.ngrams is not None:
-            yield "n-gram features file", self.ngrams.file
-        if self.gate is not None:
-            yield "familiarity gate file", self.gate.file
-
-    def check_questions(self, questions: Mapping[str, Question]) -> None:
-        for qid, info in self.heads.items():
-            if qid not in questions:
-                raise ValueError(f"tier {self.name!r} has a head for unknown question {qid!r}")
-            if info.option_keys != questions[qid].option_keys():
-                raise ValueError(f"head {qid!r} has option_keys {info.option_keys}; the question's "
-                                 f"are {questions[qid].option_keys()}")
-
-
-class GgufTier(TierSpec):
-    """A logit-readout scorer on a GGUF model, with the settings its thresholds were made for."""
-
-    kind: Literal["gguf"] = "gguf"
-    name: str = Field(min_length=1)
-    model: ModelFile
-    n_ctx: int = Field(default=4096, ge=1)
-    permutations: int = Field(default=1, ge=1)
-    template: Literal["auto", "chat", "plain"] = "auto"
-    placement: Placement = Placement()  # where it runs by default; Cascade.load may override it
-
-    def default_placement(self) -> Placement:
-        """The bundle's placement for this tier, with its certified context size."""
-        return self.placement.over(Placement(n_ctx=self.n_ctx))
-
-    def model_files(self) -> Iterator[tuple[str, ModelFile]]:
-        yield f"tier {self.name!r} GGUF model", self.model
-
-
-class ExternalTier(TierSpec):
-    """A top tier known only by its labels (gold labels, another system): no model to run.
-
-    A bundle ending in one can still route, but the caller must give a GGUF at decide time to
-    answer what the lower tiers escalate.
-    """
-
-    top_only: ClassVar[bool] = True
-
-    kind: Literal["external"] = "external"
-    name: str = Field(default="teacher", min_length=1)
-    labels: str
-
-
-Tier = Annotated[EncoderTier | GgufTier | ExternalTier, Field(discriminator="kind")]
-TIER_SPECS: tuple[type[TierSpec], ...] = get_args(get_args(Tier)[0])
-"""Every kind of tier a manifest may hold, read from ``Tier`` so the two cannot disagree."""
-
-
-class TeacherInfo(_Strict):
+class TeacherInfo(StrictModel):
     """Who made the labels the heads learnt and the thresholds were calibrated on."""
 
     kind: Literal["gguf", "external"]
@@ -225,7 +73,7 @@ class TeacherInfo(_Strict):
     prompt_version: str | None = None
 
 
-class SplitInfo(_Strict):
+class SplitInfo(StrictModel):
     """How labelled items were split, and the file listing each part's ids."""
 
     fractions: dict[str, float]
@@ -233,7 +81,7 @@ class SplitInfo(_Strict):
     file: BundleFile
 
 
-class Manifest(_Strict):
+class Manifest(StrictModel):
     """Everything a router needs to know about a bundle, as plain JSON.
 
     Schema 2 added ``threshold_on``: the score its thresholds are compared with. A schema-1
@@ -244,9 +92,10 @@ class Manifest(_Strict):
     an older bundle whose encoder's did, until it is calibrated again. Schema 4 adds the encoder
     tier's optional ``gate`` (``cascade.familiar``), so that an older cascade says its schema is
     too old rather than failing on an unknown field; a bundle without one routes as before.
+    Schema 5 adds the mid-layer tier kind (``cascade.layer_readout``), for the same reason.
     """
 
-    schema_version: Literal[1, 2, 3, 4] = 4
+    schema_version: Literal[1, 2, 3, 4, 5] = 5
     name: str = Field(min_length=1)
     created_at: datetime
     prompt_version: str = PROMPT_VERSION
@@ -254,8 +103,9 @@ class Manifest(_Strict):
     tiers: list[Tier] = Field(min_length=1)
     threshold_on: ThresholdScore = "margin"
     # question -> tier -> lowest RAW score (``threshold_on``) kept (None: never accept)
-    thresholds: dict[str, dict[str, float | None]] = {}
-    temperatures: dict[str, dict[str, float]] = {}  # question -> tier -> T (absent: 1.0)
+    thresholds: dict[str, dict[str, float | None]] = Field(default_factory=dict)
+    # question -> tier -> T (absent: 1.0)
+    temperatures: dict[str, dict[str, float]] = Field(default_factory=dict)
     calibration: CalibrationSection = CalibrationSection()
     training: TrainingSection = TrainingSection()
     teacher: TeacherInfo

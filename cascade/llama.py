@@ -19,6 +19,7 @@ import llama_cpp
 import numpy as np
 
 from cascade.errors import ModelError
+from cascade.layer_tap import LayerTap
 from cascade.placement import ExtraBuffers, check_gpu_layers, system_info, use_extra_buffers
 
 _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
@@ -183,11 +184,16 @@ class ContextConfig:
 class LlamaContext:
     """A decoding context with one logits row per requested output and whole-sequence memory ops."""
 
-    def __init__(self, model: LlamaModel, config: ContextConfig) -> None:
+    def __init__(self, model: LlamaModel, config: ContextConfig, tap: LayerTap | None = None) -> None:
+        """``tap`` (cascade.layer_tap) stops every decode at its layer: the context then has no
+        logits to read, and refuses to."""
         self.model = model
         self.config = config
+        self.tap = tap
         self._ctx = None
         params = llama_cpp.llama_context_default_params()
+        if tap is not None:
+            params.cb_eval = tap.callback
         params.n_ctx = config.n_ctx
         params.n_batch = config.n_ctx
         params.n_ubatch = min(512, config.n_ctx)
@@ -226,6 +232,9 @@ class LlamaContext:
         row's last token only, in row order (output index i belongs to row i); a prefill asks for
         none, sparing the output head's vocabulary-sized matmul.
         """
+        if outputs and self.tap is not None:
+            raise ModelError("internal: a decode stopped at a layer has no logits; decode it "
+                             "without outputs")
         n = 0
         batch = self._batch
         self._outputs = []
@@ -249,11 +258,15 @@ class LlamaContext:
                 f"llama_decode failed with status {status} on {n} tokens in {len(rows)} sequences "
                 f"(1: no room in the context; raise n_ctx or lower max_branches)"
             )
+        if self.tap is not None:
+            self.tap.check_seen(self.model.path.name)
         self.decode_calls += 1
         self.decoded_tokens += n
 
     def logits(self, output_index: int) -> np.ndarray:
         """A view of output ``output_index``'s logits (n_vocab float32), valid until the next decode."""
+        if self.tap is not None:
+            raise ModelError("internal: a context whose decodes stop at a layer has no logits")
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, self._outputs[output_index])
         return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
 

@@ -145,8 +145,8 @@ class Scorer:
             say_once(f"{self.model.path.name}: {self.n_ctx_note}")
             n_ctx = self.model.n_ctx_train
         self.template = self._choose_template(template, chat_template)
-        self.ctx = LlamaContext(self.model, ContextConfig(n_ctx=n_ctx, n_seq_max=max_branches + 2,
-                                                          n_threads=n_threads, reserved=1))
+        self.ctx = self._context(ContextConfig(n_ctx=n_ctx, n_seq_max=max_branches + 2,
+                                               n_threads=n_threads, reserved=1))
         self.letter_ids = self._letter_ids()
         self.head = PromptHead(self.ctx, max_branches + 1, self.template, layout)
 
@@ -158,6 +158,10 @@ class Scorer:
         return cls(model_path, n_ctx=place.n_ctx or 4096, max_branches=max_branches,
                    n_threads=place.threads, n_gpu_layers=place.gpu_layers or 0, template=template,
                    extra_buffers=place.extra_buffers, layout=layout)
+
+    def _context(self, config: ContextConfig) -> LlamaContext:
+        """The decoding context (``cascade.layer_readout`` adds its layer tap here)."""
+        return LlamaContext(self.model, config)
 
     def _choose_template(self, template: str, override: str | None) -> PromptTemplate:
         chat = override or self.model.meta("tokenizer.chat_template")

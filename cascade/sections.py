@@ -19,7 +19,7 @@ import hashlib
 import math
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 def _non_negative(value: float) -> float:
@@ -204,6 +204,17 @@ class FinetuneSection(_Section):
     parity: EncoderParity | None = None
 
 
+class LayerCandidate(_Section):
+    """A layer ``cascade train --mid-layer auto`` tried (distill.mid_layer), scored on held-out
+    train items: its argmax agreement with the teacher, the share kept at the target, and the
+    estimated cost per item as a share of the teacher's."""
+
+    layer: int = Field(ge=1)
+    agreement: float
+    kept: float
+    cost: float
+
+
 class TrainingSection(_Section):
     """How the encoder tier was trained: the heads' C, whether they read n-grams, how many items
     were labelled and newly embedded, the embedding cache, and the corpus field of the states."""
@@ -216,3 +227,4 @@ class TrainingSection(_Section):
     embedding_cache: str | None = None
     text_field: str | None = None
     finetune: FinetuneSection | None = None  # None: the shared encoder, frozen
+    mid_layer: list[LayerCandidate] | None = None  # the layers a mid-layer "auto" tried

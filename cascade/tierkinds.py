@@ -1,6 +1,6 @@
 """The registry of tier kinds: how each kind a manifest names becomes a runtime tier, once.
 
-A kind is the manifest's ``"kind"`` of a tier ("encoder", "gguf", "external"). Its parts live in
+A kind is the manifest's ``"kind"`` of a tier ("encoder", "gguf", "mid-layer", "external"). Its parts live in
 three places, none of which tests which kind it has: the manifest spec (``cascade.bundle``: its
 fields, the model files it pins, where in the cascade it may stand), the runtime tier
 (``cascade.tiers``: how it answers and what it costs) and its ``TierKind`` here, registered in
@@ -17,15 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
-from cascade.bundle import Bundle, EncoderTier, ExternalTier, GgufTier, Manifest, TierSpec
+from cascade.bundle import Bundle, Manifest
 from cascade.encoder import Device, EmbeddingCache, Encoder
-from cascade.errors import CascadeError
+from cascade.errors import BundleError, CascadeError, ModelError
 from cascade.familiar import FamiliarityGate
+from cascade.heads import SoftmaxHead, load_heads
+from cascade.layer_readout import LayerAnswers, LayerScorer, LetterLens
 from cascade.placement import Placement, Placements, for_tier
 from cascade.pricing import TEACHER_PARAMS
 from cascade.prompts import Layout, layout_of
 from cascade.readout import Scorer, branch_slots
-from cascade.tiers import HeadsTier, LabelsTier, ReadoutTier, Tier
+from cascade.tier_specs import EncoderTier, ExternalTier, GgufTier, MidLayerTier, TierSpec
+from cascade.tiers import HeadsTier, LabelsTier, LayerTier, ReadoutTier, Tier
 
 Labels = Mapping[str, Mapping[str, Mapping[str, float]]]
 """question id -> item id -> probabilities: the shape of a label store's labels."""
@@ -222,6 +225,48 @@ class ExternalKind(TierKind[ExternalTier]):
         return TEACHER_PARAMS, f"external: taken as a {TEACHER_PARAMS / 1e9:.0f}B model"
 
 
+class MidLayerKind(TierKind[MidLayerTier]):
+    """The teacher's own first blocks, read at each question's answer position (below the top)."""
+
+    spec = MidLayerTier
+
+    def build(self, spec: MidLayerTier, bundle: Bundle, build: Build, top: bool) -> Tier:
+        questions = len(bundle.manifest.questions)
+        place = build.placement(spec.name, spec.default_placement())
+        scorer = LayerScorer.placed_at(spec.model.path, [spec.layer], place, branch_slots(questions),
+                                       spec.template)
+        try:
+            if scorer.model.n_layer != spec.n_layer:
+                raise RouterError(f"tier {spec.name!r} was trained on {spec.n_layer} blocks; "
+                                  f"{spec.model.path} has {scorer.model.n_layer}")
+            if spec.reader == "lens":
+                reader = LayerAnswers(spec.layer, lens=LetterLens(spec.model.path, scorer.letter_ids))
+            else:
+                reader = LayerAnswers(spec.layer, heads=_layer_heads(spec, bundle))
+        except BaseException:
+            scorer.close()
+            raise
+        return LayerTier(spec.name, scorer, reader)
+
+    def weights(self, spec: MidLayerTier) -> tuple[float, str]:
+        raise RouterError(f"tier {spec.name!r} is a mid-layer tier, which is never a bundle's top tier")
+
+
+def _layer_heads(spec: MidLayerTier, bundle: Bundle) -> dict[str, SoftmaxHead]:
+    """The tier's heads, checked against what its manifest says they are."""
+    assert spec.heads_file is not None  # the spec's validator: reader "head" has a heads file
+    path = bundle.directory / spec.heads_file.name
+    try:
+        heads = load_heads(path)
+    except ModelError as exc:
+        raise BundleError(f"{exc}; re-train the bundle") from exc
+    expected = {qid for qid, info in spec.heads.items() if info.has_head}
+    if set(heads) != expected or any(heads[q].n_classes_ != len(spec.heads[q].option_keys) for q in heads):
+        raise BundleError(f"heads file {path} does not hold the heads tier {spec.name!r} lists "
+                          f"({sorted(expected)}); re-train the bundle")
+    return heads
+
+
 def teacher_layout(manifest: Manifest) -> Layout:
     """The layout a bundle's labels were read with, for the teacher that answers in their place
     (state first where the version is not one this code reads: only an accepted other teacher)."""
@@ -230,4 +275,5 @@ def teacher_layout(manifest: Manifest) -> Layout:
 
 register(EncoderKind())
 register(GgufKind())
+register(MidLayerKind())
 register(ExternalKind())

@@ -25,6 +25,7 @@ from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.familiar import FamiliarityGate
 from cascade.heads import HeadStack, SoftmaxHead
+from cascade.layer_readout import LayerAnswers, LayerScorer
 from cascade.ngrams import NgramFeatures, beside
 from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens, gguf_flops_per_token
 from cascade.prompts import render_state
@@ -279,6 +280,67 @@ class ReadoutTier(Tier):
                 if ans.readout is not None:
                     out.readouts[i][qid] = ans.readout
                     out.cuts[i] = ans.readout.excerpt
+        return out
+
+
+class LayerTier(Tier):
+    """The mid-layer tier: the teacher's prompts through its first ``layer`` blocks, each asked
+    question answered from the layer's state at its answer position (``cascade.layer_readout``).
+
+    Priced as a readout of the teacher at ``layer / n_layer`` of its FLOPs per token; what it
+    computed is not reused by an escalation, which runs the whole teacher from the start.
+    """
+
+    batch_sensitive = True
+    meters_tokens = True
+
+    def __init__(self, name: str, scorer: LayerScorer, reader: LayerAnswers, owned: bool = True) -> None:
+        self.name, self.scorer, self.reader, self.owned = name, scorer, reader, owned
+
+    @property
+    def ran_on(self) -> str:
+        return self.scorer.ran_on
+
+    @property
+    def backend(self) -> str:
+        return "llama.cpp"
+
+    @property
+    def precision(self) -> str:
+        return self.scorer.model.precision
+
+    def can_answer(self, qid: str) -> bool:
+        return self.reader.lens is not None or qid in self.reader.heads
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(self.scorer.model.tokenize(text)) for text in texts]
+
+    def flops_per_token(self) -> float:
+        share = self.reader.layer / self.scorer.model.n_layer
+        return share * gguf_flops_per_token(self.scorer.model.path)
+
+    def pricing(self, cost: TierCost) -> TierPricing:
+        """As the teacher's readout (prompt once per state, each question's block), one order."""
+        return TierPricing(cost, self.count_tokens, fanout=True, template=self.scorer.template)
+
+    def close(self) -> None:
+        if self.owned:
+            self.scorer.close()
+
+    def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
+        return self.reply(items, asked, questions).answers
+
+    def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
+        out = Reply.empty(len(items))
+        for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
+            mine = {q: questions[q] for q in qids if self.reader.can_answer(q, questions[q])}
+            if not mine:
+                continue
+            read = self.scorer.states(DecisionRequest(state=item.state, questions=mine))
+            out.usage[i] = read.usage
+            out.cuts[i] = read.cut
+            for qid, question in mine.items():
+                out.answers[i][qid] = self.reader.probabilities(qid, question, read.vectors[qid])
         return out
 
 

@@ -31,7 +31,7 @@ from typing import Literal, get_args
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from cascade.bundle import Bundle, BundleError, GgufTier
+from cascade.bundle import Bundle, BundleError
 from cascade.checks import is_int
 from cascade.corpus import BadLine, OnError, count_items, load_questions
 from cascade.encoder import Encoder
@@ -40,6 +40,7 @@ from cascade.hashing import file_sha256
 from cascade.llama import default_gguf_path
 from cascade.placement import ExtraBuffers, Placement
 from cascade.readout import Scorer
+from cascade.tier_specs import GgufTier
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.demo_teacher import (

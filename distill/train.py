@@ -27,17 +27,10 @@ from cascade.bundle import (
     SPLIT_NAME,
     Bundle,
     BundleFile,
-    EncoderTier,
-    ExternalTier,
-    GateInfo,
-    GgufTier,
-    HeadInfo,
     Manifest,
     ModelFile,
-    NgramInfo,
     SplitInfo,
     TeacherInfo,
-    Tier,
 )
 from cascade.checks import is_finite
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
@@ -51,9 +44,11 @@ from cascade.pins import write_json_file
 from cascade.placement import Placement
 from cascade.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of, render_state
 from cascade.questions import Question
-from cascade.sections import FinetuneSection, TrainingSection
+from cascade.sections import FinetuneSection, LayerCandidate, TrainingSection
+from cascade.tier_specs import EncoderTier, ExternalTier, GateInfo, GgufTier, HeadInfo, NgramInfo, Tier
 from distill.finetune import FinetuneConfig
 from distill.finetune_base import check_installed
+from distill.mid_layer import MidLayerConfig, layers_of, train_mid_layer
 from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
 from distill.store import LabelStore, Teacher
 
@@ -93,6 +88,7 @@ def train_bundle(
     on_bad: Callable[[BadLine], None] | None = None,
     finetune: FinetuneConfig | None = None,
     middle: Sequence[GgufTier] = (),
+    mid_layer: MidLayerConfig | None = None,
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
 
@@ -107,6 +103,8 @@ def train_bundle(
     bundle as int8 ONNX; the heads are then fitted on its vectors as on the frozen encoder's.
     ``middle`` (``middle_tier``) are GGUF readout tiers to stand, in order, between the encoder
     and the teacher; like the heads they keep nothing until ``cascade calibrate`` certifies them.
+    ``mid_layer`` adds the teacher's own first blocks as a tier just below it (distill.mid_layer):
+    it needs the teacher's GGUF, and its states of the train items are collected here.
     """
     fractions = check_fractions(fractions)
     _check_arguments(questions, C)
@@ -115,6 +113,11 @@ def train_bundle(
         finetune.check()
         check_installed()
     top = _top_tier(store.teacher, teacher_model, teacher_placement)
+    if mid_layer is not None:
+        if not isinstance(top, GgufTier):
+            raise TrainError("a mid-layer tier runs the teacher's own first blocks, and this store's "
+                             f"teacher is external ({store.teacher.model!r}); label with a GGUF teacher")
+        layers_of(mid_layer, Path(top.model.path))
     labels = {qid: store.labels(qid) for qid in questions}
     lines = read_corpus(Path(corpus_path), text_field, on_error, on_bad)
     texts = _labelled_texts(lines, Path(corpus_path), labels, store.path)
@@ -138,12 +141,14 @@ def train_bundle(
         infos = {q: info for q, (_, info) in fitted.items()}
         first = _encoder_tier(encoder, stage, infos, _save_ngrams(grams, stage), tuned is not None)
         first.gate = _save_gate([vectors[i] for i in parts["train"]], stage)
-        tiers = [first, *middle, top]
+        mids, sweep = _mid_layer(mid_layer, top, questions, labels, texts, parts, stage, C, progress)
+        tiers = [first, *middle, *mids, top]
         split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
                           file=write_json_file(stage, SPLIT_NAME, parts))
         training = TrainingSection(C=C, ngrams=ngrams, min_train_labels=MIN_TRAIN_LABELS,
                                    labelled_items=len(texts), new_embeddings=cache.misses,
-                                   embedding_cache=str(cache.path), text_field=text_field, finetune=tuned)
+                                   embedding_cache=str(cache.path), text_field=text_field, finetune=tuned,
+                                   **({"mid_layer": sweep} if sweep else {}))
         manifest = _manifest(questions, bundle_dir.resolve().name, tiers, store.teacher, split, training)
         Bundle(manifest, stage, heads).save()
     return Bundle(manifest, bundle_dir, heads)
@@ -257,6 +262,19 @@ def _manifest(
         split=split,
         training=training,
     )
+
+
+def _mid_layer(config: MidLayerConfig | None, top: Tier, questions: Mapping[str, Question],
+               labels: Mapping[str, Labels], texts: Mapping[str, str], parts: Mapping[str, list[str]],
+               stage: Path, C: float, progress: bool) -> tuple[list[Tier], list[LayerCandidate]]:
+    """The mid-layer tier asked for (none: no config), its heads saved into ``stage``, and the
+    layers ``auto`` tried; the rendered texts are the states (``render_state`` of a text is the
+    text)."""
+    if config is None or not isinstance(top, GgufTier):
+        return [], []
+    spec, sweep = train_mid_layer(config, Path(top.model.path), questions, labels, texts, parts["train"],
+                                  stage, C, progress)
+    return [spec], sweep
 
 
 def middle_tier(model: Path, name: str | None = None, n_ctx: int = 4096) -> GgufTier:

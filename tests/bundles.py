@@ -9,15 +9,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cascade.bundle import (
-    ExternalTier,
-    GgufTier,
-    Manifest,
-    ModelFile,
-    SplitInfo,
-    TeacherInfo,
-)
+from cascade.bundle import Manifest, ModelFile, SplitInfo, TeacherInfo
 from cascade.pins import write_json_file
+from cascade.tier_specs import ExternalTier, GgufTier
 
 QUESTIONS = {"urgent": {"type": "noul", "instructions": "Is this urgent?"},
              "team": {"type": "choice", "instructions": "Which team?",

@@ -13,15 +13,7 @@ import numpy as np
 import pytest
 from corpora import HEADED
 
-from cascade.bundle import (
-    HEADS_NAME,
-    MANIFEST_NAME,
-    NGRAMS_NAME,
-    SPLIT_NAME,
-    Bundle,
-    BundleError,
-    EncoderTier,
-)
+from cascade.bundle import HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME, Bundle, BundleError
 from cascade.corpus import read_corpus
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
@@ -30,6 +22,7 @@ from cascade.hashing import file_sha256
 from cascade.heads import Matrix
 from cascade.ngrams import NgramFeatures, beside
 from cascade.prompts import render_state
+from cascade.tier_specs import EncoderTier
 
 
 @pytest.fixture
@@ -136,7 +129,7 @@ CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
     (lambda d: edit_manifest(d, lambda m: m.update(schema_version=5)),
      r"bundle schema 5 is newer than this cascade \(4\); upgrade cascade"),
     (lambda d: edit_manifest(d, lambda m: m.update(schema_version="1")),
-     r"schema_version '1' is not a bundle schema version \(this cascade reads 4\)"),
+     r"schema_version '1' is not a bundle schema version \(this cascade reads 5\)"),
     (lambda d: edit_manifest(d, lambda m: m.update(schema_version=1)),
      r"a schema-1 manifest's thresholds are on the top probability; threshold_on 'margin' needs "
      r"schema_version 2"),

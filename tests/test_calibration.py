@@ -15,10 +15,11 @@ import pytest
 from corpora import HEADED, copy_bundle, copy_with_middle, read_jsonl, write_jsonl, write_training_inputs
 from tinymodels import silence_llama_logs, tiny_llama_path
 
-from cascade.bundle import SCHEMA_VERSION, Bundle, GgufTier, Manifest, ModelFile
+from cascade.bundle import SCHEMA_VERSION, Bundle, Manifest, ModelFile
 from cascade.encoder import Encoder
 from cascade.readout import Scorer
 from cascade.router import Cascade
+from cascade.tier_specs import GgufTier
 from cascade.tiers import Item
 from distill.calibration.fits import in_temperature_part
 from distill.calibration.maths import CalibrationError

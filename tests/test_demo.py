@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from tinymodels import silence_llama_logs, tiny_llama_path
 
-from cascade.bundle import Bundle, GgufTier
+from cascade.bundle import Bundle
 from cascade.errors import CascadeError
+from cascade.tier_specs import GgufTier
 from distill.cli import build_parser, main
 from distill.demo import GEMMA_N_CTX, GENERATOR_NOTE, DemoConfig, DemoError, run_demo
 from distill.demo_teacher import LABELS_FILE, shipped_facts

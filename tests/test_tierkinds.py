@@ -17,10 +17,11 @@ import pytest
 from bundles import MIDDLE, TOP, write_bundle
 
 from cascade.answers import ChoiceAnswer, NoulAnswer
-from cascade.bundle import TIER_SPECS, Bundle, GgufTier
+from cascade.bundle import Bundle
 from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens
 from cascade.questions import Question
 from cascade.router import Cascade, RouterError
+from cascade.tier_specs import TIER_SPECS, GgufTier
 from cascade.tierkinds import KINDS, Build, GgufKind, TierKind, kind_of, register
 from cascade.tiers import Answers, Asked, Item, LabelsTier, Tier
 

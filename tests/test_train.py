@@ -28,12 +28,13 @@ from corpora import (
 )
 from tinymodels import tiny_llama_path
 
-from cascade.bundle import NGRAMS_NAME, Bundle, ExternalTier, GgufTier
+from cascade.bundle import NGRAMS_NAME, Bundle
 from cascade.encoder import EmbeddingCache, Encoder
 from cascade.hashing import file_sha256
 from cascade.ngrams import NgramFeatures, beside
 from cascade.placement import Placement
 from cascade.prompts import PROMPT_VERSION
+from cascade.tier_specs import ExternalTier, GgufTier
 from distill.cli import build_parser, main
 from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
 from distill.store import Teacher

@@ -17,7 +17,7 @@ import functools
 import itertools
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,10 +159,12 @@ LLAMA_SHAPE = TinyShape(
 )
 
 
-def write_tiny_qwen35(path: Path, seed: int = 0) -> Path:
+def write_tiny_qwen35(path: Path, seed: int = 0, silent: Collection[int] = ()) -> Path:
     """Write a hybrid Qwen3.5-style model: blocks 0-2 Gated DeltaNet, block 3 full attention.
 
-    The output head is tied to ``token_embd`` (no ``output.weight``), as in Qwen3.5-4B.
+    The output head is tied to ``token_embd`` (no ``output.weight``), as in Qwen3.5-4B. Blocks in
+    ``silent`` add nothing to the residual stream (their output projections are zero), so the
+    state after the last loud block is the one the output head reads.
     """
     shape = QWEN35_SHAPE
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35])
@@ -175,7 +177,7 @@ def write_tiny_qwen35(path: Path, seed: int = 0) -> Path:
     writer.add_ssm_time_step_rank(shape.ssm_time_step_rank)
     writer.add_ssm_group_count(shape.ssm_group_count)
     _add_vocab(writer, tiny_vocab(), pre="qwen35")
-    weights = _Weights(writer, seed)
+    weights = _Weights(writer, seed, silent)
     weights.normal("token_embd.weight", len(tiny_vocab().tokens), shape.n_embd)
     weights.ones("output_norm.weight", shape.n_embd)
     for block in range(shape.n_layer):
@@ -188,13 +190,14 @@ def write_tiny_qwen35(path: Path, seed: int = 0) -> Path:
     return _finish(writer, path)
 
 
-def write_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """Write a plain attention-only llama-arch model with the same vocabulary."""
+def write_tiny_llama(path: Path, seed: int = 0, silent: Collection[int] = ()) -> Path:
+    """Write a plain attention-only llama-arch model with the same vocabulary (``silent``: as
+    for ``write_tiny_qwen35``)."""
     shape = LLAMA_SHAPE
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     _add_common_hparams(writer, "tiny-llama", shape)
     _add_vocab(writer, tiny_vocab(), pre="qwen2")
-    weights = _Weights(writer, seed)
+    weights = _Weights(writer, seed, silent)
     weights.normal("token_embd.weight", len(tiny_vocab().tokens), shape.n_embd)
     weights.ones("output_norm.weight", shape.n_embd)
     weights.normal("output.weight", len(tiny_vocab().tokens), shape.n_embd)
@@ -380,9 +383,10 @@ class _Weights:
     Shapes are numpy order (rows, columns), the reverse of ggml's ``ne``.
     """
 
-    def __init__(self, writer: gguf.GGUFWriter, seed: int) -> None:
+    def __init__(self, writer: gguf.GGUFWriter, seed: int, silent: Collection[int] = ()) -> None:
         self._writer = writer
         self._rng = np.random.default_rng(seed)
+        self._silent = {f"blk.{block}.{name}" for block in silent for name in _OUTPUT_PROJECTIONS}
 
     def normal(self, name: str, *shape: int, std: float = 0.02) -> None:
         self.put(name, self._rng.standard_normal(shape) * std)
@@ -394,7 +398,12 @@ class _Weights:
         self.put(name, np.ones(size))
 
     def put(self, name: str, values: np.ndarray) -> None:
-        self._writer.add_tensor(name, values.astype(np.float32))
+        """Add the tensor (zeros for a silent block's output projection: the draws stay the same)."""
+        self._writer.add_tensor(name, (0 * values if name in self._silent else values).astype(np.float32))
+
+
+_OUTPUT_PROJECTIONS = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight")
+"""A block's writes into the residual stream: zero them and the block passes its input on."""
 
 
 def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:

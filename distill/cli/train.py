@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 from distill.cli.common import add_on_error_argument, report_skipped, whole_number
 
 if TYPE_CHECKING:
+    from cascade.tier_specs import Tier
     from distill.finetune import FinetuneConfig
+    from distill.mid_layer import MidLayerConfig
 
 DEFAULT_EPOCHS = 4
 """FinetuneConfig's default, stated here so that ``cascade --help`` need not import the library
@@ -53,10 +55,37 @@ def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
                           threads=args.threads)
 
 
+def _layer_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else whole_number(1)(text)
+
+
+def _mid_layer_config(args: argparse.Namespace) -> MidLayerConfig | None:
+    from cascade.placement import Placement
+    from distill.mid_layer import MidLayerConfig, MidLayerError
+
+    if args.mid_layer is None:
+        if args.mid_layer_items is not None or args.mid_layer_reader != "head":
+            raise MidLayerError("--mid-layer-reader and --mid-layer-items set how the mid-layer tier is "
+                                "trained; add --mid-layer L or --mid-layer auto")
+        return None
+    return MidLayerConfig(layer=args.mid_layer, reader=args.mid_layer_reader, max_items=args.mid_layer_items,
+                          placement=Placement(gpu_layers=args.teacher_gpu_layers))
+
+
+def _tier_text(tier: Tier) -> str:
+    """A tier's name, with its blocks for a mid-layer tier."""
+    from cascade.tier_specs import MidLayerTier
+
+    if isinstance(tier, MidLayerTier):
+        return f"{tier.name} (first {tier.layer} of {tier.n_layer} blocks, {tier.reader})"
+    return tier.name
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
     from cascade.encoder import Encoder
     from cascade.placement import Placement
+    from distill.mid_layer import AUTO_TARGET
     from distill.store import LabelStore
     from distill.train import default_cache_dir, middle_tier, train_bundle
 
@@ -70,6 +99,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             ngrams=args.ngrams, on_error=args.on_error, on_bad=report_skipped,
             finetune=_finetune_config(args),
             middle=[middle_tier(path, n_ctx=args.middle_n_ctx) for path in args.middle],
+            mid_layer=_mid_layer_config(args),
         )
     tier = bundle.manifest.encoder_tier
     heads = tier.heads if tier is not None else {}
@@ -82,7 +112,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
         print("  ".join([*cells, row[4]]))
-    print(f"tiers: {' -> '.join(tier.name for tier in bundle.manifest.tiers)}")
+    for candidate in bundle.manifest.training.mid_layer or []:
+        print(f"mid-layer {candidate.layer:>3}: held-out agreement {candidate.agreement:.3f}, kept at "
+              f"{AUTO_TARGET} {candidate.kept:.3f}, estimated cost {candidate.cost:.3f} of the teacher")
+    print(f"tiers: {' -> '.join(_tier_text(tier) for tier in bundle.manifest.tiers)}")
     print(f"bundle: {bundle.directory.resolve()}")
     return 0
 
@@ -127,6 +160,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "escalations to pay for reading all of them (BENCHMARKS.md measures a 0.5B)")
     p.add_argument("--middle-n-ctx", type=whole_number(1), default=4096, metavar="N",
                    help="context size of the middle tiers (default 4096)")
+    p.add_argument("--mid-layer", type=_layer_or_auto, metavar="L|auto",
+                   help="add the teacher's own first L blocks as a tier just below it: each question is "
+                   "answered from the layer-L state at its answer position, at about L/N of a teacher "
+                   "pass (needs --teacher-model). 'auto' reads about 8 candidate layers in one pass "
+                   "per train item and keeps the one whose estimated cascade cost on held-out train "
+                   "items is lowest; the sweep is printed and kept in the manifest. Like every tier "
+                   "it keeps nothing until `cascade calibrate` certifies it (BENCHMARKS.md: where it pays)")
+    p.add_argument("--mid-layer-reader", choices=("head", "lens"), default="head",
+                   help="how the mid-layer tier reads a state: a softmax head per question trained on "
+                   "the teacher's labels (default), or the logit lens (the model's final norm and its "
+                   "option letters' output rows; no training)")
+    p.add_argument("--mid-layer-items", type=whole_number(10), metavar="N",
+                   help="collect the mid-layer states of at most N train items (the same ones on every "
+                   "run); default: all of them")
     p.add_argument("--finetune", action="store_true",
                    help="fine-tune the encoder on the teacher's labels and serve it from the bundle as "
                    "int8 ONNX (needs the finetune extra; minutes to hours on a CPU)")

@@ -1,0 +1,217 @@
+"""Training the mid-layer tier: the teacher's layer-L states of the train items, one head per
+question on them, and L chosen by measurement (``cascade.layer_readout``).
+
+Collecting a train item's states costs about L/N of a teacher pass (its decodes stop at L). With
+``layer="auto"`` the states of every candidate layer come from one pass stopped at the deepest,
+a fifth of the train items is held out, and each candidate is scored by what a cascade through it
+would cost per item, as a share of the teacher: ``L / N`` for reading every item, plus the share
+it cannot keep at the target agreement (those go on to the whole teacher, which reuses nothing of
+the tier's work). The cheapest wins; the heads are then refitted on every train item at it.
+This is an estimate on the train part only: the thresholds are certified by ``cascade calibrate``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from tqdm import tqdm
+
+from cascade.bundle import BundleFile
+from cascade.calibration_math import CERTIFIED_SCORE, threshold_score
+from cascade.cost import ModelShape
+from cascade.errors import CascadeError
+from cascade.heads import SoftmaxHead, save_heads
+from cascade.layer_readout import LayerScorer, LetterLens, Reader, normalized
+from cascade.pins import ModelFile
+from cascade.placement import Placement
+from cascade.questions import DecisionRequest, Question, State
+from cascade.readout import branch_slots
+from cascade.sections import LayerCandidate
+from cascade.tier_specs import HeadInfo, MidLayerTier
+
+MID_HEADS_NAME = "mid_layer_heads.npz"
+AUTO_TARGET = 0.98
+"""The agreement ``layer="auto"`` scores candidates at: calibrate's default target."""
+HELD_OUT = 0.2
+"""Share of the train items ``layer="auto"`` holds out to score the candidates on."""
+MIN_ITEMS = 10
+
+Labels = Mapping[str, Mapping[str, Mapping[str, float]]]
+States = dict[int, dict[str, np.ndarray]]
+"""layer -> question id -> (items, n_embd) states at the question's answer position."""
+
+
+class MidLayerError(CascadeError, ValueError):
+    """A mid-layer tier cannot be trained as asked."""
+
+
+@dataclass(frozen=True)
+class MidLayerConfig:
+    """What ``cascade train --mid-layer`` asks: the blocks to run (or ``"auto"``), the reader,
+    at most ``max_items`` train items (None: all), and where the teacher runs while collecting."""
+
+    layer: int | Literal["auto"] = "auto"
+    reader: Reader = "head"
+    max_items: int | None = None
+    placement: Placement = field(default_factory=Placement)
+    n_ctx: int = 4096
+    name: str = "mid-layer"
+
+    def check(self) -> None:
+        if self.layer != "auto" and not (isinstance(self.layer, int) and self.layer >= 1):
+            raise MidLayerError(f"--mid-layer must be a number of blocks >= 1 or 'auto'; got {self.layer!r}")
+        if self.reader not in ("head", "lens"):
+            raise MidLayerError(f"the mid-layer reader must be 'head' or 'lens'; got {self.reader!r}")
+        if self.max_items is not None and self.max_items < MIN_ITEMS:
+            raise MidLayerError(f"--mid-layer-items must be at least {MIN_ITEMS}; got {self.max_items}")
+
+
+def candidate_layers(n_layer: int) -> list[int]:
+    """Layers ``auto`` tries: from a quarter of the blocks to the last but one, about 8 of them."""
+    step = max(1, n_layer // 8)
+    layers = list(range(max(1, n_layer // 4), n_layer, step))
+    return layers if layers[-1] == n_layer - 1 else [*layers, n_layer - 1]
+
+
+def train_mid_layer(config: MidLayerConfig, model: Path, questions: Mapping[str, Question],
+                    labels: Labels, states: Mapping[str, State], train: Sequence[str],
+                    stage: Path, C: float, progress: bool = True
+                    ) -> tuple[MidLayerTier, list[LayerCandidate]]:
+    """The tier's spec (its heads saved into ``stage``) and, with ``auto``, every candidate's score
+    (the manifest's ``training.mid_layer``)."""
+    ids = _sampled(train, config.max_items)
+    if len(ids) < MIN_ITEMS:
+        raise MidLayerError(f"a mid-layer tier needs at least {MIN_ITEMS} labelled train items; "
+                            f"the train part has {len(ids)}")
+    layers, n_layer = layers_of(config, model)
+    def spec(layer: int, heads_file: BundleFile | None = None, heads: dict[str, HeadInfo] | None = None
+             ) -> MidLayerTier:
+        return MidLayerTier(name=config.name, model=ModelFile.of(model), layer=layer, n_layer=n_layer,
+                            reader=config.reader, n_ctx=config.n_ctx, placement=config.placement,
+                            heads_file=heads_file, heads=heads or {})
+
+    if config.reader == "lens" and config.layer != "auto":
+        return spec(layers[0]), []  # nothing to learn, nothing to choose
+    place = config.placement.over(Placement(n_ctx=config.n_ctx))
+    scorer = LayerScorer.placed_at(model, layers, place, branch_slots(len(questions)))
+    try:
+        lens = LetterLens(model, scorer.letter_ids) if config.reader == "lens" else None
+        collected = collect_states(scorer, questions, states, ids, layers, progress)
+    finally:
+        scorer.close()
+    sweep: list[LayerCandidate] = []
+    layer = layers[0]
+    if config.layer == "auto":
+        sweep = score_layers(collected, questions, labels, ids, n_layer, lens, C)
+        layer = min(sweep, key=lambda c: (c.cost, c.layer)).layer
+    if config.reader == "lens":
+        return spec(layer), sweep
+    heads, infos = fit_heads(collected[layer], questions, labels, ids, C)
+    save_heads(stage / MID_HEADS_NAME, heads)
+    return spec(layer, heads_file=BundleFile.of(stage, MID_HEADS_NAME), heads=infos), sweep
+
+
+def layers_of(config: MidLayerConfig, model: Path) -> tuple[list[int], int]:
+    """The layers ``config`` reads on ``model`` (all the candidates with ``auto``) and its block
+    count, from the file's header: checked before any model runs."""
+    config.check()
+    n_layer = ModelShape.from_gguf(model).n_layers
+    layers = candidate_layers(n_layer) if config.layer == "auto" else [int(config.layer)]
+    if layers[-1] >= n_layer:
+        raise MidLayerError(f"{model.name} has {n_layer} blocks; --mid-layer runs fewer than all, "
+                            f"at most {n_layer - 1}")
+    return layers, n_layer
+
+
+def _sampled(train: Sequence[str], max_items: int | None) -> list[str]:
+    """At most ``max_items`` of the train ids, the same ones on every run (by a hash of the id)."""
+    ids = sorted(train)
+    if max_items is None or len(ids) <= max_items:
+        return ids
+    return sorted(sorted(ids, key=lambda i: hashlib.sha256(i.encode()).digest())[:max_items])
+
+
+def collect_states(scorer: LayerScorer, questions: Mapping[str, Question], states: Mapping[str, State],
+                   ids: Sequence[str], layers: Sequence[int], progress: bool = True) -> States:
+    """Every item's states at ``layers`` (each item decoded once, to the deepest)."""
+    rows: dict[int, dict[str, list[np.ndarray]]] = {layer: {q: [] for q in questions} for layer in layers}
+    for item in tqdm(ids, unit="item", desc="mid-layer states", disable=not progress):
+        read = scorer.states(DecisionRequest(state=states[item], questions=dict(questions)))
+        for qid in questions:
+            for layer in layers:
+                rows[layer][qid].append(read.vectors[qid][layer])
+    return {layer: {qid: np.stack(got) for qid, got in by_q.items()} for layer, by_q in rows.items()}
+
+
+def fit_heads(states: Mapping[str, np.ndarray], questions: Mapping[str, Question], labels: Labels,
+              ids: Sequence[str], C: float) -> tuple[dict[str, SoftmaxHead], dict[str, HeadInfo]]:
+    """One head per question on its normalized states of the labelled ``ids``."""
+    heads, infos = {}, {}
+    for qid, question in questions.items():
+        keys = question.option_keys()
+        rows = [i for i, item in enumerate(ids) if item in labels[qid]]
+        Y = np.array([[labels[qid][ids[i]][k] for k in keys] for i in rows]).reshape(len(rows), len(keys))
+        info = HeadInfo(option_keys=keys, train_items=len(rows))
+        answers = np.unique(Y.argmax(axis=1)) if len(rows) else np.array([])
+        if len(rows) < MIN_ITEMS or len(answers) < 2:
+            why = f"{len(rows)} train labels, {len(answers)} answer(s); a head needs {MIN_ITEMS} and two"
+            infos[qid] = info.model_copy(update={"skipped": why})
+            continue
+        heads[qid] = SoftmaxHead(C=C).fit(normalized(states[qid][rows]), Y)
+        infos[qid] = info
+    return heads, infos
+
+
+def score_layers(states: States, questions: Mapping[str, Question], labels: Labels,
+                 ids: Sequence[str], n_layer: int, lens: LetterLens | None, C: float,
+                 target: float = AUTO_TARGET) -> list[LayerCandidate]:
+    """Each candidate layer's agreement, kept share and estimated cost on the held-out fifth."""
+    held = np.array([hashlib.sha256(f"held\0{i}".encode()).digest()[0] < 256 * HELD_OUT for i in ids])
+    fit_ids = [i for i, h in zip(ids, held, strict=True) if not h]
+    scores = []
+    for layer, by_q in states.items():
+        agreement, kept = [], []
+        for qid, question in questions.items():
+            rows = [r for r, item in enumerate(ids) if held[r] and item in labels[qid]]
+            if not rows:
+                continue
+            teacher = np.array([np.argmax([labels[qid][ids[r]][k] for k in question.option_keys()])
+                                for r in rows])
+            probs = _held_out_probabilities(by_q[qid], rows, question, qid, labels, fit_ids, ids, lens, C)
+            agreement.append(float((probs.argmax(axis=1) == teacher).mean()))
+            kept.append(kept_share(probs, teacher, target))
+        if agreement:
+            share = float(np.mean(kept))
+            scores.append(LayerCandidate(layer=layer, agreement=float(np.mean(agreement)), kept=share,
+                                         cost=layer / n_layer + 1 - share))
+    if not scores:
+        raise MidLayerError("no held-out train item has a teacher label: too few items to choose a layer")
+    return scores
+
+
+def _held_out_probabilities(states: np.ndarray, rows: list[int], question: Question, qid: str,
+                            labels: Labels, fit_ids: list[str], ids: Sequence[str],
+                            lens: LetterLens | None, C: float) -> np.ndarray:
+    n = len(question.option_keys())
+    if lens is not None:
+        return np.stack([lens.probabilities(states[r], n) for r in rows])
+    position = {item: r for r, item in enumerate(ids)}
+    heads, _ = fit_heads({qid: states[[position[i] for i in fit_ids]]}, {qid: question}, labels, fit_ids, C)
+    if qid not in heads:
+        return np.full((len(rows), n), 1.0 / n)
+    return heads[qid].predict_proba(normalized(states[rows]))
+
+
+def kept_share(probs: np.ndarray, teacher: np.ndarray, target: float) -> float:
+    """The largest share of items, taken by margin from the most sure, whose argmax agrees with
+    the teacher's on at least ``target`` of them (empirical: no finite-sample guarantee)."""
+    order = np.argsort(-threshold_score(probs, CERTIFIED_SCORE), kind="stable")
+    agree = (probs.argmax(axis=1) == teacher)[order]
+    running = np.cumsum(agree) / np.arange(1, len(agree) + 1)
+    ok = np.nonzero(running >= target)[0]
+    return float((ok[-1] + 1) / len(agree)) if len(ok) else 0.0
