@@ -95,11 +95,11 @@ def load_items(path: Path, task: Task, cache: EmbeddingCache) -> Items:
                  {"teacher, soft": argmax, "teacher, argmax": argmax, "gold": gold})
 
 
-def hindsight(score: np.ndarray, correct: np.ndarray) -> float:
-    """The most one threshold keeps of these items with agreement >= TARGET, chosen on them."""
+def hindsight(score: np.ndarray, correct: np.ndarray, target: float = TARGET) -> float:
+    """The most one threshold keeps of these items with agreement >= ``target``, chosen on them."""
     order = np.argsort(-score, kind="stable")
     wrong = np.cumsum(~correct[order])
-    fine = np.flatnonzero(wrong <= (1 - TARGET) * len(score) + 1e-9)
+    fine = np.flatnonzero(wrong <= (1 - target) * len(score) + 1e-9)
     return float(fine[-1] + 1) / len(score) if fine.size else 0.0
 
 

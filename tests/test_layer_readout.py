@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 from tinymodels import LLAMA_SHAPE, QWEN35_SHAPE, silence_llama_logs, write_tiny_llama, write_tiny_qwen35
@@ -130,3 +131,20 @@ def test_a_graph_without_the_tapped_tensor_fails_loudly(gemma_path: Path) -> Non
     finally:
         ctx.close()
         model.close()
+
+
+@pytest.mark.skipif(not llama_cpp.llama_supports_gpu_offload(), reason="needs a GPU build of llama.cpp")
+def test_on_a_gpu_the_tap_reads_what_the_cpu_reads(gemma_path: Path) -> None:
+    """Where the blocks run on a GPU, the tap copies the layer out of device memory after the
+    scheduler synchronises: the states must be the CPU's within the backends' tolerance (the
+    copy's cost is measured nowhere here: no GPU was lent)."""
+    cpu = LayerScorer(gemma_path, [9], n_ctx=1024, max_branches=3, n_threads=1)
+    gpu = LayerScorer(gemma_path, [9], n_ctx=1024, max_branches=3, n_gpu_layers=99)
+    try:
+        on_cpu, on_gpu = cpu.states(REQUEST), gpu.states(REQUEST)
+        for qid in REQUEST.questions:
+            moved = normalized(on_gpu.vectors[qid][9]) - normalized(on_cpu.vectors[qid][9])
+            assert np.sqrt(np.mean(moved ** 2)) < 0.05
+    finally:
+        cpu.close()
+        gpu.close()

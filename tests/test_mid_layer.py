@@ -95,6 +95,21 @@ def test_a_routed_answer_is_the_tiers_own_reading_of_the_batch_calibration_reads
             assert sum(answer.probabilities.values()) == pytest.approx(1.0)
 
 
+def test_an_item_gets_the_same_answer_alone_and_in_a_batch_of_items(
+        bundle: Bundle, inputs: tuple[Path, Path], tmp_path: Path, embedding_cache: Path) -> None:
+    """The tier reads each state on its own (its prompt head copied, never re-decoded), so the
+    other items of a call move no number of an item's answer."""
+    directory = kept_at(bundle, tmp_path / "v", {"urgent": {"encoder": None, "mid-layer": 0.0}})
+    texts = {row["id"]: row["text"] for row in map(json.loads, inputs[0].open(encoding="utf-8"))}
+    items = [Item(i, texts[i]) for i in bundle.split_ids()["evaluation"][3:6]]
+    with Cascade.load(directory, labels=labels_of(inputs[1]), cache_dir=embedding_cache,
+                      placement=ONE_THREAD) as cascade:
+        together = cascade.decide_batch(items, None, ["urgent"])
+        for item, response in zip(items, together, strict=True):
+            alone = cascade.decide_batch([item], None, ["urgent"])[0]
+            assert alone.answers["urgent"].probabilities == response.answers["urgent"].probabilities
+
+
 def test_calibration_certifies_and_measures_the_tier(bundle: Bundle, inputs: tuple[Path, Path],
                                                      encoder: Encoder, tmp_path: Path) -> None:
     copy = copy_bundle(bundle, tmp_path / "c")

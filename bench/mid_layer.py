@@ -1,0 +1,245 @@
+"""The mid-layer tier on the real teacher: at which layer L, if any, it pays on a labelled set.
+
+The teacher is Qwen2.5-Coder-1.5B (28 blocks); its labels are the committed export. For ``--items``
+items of the export (a seeded sample), the layer-L state at the answer position is read for every
+``--layers`` L in ONE pass per item, stopped after the deepest (``cascade.layer_readout``); the
+states are cached under ~/.cache/cascade-bench/mid_layer, so an interrupted run resumes.
+
+Then, on each of ``--resplits`` random 50/25/25 splits (as bench/goals.py):
+- the head (the library's soft-label softmax on the normalized state, trained on the train part's
+  teacher probabilities) and the logit lens (no training): argmax agreement with the teacher on
+  the evaluation part;
+- the mid-layer tier alone: the share it keeps under a threshold certified on the calibration part
+  at ``--target`` / delta 0.05, as ``cascade calibrate`` certifies;
+- the cascade frozen encoder -> mid-layer -> teacher against encoder -> teacher, thresholds
+  certified as the library does for two cheap tiers (bench/goals.py's ``cascade_outcome``).
+
+Costs are measured, not priced: CPU seconds per item of the teacher, of the tier at each L and of
+the encoder on ``--cost-items`` items, one thread each, interleaved item by item in this process.
+A cascade's cost per item is encoder + share reaching the tier x tier(L) + share escalated x
+teacher (an escalation reruns the whole teacher: the tier's work is not reused), over the teacher.
+
+    PYTHONPATH=. .venv/bin/python -m bench.mid_layer --task ag_news \\
+        --labels bench/labels/ag_news.qwen2.5-coder-1.5b.jsonl --items 800
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.encoder_quality import CACHE_DIR, TASKS, Task
+from bench.goals import DELTA, Outcome, Parts, cascade_outcome, head_probabilities, parts_of
+from bench.teacher_goals import Items, load_items, markdown
+from cascade.calibration_math import CERTIFIED_SCORE
+from cascade.encoder import EmbeddingCache, Encoder
+from cascade.heads import SoftmaxHead
+from cascade.layer_readout import LayerScorer, LetterLens, normalized
+from cascade.questions import DecisionRequest, parse_request
+from cascade.readout import Scorer
+from distill.mid_layer import candidate_layers
+from distill.teachers import teacher_path
+
+TEACHER = "qwen2.5-coder-1.5b-instruct"
+STATES_DIR = CACHE_DIR / "mid_layer"
+SOURCE = "teacher, soft"
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """One layer on one split."""
+
+    head_agreement: float
+    lens_agreement: float
+    alone: Outcome  # the tier alone, certified (its ``encoder`` field: the share it keeps)
+    cascade: Outcome  # encoder -> tier -> teacher
+
+
+def sample(items: Items, count: int, seed: int) -> Items:
+    """``count`` items of the export, a seeded sample in a fixed order."""
+    rows = np.sort(np.random.default_rng(seed).permutation(len(items.ids))[:count])
+    return Items([items.ids[i] for i in rows], [items.texts[i] for i in rows], items.emb[rows],
+                 {k: v[rows] for k, v in items.targets.items()}, {k: v[rows] for k, v in items.truth.items()})
+
+
+def request_of(task: Task, text: str) -> DecisionRequest:
+    return parse_request({"state": text, "questions": task.questions})
+
+
+def collect(items: Items, task: Task, layers: list[int], threads: int, cache: Path) -> dict[int, np.ndarray]:
+    """Per layer, (items, n_embd) states at the answer position; resumable from ``cache``."""
+    done = _load(cache)
+    scorer = LayerScorer(teacher_path(TEACHER), layers, n_ctx=2048, max_branches=1, n_threads=threads)
+    (qid,) = task.questions
+    try:
+        todo = [i for i in items.ids if f"{i}/{layers[0]}" not in done]
+        for n, (item, text) in enumerate(tqdm([(i, items.texts[items.ids.index(i)]) for i in todo],
+                                              unit="item", desc=f"{task.name} states"), 1):
+            vectors = scorer.states(request_of(task, text)).vectors[qid]
+            done.update({f"{item}/{layer}": vectors[layer] for layer in layers})
+            if n % 50 == 0 or n == len(todo):
+                _save(cache, done)
+    finally:
+        scorer.close()
+    return {layer: np.stack([done[f"{i}/{layer}"] for i in items.ids]) for layer in layers}
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    if not path.exists():
+        return {}
+    with np.load(path) as saved:
+        return dict(zip(saved["keys"].tolist(), saved["values"], strict=True))
+
+
+def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``item/layer`` -> state, written whole and swapped in (an interrupted save loses nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.npz")
+    np.savez(partial, keys=np.array(list(arrays)), values=np.stack(list(arrays.values())))
+    partial.replace(path)
+
+
+def lens_probabilities(states: dict[int, np.ndarray], n_options: int) -> dict[int, np.ndarray]:
+    scorer_ids = _letter_ids()
+    lens = LetterLens(teacher_path(TEACHER), scorer_ids)
+    return {layer: np.stack([lens.probabilities(state, n_options) for state in rows])
+            for layer, rows in states.items()}
+
+
+def _letter_ids() -> np.ndarray:
+    scorer = Scorer(teacher_path(TEACHER), n_ctx=256, max_branches=1, n_threads=1)
+    try:
+        return scorer.letter_ids
+    finally:
+        scorer.close()
+
+
+def head_split(states: np.ndarray, items: Items, parts: Parts) -> tuple[np.ndarray, np.ndarray]:
+    """The library's head on this layer's normalized states: calibration and evaluation rows."""
+    features = normalized(states)
+    head = SoftmaxHead(C=1.0, max_iter=5000).fit(features[parts.train], items.targets[SOURCE][parts.train])
+    return head.predict_proba(features[parts.calibration]), head.predict_proba(features[parts.evaluation])
+
+
+def one_split(items: Items, states: dict[int, np.ndarray], lens: dict[int, np.ndarray], parts: Parts,
+              target: float) -> tuple[Outcome, dict[int, LayerRun]]:
+    truth = items.truth[SOURCE]
+    encoder = head_probabilities(items, items.emb, SOURCE, parts)
+    baseline = cascade_outcome(encoder, None, truth, parts, CERTIFIED_SCORE, target)
+    runs = {}
+    expected = truth[parts.evaluation]
+    for layer in states:
+        mid = head_split(states[layer], items, parts)
+        runs[layer] = LayerRun(
+            head_agreement=float((mid[1].argmax(axis=1) == expected).mean()),
+            lens_agreement=float((lens[layer][parts.evaluation].argmax(axis=1) == expected).mean()),
+            alone=cascade_outcome(mid, None, truth, parts, CERTIFIED_SCORE, target),
+            cascade=cascade_outcome(encoder, mid, truth, parts, CERTIFIED_SCORE, target))
+    return baseline, runs
+
+
+def measured_seconds(items: Items, task: Task, layers: list[int], count: int) -> dict[str, float]:
+    """CPU seconds per item of the teacher, the tier at each layer and the encoder, one thread
+    each, interleaved item by item."""
+    path = teacher_path(TEACHER)
+    scorers: dict[str, Scorer] = {"teacher": Scorer(path, n_ctx=2048, max_branches=1, n_threads=1)}
+    scorers |= {str(layer): LayerScorer(path, [layer], n_ctx=2048, max_branches=1, n_threads=1)
+                for layer in layers}
+    encoder = Encoder(threads=1)
+    spent: dict[str, list[float]] = {name: [] for name in [*scorers, "encoder"]}
+    try:
+        for text in tqdm(items.texts[:count], unit="item", desc="timing"):
+            request = request_of(task, text)
+            for name, scorer in scorers.items():
+                started = time.process_time()
+                scorer.states(request) if isinstance(scorer, LayerScorer) else scorer.score(request)
+                spent[name].append(time.process_time() - started)
+            started = time.process_time()
+            encoder.encode([text])
+            spent["encoder"].append(time.process_time() - started)
+    finally:
+        for scorer in scorers.values():
+            scorer.close()
+    return {name: statistics.mean(values) for name, values in spent.items()}
+
+
+def cost(outcome: Outcome, seconds: dict[str, float], layer: int | None) -> float:
+    tier = seconds[str(layer)] * outcome.reach_middle if layer is not None else 0.0
+    return (seconds["encoder"] + tier) / seconds["teacher"] + 1 - outcome.cheap
+
+
+def report(baseline: list[Outcome], runs: dict[int, list[LayerRun]], seconds: dict[str, float], n_layer: int,
+           target: float) -> str:
+    def cell(values: list[float], fmt: str, worst: float) -> str:
+        return f"{statistics.mean(values):{fmt}} ({worst:{fmt}})"
+
+    base_costs = [cost(o, seconds, None) for o in baseline]
+    rows = [["encoder -> teacher", "-", "-", "-", "-", "-", cell([o.cheap for o in baseline], ".1%",
+                                                                min(o.cheap for o in baseline)),
+             cell([o.agreement for o in baseline], ".4f", min(o.agreement for o in baseline)),
+             cell(base_costs, ".3f", max(base_costs))]]
+    for layer, layer_runs in runs.items():
+        costs = [cost(r.cascade, seconds, layer) for r in layer_runs]
+        kept = [r.alone.encoder for r in layer_runs]
+        cheap = [r.cascade.cheap for r in layer_runs]
+        agreement = [r.cascade.agreement for r in layer_runs]
+        rows.append([f"encoder -> L{layer} -> teacher", f"{layer}/{n_layer} = {layer / n_layer:.2f}",
+                     f"{seconds[str(layer)] / seconds['teacher']:.2f}",
+                     f"{statistics.mean(r.head_agreement for r in layer_runs):.3f}",
+                     f"{statistics.mean(r.lens_agreement for r in layer_runs):.3f}",
+                     cell(kept, ".1%", min(kept)), cell(cheap, ".1%", min(cheap)),
+                     cell(agreement, ".4f", min(agreement)), cell(costs, ".3f", max(costs))])
+    header = ["cascade", "blocks run", "tier seconds / teacher (measured)", "head agrees with teacher",
+              "lens agrees with teacher", f"tier alone keeps at {target}: mean (worst)",
+              "cheap tiers keep: mean (worst)", "realised agreement: mean (worst)",
+              "cost / teacher alone: mean (worst)"]
+    return markdown(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=[task.name for task in TASKS], required=True)
+    parser.add_argument("--labels", type=Path, required=True, metavar="TEACHER.jsonl")
+    parser.add_argument("--items", type=int, default=800)
+    parser.add_argument("--layers", type=int, nargs="+", default=candidate_layers(28))
+    parser.add_argument("--resplits", type=int, default=10)
+    parser.add_argument("--target", type=float, default=0.98)
+    parser.add_argument("--cost-items", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads while collecting states")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    task = next(task for task in TASKS if task.name == args.task)
+    layers = sorted(args.layers)
+    items = sample(load_items(args.labels, task, EmbeddingCache(CACHE_DIR, Encoder())), args.items, args.seed)
+    digest = hashlib.sha256(args.labels.read_bytes()).hexdigest()[:12]
+    cache = STATES_DIR / f"{task.name}-{digest}-{max(layers)}.npz"
+    states = collect(items, task, layers, args.threads, cache)
+    (question,) = request_of(task, "-").questions.values()
+    lens = lens_probabilities(states, len(question.option_keys()))
+    rng = np.random.default_rng(args.seed)
+    baseline: list[Outcome] = []
+    runs: dict[int, list[LayerRun]] = {layer: [] for layer in layers}
+    for _ in range(args.resplits):
+        parts = parts_of(rng.permutation(len(items.ids)))
+        base, by_layer = one_split(items, states, lens, parts, args.target)
+        baseline.append(base)
+        for layer, run in by_layer.items():
+            runs[layer].append(run)
+    seconds = measured_seconds(items, task, layers, args.cost_items)
+    print(f"\n{len(items.ids)} {task.name} items, teacher {TEACHER} (28 blocks); target {args.target}, delta "
+          f"{DELTA}; {args.resplits} random 50/25/25 re-splits (seed {args.seed}); CPU seconds per item on "
+          f"{args.cost_items} items, one thread each: "
+          + ", ".join(f"{name} {value:.3f}" for name, value in seconds.items()))
+    print(report(baseline, runs, seconds, 28, args.target))
+
+
+if __name__ == "__main__":
+    main()
