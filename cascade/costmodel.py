@@ -8,6 +8,11 @@ tier's FLOPs per token (``Tier.flops_per_token``) at a throughput (FLOP/s) given
 stored in the manifest as ``calibration.flops_per_second``, or measured here once with numpy
 (``cost.measure_cpu_flops``). Predictions serve to rank and to budget; what a call really took
 is in its ``usage``.
+
+Every tier a question reaches is charged in full, whatever the tiers below it computed: no tier
+reuses another's work. That holds for the mid-layer tier too (``cascade.layer_readout``): it runs
+the teacher's own first blocks, and an escalation from it runs the whole teacher from the start,
+so a state it escalates costs its L/N of a teacher pass plus the teacher's.
 """
 
 from __future__ import annotations

@@ -182,3 +182,19 @@ def test_bad_mid_layer_arguments_get_clear_errors(inputs: tuple[Path, Path], gem
     external = write_training_inputs(tmp_path / "ext")
     with LabelStore.open_existing(external[1]) as store, pytest.raises(TrainError, match="is external"):
         train_bundle(QUESTIONS, external[0], store, tmp_path / "e", mid_layer=MidLayerConfig(layer=3))
+
+
+def test_train_prints_the_sweep_auto_measured_and_the_tier_it_kept(
+        inputs: tuple[Path, Path], gemma_path: Path, embedding_cache: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps({"questions": {q: QUESTIONS[q].model_dump(mode="json")
+                                                   for q in ("urgent", "department")}}))
+    assert main(["train", "--questions", str(questions), "--corpus", str(inputs[0]),
+                 "--store", str(inputs[1]), "--bundle", str(tmp_path / "b"),
+                 "--teacher-model", str(gemma_path), "--cache-dir", str(embedding_cache),
+                 "--mid-layer", "auto", "--mid-layer-items", "20"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("estimated cost") == len(candidate_layers(18))
+    layer = Bundle.load(tmp_path / "b").manifest.tiers[1].layer  # type: ignore[union-attr]
+    assert f"tiers: encoder -> mid-layer (first {layer} of 18 blocks, head) -> teacher" in out
