@@ -72,11 +72,26 @@ class LayerScorer(Scorer):
         self.tap = LayerTap(layers)
         super().__init__(model_path, n_ctx=n_ctx, max_branches=max_branches, n_threads=n_threads,
                          n_gpu_layers=n_gpu_layers, template=template, extra_buffers=extra_buffers)
-        if self.tap.layers[-1] >= self.model.n_layer:
-            deepest = self.tap.layers[-1]
+        problem = self._unsupported(n_gpu_layers)
+        if problem:
             self.close()
-            raise ModelError(f"{Path(model_path).name} has {self.model.n_layer} blocks; a mid-layer "
-                             f"tier runs fewer than all of them, not {deepest}")
+            raise ModelError(f"{Path(model_path).name}: {problem}")
+
+    def _unsupported(self, n_gpu_layers: int) -> str | None:
+        """Why this model cannot be read to the tap's layers as placed, or None.
+
+        Part of the blocks on a GPU is refused: llama.cpp's scheduler then runs the graph as
+        splits, one per device, and the tap's stop ends only the split it falls in, so the later
+        ones would still run the blocks above L and the tier would cost what the teacher costs.
+        """
+        n_layer, deepest = self.model.n_layer, self.tap.layers[-1]
+        if deepest >= n_layer:
+            return f"has {n_layer} blocks; a mid-layer tier runs fewer than all of them, not {deepest}"
+        if 0 < n_gpu_layers <= n_layer:
+            return (f"a mid-layer tier runs on one device: {n_gpu_layers} of {n_layer + 1} layers "
+                    "offloaded would split the graph, and the blocks above the tapped one would still "
+                    "run; offload all (--gpu-layers 99) or none")
+        return None
 
     @classmethod
     def placed_at(cls, model_path: str | Path, layers: Sequence[int], place: Placement,

@@ -19,7 +19,11 @@ What this relies on, and where it is checked:
   decodes to ``L``, so no layer above ``L`` is ever needed.
 
 A decode may run as several micro-batches (a hybrid model splits by sequence); the tap is called
-once per micro-batch and keeps each one's rows in order.
+once per micro-batch and keeps each one's rows in order. Returning false ends the graph split it
+falls in, not the splits after it: a graph over several devices (part of the model on a GPU)
+would still run them, so the mid-layer tier refuses partial offload (``cascade.layer_readout``).
+On a GPU the tensor is copied to host memory after the scheduler synchronises the device; what
+that costs is not measured here (no GPU).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The registry of tier kinds: how each kind a manifest names becomes a runtime tier, once.
 
-A kind is the manifest's ``"kind"`` of a tier ("encoder", "gguf", "mid-layer", "external"). Its parts live in
-three places, none of which tests which kind it has: the manifest spec (``cascade.bundle``: its
-fields, the model files it pins, where in the cascade it may stand), the runtime tier
-(``cascade.tiers``: how it answers and what it costs) and its ``TierKind`` here, registered in
-``KINDS``, which builds the one from the other for a bundle. The router, the cost model,
+A kind is the manifest's ``"kind"`` of a tier ("encoder", "gguf", "mid-layer", "external"). Its
+parts live in three places, none of which tests which kind it has: the manifest spec
+(``cascade.tier_specs``: its fields, the model files it pins, where in the cascade it may stand),
+the runtime tier (``cascade.tiers``: how it answers and what it costs) and its ``TierKind`` here,
+registered in ``KINDS``, which builds the one from the other for a bundle. The router, the cost model,
 calibration and the report ask these, the way RouteLLM's controller looks its routers up in a
 dict: adding a kind is a spec, a tier and one registration, with nothing to edit elsewhere.
 """
@@ -254,7 +254,8 @@ class MidLayerKind(TierKind[MidLayerTier]):
 
 def _layer_heads(spec: MidLayerTier, bundle: Bundle) -> dict[str, SoftmaxHead]:
     """The tier's heads, checked against what its manifest says they are."""
-    assert spec.heads_file is not None  # the spec's validator: reader "head" has a heads file
+    if spec.heads_file is None:
+        raise BundleError(f"tier {spec.name!r} reads with heads and names no heads file; re-train")
     path = bundle.directory / spec.heads_file.name
     try:
         heads = load_heads(path)

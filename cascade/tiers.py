@@ -294,8 +294,8 @@ class LayerTier(Tier):
     batch_sensitive = True
     meters_tokens = True
 
-    def __init__(self, name: str, scorer: LayerScorer, reader: LayerAnswers, owned: bool = True) -> None:
-        self.name, self.scorer, self.reader, self.owned = name, scorer, reader, owned
+    def __init__(self, name: str, scorer: LayerScorer, reader: LayerAnswers) -> None:
+        self.name, self.scorer, self.reader = name, scorer, reader
 
     @property
     def ran_on(self) -> str:
@@ -324,8 +324,7 @@ class LayerTier(Tier):
         return TierPricing(cost, self.count_tokens, fanout=True, template=self.scorer.template)
 
     def close(self) -> None:
-        if self.owned:
-            self.scorer.close()
+        self.scorer.close()
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         return self.reply(items, asked, questions).answers

@@ -138,6 +138,8 @@ def test_on_a_gpu_the_tap_reads_what_the_cpu_reads(gemma_path: Path) -> None:
     """Where the blocks run on a GPU, the tap copies the layer out of device memory after the
     scheduler synchronises: the states must be the CPU's within the backends' tolerance (the
     copy's cost is measured nowhere here: no GPU was lent)."""
+    with pytest.raises(ModelError, match="a mid-layer tier runs on one device: 5 of 19 layers offloaded"):
+        LayerScorer(gemma_path, [9], n_ctx=1024, n_gpu_layers=5)
     cpu = LayerScorer(gemma_path, [9], n_ctx=1024, max_branches=3, n_threads=1)
     gpu = LayerScorer(gemma_path, [9], n_ctx=1024, max_branches=3, n_gpu_layers=99)
     try:
