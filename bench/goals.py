@@ -139,8 +139,12 @@ def cascade_outcome(encoder: tuple[np.ndarray, np.ndarray], middle: tuple[np.nda
                    best)
 
 
-def labels_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def labels_digest(paths: list[Path]) -> str:
+    """The label exports' digest (one file: its sha256, as the cache of fine-tuned vectors keys it)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def finetuned(items: Items, digest: str, source: str, seed: int, number: int, parts: Parts,
@@ -206,7 +210,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=[task.name for task in TASKS], required=True)
-    parser.add_argument("--labels", type=Path, required=True, metavar="TEACHER.jsonl")
+    parser.add_argument("--labels", type=Path, nargs="+", required=True, metavar="TEACHER.jsonl",
+                        help="the teacher's label exports (several: read one after another)")
     parser.add_argument("--middle", type=Path, metavar="MIDDLE.jsonl",
                         help="the 0.5B's export on the same items: adds encoder -> 0.5B -> teacher")
     parser.add_argument("--resplits", type=int, default=10)

@@ -30,6 +30,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,20 +69,24 @@ class Split:
     hindsight: float
 
 
-def read_export(path: Path, task: Task) -> tuple[list[str], np.ndarray]:
-    """Ids and teacher probabilities (columns in the question's option order) of an export."""
+def read_export(paths: Path | Sequence[Path], task: Task) -> tuple[list[str], np.ndarray]:
+    """Ids and teacher probabilities (columns in the question's option order) of one export, or
+    of several read one after another (a labelling run continued into another file)."""
     (qid, question), = parse_request({"state": "-", "questions": task.questions}).questions.items()
     keys = question.option_keys()
     ids, rows = [], []
-    for line in path.open(encoding="utf-8"):
-        row = json.loads(line)
-        if row["question"] == qid:
-            ids.append(row["id"])
-            rows.append([row["probabilities"][key] for key in keys])
+    for path in [paths] if isinstance(paths, Path) else paths:
+        for line in path.open(encoding="utf-8"):
+            row = json.loads(line)
+            if row["question"] == qid:
+                ids.append(row["id"])
+                rows.append([row["probabilities"][key] for key in keys])
+    if len(set(ids)) != len(ids):
+        raise SystemExit(f"the exports {paths} label some item twice; give each item's label once")
     return ids, np.asarray(rows)
 
 
-def load_items(path: Path, task: Task, cache: EmbeddingCache) -> Items:
+def load_items(path: Path | Sequence[Path], task: Task, cache: EmbeddingCache) -> Items:
     ids, probs = read_export(path, task)
     (question,) = parse_request({"state": "-", "questions": task.questions}).questions.values()
     keys = question.option_keys()
