@@ -48,7 +48,7 @@ from cascade.pins import (
 from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
 from cascade.sections import CalibrationSection, TrainingSection
-from cascade.tier_specs import TIER_SPECS, EncoderTier, StrictModel, Tier, TierSpec
+from cascade.tier_specs import TIER_SPECS, EncoderTier, HeadInfo, StrictModel, Tier, TierSpec
 
 SCHEMA_VERSION = 5
 VECTORS_ALONE_SCHEMA = 3
@@ -294,20 +294,24 @@ class Bundle:
         tier = self.manifest.encoder_tier
         if tier is None:
             return {}
-        path = self.directory / tier.heads_file.name
-        try:
-            heads = load_heads(path)
-        except ModelError as exc:
-            raise BundleError(f"{exc}; re-train the bundle") from exc
-        expected = {qid for qid, info in tier.heads.items() if info.has_head}
-        if set(heads) != expected:
-            raise BundleError(f"heads file {path} has heads for {sorted(heads)}; the manifest "
-                              f"expects {sorted(expected)}; re-train the bundle")
-        for qid, head in heads.items():
-            if head.n_classes_ != len(tier.heads[qid].option_keys):
-                raise BundleError(f"heads file {path}: head {qid!r} has {head.n_classes_} classes, "
-                                  f"the manifest {len(tier.heads[qid].option_keys)}; re-train")
-        return heads
+        return read_heads(self.directory / tier.heads_file.name, tier.heads)
+
+
+def read_heads(path: Path, infos: Mapping[str, HeadInfo]) -> dict[str, SoftmaxHead]:
+    """A tier's heads file, refused unless it holds exactly the heads its manifest lists."""
+    try:
+        heads = load_heads(path)
+    except ModelError as exc:
+        raise BundleError(f"{exc}; re-train the bundle") from exc
+    expected = {qid for qid, info in infos.items() if info.has_head}
+    if set(heads) != expected:
+        raise BundleError(f"heads file {path} has heads for {sorted(heads)}; the manifest "
+                          f"expects {sorted(expected)}; re-train the bundle")
+    for qid, head in heads.items():
+        if head.n_classes_ != len(infos[qid].option_keys):
+            raise BundleError(f"heads file {path}: head {qid!r} has {head.n_classes_} classes, "
+                              f"the manifest {len(infos[qid].option_keys)}; re-train")
+    return heads
 
 
 def _read_manifest(path: Path) -> Manifest:

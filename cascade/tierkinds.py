@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
-from cascade.bundle import Bundle, Manifest
+from cascade.bundle import Bundle, Manifest, read_heads
 from cascade.encoder import Device, EmbeddingCache, Encoder
-from cascade.errors import BundleError, CascadeError, ModelError
+from cascade.errors import BundleError, CascadeError
 from cascade.familiar import FamiliarityGate
-from cascade.heads import SoftmaxHead, load_heads
+from cascade.heads import SoftmaxHead
 from cascade.layer_readout import LayerAnswers, LayerScorer, LetterLens
 from cascade.placement import Placement, Placements, for_tier
 from cascade.pricing import TEACHER_PARAMS
@@ -253,19 +253,9 @@ class MidLayerKind(TierKind[MidLayerTier]):
 
 
 def _layer_heads(spec: MidLayerTier, bundle: Bundle) -> dict[str, SoftmaxHead]:
-    """The tier's heads, checked against what its manifest says they are."""
     if spec.heads_file is None:
         raise BundleError(f"tier {spec.name!r} reads with heads and names no heads file; re-train")
-    path = bundle.directory / spec.heads_file.name
-    try:
-        heads = load_heads(path)
-    except ModelError as exc:
-        raise BundleError(f"{exc}; re-train the bundle") from exc
-    expected = {qid for qid, info in spec.heads.items() if info.has_head}
-    if set(heads) != expected or any(heads[q].n_classes_ != len(spec.heads[q].option_keys) for q in heads):
-        raise BundleError(f"heads file {path} does not hold the heads tier {spec.name!r} lists "
-                          f"({sorted(expected)}); re-train the bundle")
-    return heads
+    return read_heads(bundle.directory / spec.heads_file.name, spec.heads)
 
 
 def teacher_layout(manifest: Manifest) -> Layout:

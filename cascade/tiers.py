@@ -210,7 +210,28 @@ class HeadsTier(Tier):
         return out
 
 
-class ReadoutTier(Tier):
+class _LlamaTier(Tier):
+    """A tier on a llama.cpp scorer: where it runs, its precision and its tokens are the scorer's."""
+
+    scorer: Scorer
+
+    @property
+    def ran_on(self) -> str:
+        return self.scorer.ran_on
+
+    @property
+    def backend(self) -> str:
+        return "llama.cpp"
+
+    @property
+    def precision(self) -> str:
+        return self.scorer.model.precision
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(self.scorer.model.tokenize(text)) for text in texts]
+
+
+class ReadoutTier(_LlamaTier):
     """A GGUF logit-readout tier: one prefill per state, its asked questions fanned out.
 
     ``owned``: the tier opened its scorer and closes it; a scorer it was given stays open for
@@ -237,21 +258,6 @@ class ReadoutTier(Tier):
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         return self.reply(items, asked, questions).answers
-
-    @property
-    def ran_on(self) -> str:
-        return self.scorer.ran_on
-
-    @property
-    def backend(self) -> str:
-        return "llama.cpp"
-
-    @property
-    def precision(self) -> str:
-        return self.scorer.model.precision
-
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        return [len(self.scorer.model.tokenize(text)) for text in texts]
 
     def flops_per_token(self) -> float:
         return gguf_flops_per_token(self.scorer.model.path)
@@ -283,7 +289,7 @@ class ReadoutTier(Tier):
         return out
 
 
-class LayerTier(Tier):
+class LayerTier(_LlamaTier):
     """The mid-layer tier: the teacher's prompts through its first ``layer`` blocks, each asked
     question answered from the layer's state at its answer position (``cascade.layer_readout``).
 
@@ -294,26 +300,13 @@ class LayerTier(Tier):
     batch_sensitive = True
     meters_tokens = True
 
+    scorer: LayerScorer
+
     def __init__(self, name: str, scorer: LayerScorer, reader: LayerAnswers) -> None:
         self.name, self.scorer, self.reader = name, scorer, reader
 
-    @property
-    def ran_on(self) -> str:
-        return self.scorer.ran_on
-
-    @property
-    def backend(self) -> str:
-        return "llama.cpp"
-
-    @property
-    def precision(self) -> str:
-        return self.scorer.model.precision
-
     def can_answer(self, qid: str) -> bool:
         return self.reader.lens is not None or qid in self.reader.heads
-
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        return [len(self.scorer.model.tokenize(text)) for text in texts]
 
     def flops_per_token(self) -> float:
         share = self.reader.layer / self.scorer.model.n_layer
