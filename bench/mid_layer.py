@@ -14,6 +14,9 @@ Then, on each of ``--resplits`` random 50/25/25 splits (as bench/goals.py):
 - the cascade frozen encoder -> mid-layer -> teacher against encoder -> teacher, thresholds
   certified as the library does for two cheap tiers (bench/goals.py's ``cascade_outcome``).
 
+Run it with ``OPENBLAS_NUM_THREADS=1`` beside other jobs: numpy's BLAS threads fighting them for
+the cores made each head's fit 20x slower here.
+
 Costs are measured, not priced: CPU seconds per item of the teacher, of the tier at each L and of
 the encoder on ``--cost-items`` items, one thread each, interleaved item by item in this process.
 A cascade's cost per item is encoder + share reaching the tier x tier(L) + share escalated x
@@ -40,11 +43,10 @@ from bench.goals import DELTA, Outcome, Parts, cascade_outcome, head_probabiliti
 from bench.teacher_goals import Items, load_items, markdown
 from cascade.calibration_math import CERTIFIED_SCORE
 from cascade.encoder import EmbeddingCache, Encoder
-from cascade.heads import SoftmaxHead
 from cascade.layer_readout import LayerScorer, LetterLens, normalized
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout import Scorer
-from distill.mid_layer import candidate_layers
+from distill.mid_layer import candidate_layers, fit_head
 from distill.teachers import teacher_path
 
 TEACHER = "qwen2.5-coder-1.5b-instruct"
@@ -122,9 +124,10 @@ def _letter_ids() -> np.ndarray:
 
 
 def head_split(states: np.ndarray, items: Items, parts: Parts) -> tuple[np.ndarray, np.ndarray]:
-    """The library's head on this layer's normalized states: calibration and evaluation rows."""
+    """The library's head (``cascade train --mid-layer``'s) on this layer's states, fitted on the
+    train part: calibration and evaluation rows."""
+    head = fit_head(states[parts.train], items.targets[SOURCE][parts.train], C=1.0)
     features = normalized(states)
-    head = SoftmaxHead(C=1.0, max_iter=5000).fit(features[parts.train], items.targets[SOURCE][parts.train])
     return head.predict_proba(features[parts.calibration]), head.predict_proba(features[parts.evaluation])
 
 

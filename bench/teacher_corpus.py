@@ -2,9 +2,10 @@
 
 The items are bench/cascade_goals.py's seeded sample of a shared dataset (``--items`` of them, in
 sample order, so a larger ``--items`` extends the same corpus and a resumed ``cascade label``
-keeps every label it has; ``--skip`` leaves out the items another store labelled). Only ids and texts go into the corpus; the gold labels stay behind,
-and benchmarks join them back by id. The labels themselves come from the project's own command,
-run as a user would (see bench/labels/README.md for the exact commands and the teacher's sha256):
+keeps every label it has; ``--skip`` leaves out the items another store labelled). Only ids
+and texts go into the corpus; the gold labels stay behind, and benchmarks join them back by id.
+The labels themselves come from the project's own command, run as a user would (see
+bench/labels/README.md for the exact commands and the teacher's sha256):
 
     .venv/bin/python -m bench.teacher_corpus --task ag_news --items 4000 --out /work/teacher-runs/ag_news
     .venv/bin/cascade label --teacher "$(.venv/bin/cascade teacher-model qwen2.5-coder-1.5b-instruct)" \\
