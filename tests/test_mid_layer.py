@@ -13,7 +13,7 @@ from corpora import QUESTIONS, copy_bundle, train, write_training_inputs
 
 from cascade.bundle import Bundle, Manifest
 from cascade.encoder import Encoder
-from cascade.heads import load_heads
+from cascade.heads import SoftmaxHead, load_heads
 from cascade.layer_readout import LetterLens, normalized
 from cascade.placement import Placement
 from cascade.questions import DecisionRequest
@@ -23,7 +23,7 @@ from cascade.tiers import Item, LayerTier
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
 from distill.label import teacher_of_file
-from distill.mid_layer import MidLayerConfig, candidate_layers, kept_share, train_mid_layer
+from distill.mid_layer import MidLayerConfig, candidate_layers, fit_head, kept_share, train_mid_layer
 from distill.store import LabelStore
 from distill.train import TrainError, train_bundle
 
@@ -198,3 +198,17 @@ def test_train_prints_the_sweep_auto_measured_and_the_tier_it_kept(
     assert out.count("estimated cost") == len(candidate_layers(18))
     layer = Bundle.load(tmp_path / "b").manifest.tiers[1].layer  # type: ignore[union-attr]
     assert f"tiers: encoder -> mid-layer (first {layer} of 18 blocks, head) -> teacher" in out
+
+
+def test_a_head_fitted_on_standardized_states_reads_the_normalized_state() -> None:
+    """The fit's standardization is folded into the head's weights: reading ``normalized(state)``
+    gives what the standardized fit gives on the standardized rows."""
+    rng = np.random.default_rng(0)
+    states = rng.normal(size=(60, 8)) * np.array([1, 1, 1, 1, 1, 1, 1, 40.0]) + 3.0
+    Y = rng.dirichlet(np.ones(3), size=60)
+    head = fit_head(states, Y, C=1.0)
+    X = normalized(states)
+    standardized = (X - X.mean(axis=0)) / X.std(axis=0)
+    inner = SoftmaxHead(C=1.0, max_iter=2000).fit(standardized, Y)
+    assert head.predict_proba(X) == pytest.approx(inner.predict_proba(standardized), abs=1e-9)
+    assert head.predict_proba(X).sum(axis=1) == pytest.approx(np.ones(60))
