@@ -76,20 +76,28 @@ def request_of(task: Task, text: str) -> DecisionRequest:
 
 
 def collect(items: Items, task: Task, layers: list[int], threads: int, cache: Path) -> dict[int, np.ndarray]:
-    """Per layer, (items, n_embd) states at the answer position; resumable from ``cache``."""
-    done = _load(cache)
-    scorer = LayerScorer(teacher_path(TEACHER), layers, n_ctx=2048, max_branches=1, n_threads=threads)
-    (qid,) = task.questions
-    try:
-        todo = [i for i in items.ids if f"{i}/{layers[0]}" not in done]
-        for n, (item, text) in enumerate(tqdm([(i, items.texts[items.ids.index(i)]) for i in todo],
-                                              unit="item", desc=f"{task.name} states"), 1):
-            vectors = scorer.states(request_of(task, text)).vectors[qid]
-            done.update({f"{item}/{layer}": vectors[layer] for layer in layers})
-            if n % 50 == 0 or n == len(todo):
-                _save(cache, done)
-    finally:
-        scorer.close()
+    """Per layer, (items, n_embd) states at the answer position. Every state file of this task and
+    labels file is read back, so a run with more items or fewer layers reads only what is missing
+    (into ``cache``); an interrupted run resumes."""
+    done: dict[str, np.ndarray] = {}
+    for path in sorted(cache.parent.glob(cache.name.rsplit("-", 1)[0] + "-*.npz")):
+        if ".partial" not in path.name:
+            done.update(_load(path))
+    mine = _load(cache)
+    todo = [(i, text) for i, text in zip(items.ids, items.texts, strict=True)
+            if any(f"{i}/{layer}" not in done for layer in layers)]
+    if todo:
+        scorer = LayerScorer(teacher_path(TEACHER), layers, n_ctx=2048, max_branches=1, n_threads=threads)
+        (qid,) = task.questions
+        try:
+            for n, (item, text) in enumerate(tqdm(todo, unit="item", desc=f"{task.name} states"), 1):
+                vectors = scorer.states(request_of(task, text)).vectors[qid]
+                mine.update({f"{item}/{layer}": vectors[layer] for layer in layers})
+                if n % 50 == 0 or n == len(todo):
+                    _save(cache, mine)
+        finally:
+            scorer.close()
+        done.update(mine)
     return {layer: np.stack([done[f"{i}/{layer}"] for i in items.ids]) for layer in layers}
 
 
