@@ -29,7 +29,7 @@ from cascade.heads import SoftmaxHead, save_heads
 from cascade.layer_readout import LayerScorer, LetterLens, Reader, normalized
 from cascade.pins import ModelFile
 from cascade.placement import Placement
-from cascade.questions import DecisionRequest, Question, State
+from cascade.questions import OPTION_LETTERS, DecisionRequest, Question, State
 from cascade.readout import branch_slots
 from cascade.sections import LayerCandidate
 from cascade.tier_specs import HeadInfo, MidLayerTier
@@ -89,6 +89,8 @@ def train_mid_layer(config: MidLayerConfig, model: Path, questions: Mapping[str,
         raise MidLayerError(f"a mid-layer tier needs at least {MIN_ITEMS} labelled train items; "
                             f"the train part has {len(ids)}")
     layers, n_layer = layers_of(config, model)
+    asked, skipped = _askable(questions, labels, ids, config.reader)
+
     def spec(layer: int, heads_file: BundleFile | None = None, heads: dict[str, HeadInfo] | None = None
              ) -> MidLayerTier:
         return MidLayerTier(name=config.name, model=ModelFile.of(model), layer=layer, n_layer=n_layer,
@@ -101,19 +103,45 @@ def train_mid_layer(config: MidLayerConfig, model: Path, questions: Mapping[str,
     scorer = LayerScorer.placed_at(model, layers, place, branch_slots(len(questions)))
     try:
         lens = LetterLens(model, scorer.letter_ids) if config.reader == "lens" else None
-        collected = collect_states(scorer, questions, states, ids, layers, progress)
+        collected = collect_states(scorer, asked, states, ids, layers, progress)
     finally:
         scorer.close()
     sweep: list[LayerCandidate] = []
     layer = layers[0]
     if config.layer == "auto":
-        sweep = score_layers(collected, questions, labels, ids, n_layer, lens, C)
+        sweep = score_layers(collected, asked, labels, ids, n_layer, lens, C)
         layer = min(sweep, key=lambda c: (c.cost, c.layer)).layer
     if config.reader == "lens":
         return spec(layer), sweep
-    heads, infos = fit_heads(collected[layer], questions, labels, ids, C)
+    heads, infos = fit_heads(collected[layer], asked, labels, ids, C)
     save_heads(stage / MID_HEADS_NAME, heads)
-    return spec(layer, heads_file=BundleFile.of(stage, MID_HEADS_NAME), heads=infos), sweep
+    return spec(layer, heads_file=BundleFile.of(stage, MID_HEADS_NAME), heads=infos | skipped), sweep
+
+
+def _askable(questions: Mapping[str, Question], labels: Labels, ids: Sequence[str], reader: Reader
+             ) -> tuple[dict[str, Question], dict[str, HeadInfo]]:
+    """The questions the tier will answer, known from the labels before any state is read (so
+    that training reads them in the fan-out routing will: the batch moves the states), and why
+    each other one has no head."""
+    asked, skipped = {}, {}
+    for qid, question in questions.items():
+        keys = question.option_keys()
+        answers = {int(np.argmax([labels[qid][i][k] for k in keys])) for i in ids if i in labels[qid]}
+        n = sum(1 for i in ids if i in labels[qid])
+        if len(keys) > len(OPTION_LETTERS):
+            why: str | None = f"{len(keys)} options; one prompt letters {len(OPTION_LETTERS)} at most"
+        elif reader == "head" and (n < MIN_ITEMS or len(answers) < 2):
+            why = f"{n} train labels, {len(answers)} answer(s); a head needs {MIN_ITEMS} and two"
+        else:
+            why = None
+        if why is None:
+            asked[qid] = question
+        else:
+            skipped[qid] = HeadInfo(option_keys=keys, train_items=n, skipped=why)
+    if not asked:
+        raise MidLayerError("no question can be answered by a mid-layer tier: "
+                            + "; ".join(f"{q}: {info.skipped}" for q, info in skipped.items()))
+    return asked, skipped
 
 
 def layers_of(config: MidLayerConfig, model: Path) -> tuple[list[int], int]:
