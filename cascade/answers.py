@@ -98,7 +98,8 @@ class Routing(BaseModel):
     teacher alone: no threshold was ever certified for it. ``demoted`` is True when a drift
     alarm on audited traffic took the question's cheap tiers out of its route (``cascade.audit``);
     ``unfamiliar`` when the encoder's gate found the state unlike its training items and sent it
-    up (``cascade.familiar``).
+    up (``cascade.familiar``). ``too_long_for`` names the GGUF tiers below the top whose context
+    could not hold the question's prompt about this state: it went past them, unread.
     """
 
     tier: str
@@ -116,6 +117,7 @@ class Routing(BaseModel):
     covered: bool = True
     demoted: bool = False
     unfamiliar: bool = False
+    too_long_for: list[str] = Field(default_factory=list)
 
 
 def _x(name: str) -> Any:

@@ -6,7 +6,8 @@ distribution is scaled by the (question, tier) temperature, and the answer is ke
 score (the bundle's ``threshold_on``: the top probability's margin over the runner-up, or the top
 probability itself in a schema-1 bundle) clears the (question, tier) threshold (None: never
 kept); the top tier answers what reaches it, whatever its confidence. A question a tier cannot
-answer (no head) starts one tier up.
+answer (no head) starts one tier up; one whose prompt about a state is longer than a GGUF tier's
+context below the top goes past it (``routing.too_long_for``), and at the top raises.
 
 A budget bounds the predicted cost of a call (``ms_per_call``) or the share of its questions the
 top tier may answer (``max_escalation_fraction``). When it cannot pay for every escalation the
@@ -284,6 +285,9 @@ class Cascade:
         if reply.unfamiliar[row] and not top:  # unlike the training items: its questions go up
             run.unfamiliar.add(i)
             return
+        if reply.too_long[row] is not None:  # longer than this tier's context: they go up too
+            run.too_long.add((t, i))
+            return
         for qid in qids:
             if qid not in reply.answers[row]:
                 if top:
@@ -379,7 +383,9 @@ class Cascade:
                               certified=self.certified and not pick.overloaded,
                               over_budget=(i, qid) in run.over_budget, overloaded=pick.overloaded,
                               demoted=qid in self.demoted and pick.tier == len(self.tiers) - 1,
-                              unfamiliar=i in run.unfamiliar)
+                              unfamiliar=i in run.unfamiliar,
+                              too_long_for=[self.tiers[t].name for t in range(len(self.tiers))
+                                            if (t, i) in run.too_long and qid in run.queued[t][i]])
             answer = self.questions[qid].answer(pick.probs.tolist(), calibrated=pick.calibrated,
                                                 readout=pick.readout)
             answers[qid] = answer.model_copy(update={"routing": routing})

@@ -114,6 +114,7 @@ class Run:
     took: list[list[float]] = field(init=False)  # tier -> item -> seconds measured
     over_budget: set[tuple[int, str]] = field(default_factory=set)  # (item, question)
     unfamiliar: set[int] = field(default_factory=set)  # items the encoder's gate sent up
+    too_long: set[tuple[int, int]] = field(default_factory=set)  # (tier, item): state past its context
     usage: list[Usage] = field(init=False)
     spent: float = 0.0
     top_used: int = 0

@@ -175,7 +175,7 @@ class GgufKind(TierKind[GgufTier]):
         if given is None:
             place = build.placement(spec.name, spec.default_placement())
             scorer = Scorer.placed(spec.model.path, place, branches, spec.template, layout)
-            return ReadoutTier(spec.name, scorer, spec.permutations)
+            return ReadoutTier(spec.name, scorer, spec.permutations, passes_long=not top)
         if given.layout != layout:
             raise RouterError(f"scorers[{spec.name!r}] reads its prompts {given.layout}, and tier "
                               f"{spec.name!r} was certified on prompts read {layout}; open it with "
@@ -190,7 +190,7 @@ class GgufKind(TierKind[GgufTier]):
                               f"branches at once, and the router {branches} of the {needed} a state "
                               "needs: the batches would differ, and so would the numbers; open it "
                               f"with max_branches={branches}")
-        return ReadoutTier(spec.name, given, spec.permutations, owned=False)
+        return ReadoutTier(spec.name, given, spec.permutations, owned=False, passes_long=not top)
 
     def weights(self, spec: GgufTier) -> tuple[float, str]:
         from cascade.cost import ModelShape

@@ -13,7 +13,7 @@ from a bundle's manifest.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -22,7 +22,7 @@ import numpy as np
 
 from cascade.answers import Readout, Usage
 from cascade.encoder import EmbeddingCache, Encoder
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, InputTooLongError
 from cascade.familiar import FamiliarityGate
 from cascade.heads import HeadStack, SoftmaxHead
 from cascade.layer_readout import LayerAnswers, LayerScorer
@@ -51,19 +51,22 @@ Answers = list[dict[str, np.ndarray]]
 class Reply:
     """A tier's answers with what they took: per item, the llama.cpp work, from a readout tier how
     each answer was read (prompt hash, letter mass), how the tier shortened the item's state
-    (None: read whole), and whether the encoder's gate found the state unlike its training items
-    (the router then sends the item up: ``cascade.familiar``), so routed answers keep all of it."""
+    (None: read whole), whether the encoder's gate found the state unlike its training items
+    (the router then sends the item up: ``cascade.familiar``), and why a GGUF tier below the top
+    could not read the state at all (its prompt longer than the tier's context: the router sends
+    it up too), so routed answers keep all of it."""
 
     answers: Answers
     usage: list[Usage]
     readouts: list[dict[str, Readout]]
     cuts: list[str | None]
     unfamiliar: list[bool]
+    too_long: list[str | None]
 
     @classmethod
     def empty(cls, n: int) -> Reply:
         return cls([{} for _ in range(n)], [Usage() for _ in range(n)], [{} for _ in range(n)],
-                   [None] * n, [False] * n)
+                   [None] * n, [False] * n, [None] * n)
 
 
 class Tier(ABC):
@@ -211,9 +214,32 @@ class HeadsTier(Tier):
 
 
 class _LlamaTier(Tier):
-    """A tier on a llama.cpp scorer: where it runs, its precision and its tokens are the scorer's."""
+    """A tier on a llama.cpp scorer: where it runs, its precision and its tokens are the scorer's.
+
+    ``passes_long``: a state whose prompt its context cannot hold is left unanswered, the reason
+    in ``Reply.too_long``, for the router to send up (a tier below the top: the teacher may hold
+    it); False (the top tier, and the default) raises ``InputTooLongError``, as nothing above
+    could answer.
+    """
 
     scorer: Scorer
+    passes_long: bool = False
+
+    def _read_each(self, items: Sequence[Item], asked: Asked,
+                   read: Callable[[Reply, int, Item, Sequence[str]], None]) -> Reply:
+        """``read(reply, i, item, qids)`` for every item asked something; an over-long state
+        recorded (``passes_long``) or raised."""
+        out = Reply.empty(len(items))
+        for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
+            if not qids:
+                continue
+            try:
+                read(out, i, item, qids)
+            except InputTooLongError as exc:
+                if not self.passes_long:
+                    raise
+                out.too_long[i] = f"{self.name}: {exc}"
+        return out
 
     @property
     def ran_on(self) -> str:
@@ -249,12 +275,15 @@ class ReadoutTier(_LlamaTier):
         permutations: int = 1,
         excerpt: HeadTailExcerpt | None = None,
         owned: bool = True,
+        passes_long: bool = False,
     ) -> None:
+        """``passes_long``: True below the top tier (``_LlamaTier``)."""
         self.name = name
         self.scorer = scorer
         self.permutations = permutations
         self.excerpt = excerpt
         self.owned = owned
+        self.passes_long = passes_long
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         return self.reply(items, asked, questions).answers
@@ -272,21 +301,17 @@ class ReadoutTier(_LlamaTier):
             self.scorer.close()
 
     def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
-        out = Reply.empty(len(items))
-        for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
-            if not qids:
-                continue
+        def read(out: Reply, i: int, item: Item, qids: Sequence[str]) -> None:
             request = DecisionRequest(state=item.state, questions={q: questions[q] for q in qids})
-            response = self.scorer.score(
-                request, permutations=self.permutations, excerpt=self.excerpt
-            )
+            response = self.scorer.score(request, permutations=self.permutations, excerpt=self.excerpt)
             out.usage[i] = response.usage
             for qid, ans in response.answers.items():
                 out.answers[i][qid] = np.asarray(list(ans.probabilities.values()))
                 if ans.readout is not None:
                     out.readouts[i][qid] = ans.readout
                     out.cuts[i] = ans.readout.excerpt
-        return out
+
+        return self._read_each(items, asked, read)
 
 
 class LayerTier(_LlamaTier):
@@ -299,6 +324,7 @@ class LayerTier(_LlamaTier):
 
     batch_sensitive = True
     meters_tokens = True
+    passes_long = True  # never the top tier
 
     scorer: LayerScorer
 
@@ -323,17 +349,16 @@ class LayerTier(_LlamaTier):
         return self.reply(items, asked, questions).answers
 
     def reply(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Reply:
-        out = Reply.empty(len(items))
-        for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
-            mine = {q: questions[q] for q in qids if self.reader.can_answer(q, questions[q])}
-            if not mine:
-                continue
-            read = self.scorer.states(DecisionRequest(state=item.state, questions=mine))
-            out.usage[i] = read.usage
-            out.cuts[i] = read.cut
+        def read(out: Reply, i: int, item: Item, qids: Sequence[str]) -> None:
+            mine = {q: questions[q] for q in qids}
+            states = self.scorer.states(DecisionRequest(state=item.state, questions=mine))
+            out.usage[i] = states.usage
+            out.cuts[i] = states.cut
             for qid, question in mine.items():
-                out.answers[i][qid] = self.reader.probabilities(qid, question, read.vectors[qid])
-        return out
+                out.answers[i][qid] = self.reader.probabilities(qid, question, states.vectors[qid])
+
+        mine = [[q for q in qids if self.reader.can_answer(q, questions[q])] for qids in asked]
+        return self._read_each(items, mine, read)
 
 
 class LabelsTier(Tier):

@@ -24,22 +24,23 @@ from tqdm import tqdm
 from cascade.bundle import BundleFile
 from cascade.calibration_math import CERTIFIED_SCORE, threshold_score
 from cascade.cost import ModelShape
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, InputTooLongError
 from cascade.heads import SoftmaxHead, save_heads
 from cascade.layer_readout import LayerScorer, LetterLens, Reader, normalized
 from cascade.pins import ModelFile
-from cascade.placement import Placement
+from cascade.placement import Placement, say_once
 from cascade.questions import OPTION_LETTERS, DecisionRequest, Question, State
 from cascade.readout import branch_slots
 from cascade.sections import LayerCandidate
 from cascade.tier_specs import HeadInfo, MidLayerTier
+from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
 
 MID_HEADS_NAME = "mid_layer_heads.npz"
 AUTO_TARGET = 0.98
 """The agreement ``layer="auto"`` scores candidates at: calibrate's default target."""
 HELD_OUT = 0.2
 """Share of the train items ``layer="auto"`` holds out to score the candidates on."""
-MIN_ITEMS = 10
+MIN_ITEMS = MIN_TRAIN_LABELS  # fewer train items could train no head
 
 Labels = Mapping[str, Mapping[str, Mapping[str, float]]]
 States = dict[int, dict[str, np.ndarray]]
@@ -103,7 +104,7 @@ def train_mid_layer(config: MidLayerConfig, model: Path, questions: Mapping[str,
     scorer = LayerScorer.placed_at(model, layers, place, branch_slots(len(questions)))
     try:
         lens = LetterLens(model, scorer.letter_ids) if config.reader == "lens" else None
-        collected = collect_states(scorer, asked, states, ids, layers, progress)
+        collected, ids = collect_states(scorer, asked, states, ids, layers, progress)
     finally:
         scorer.close()
     sweep: list[LayerCandidate] = []
@@ -126,18 +127,15 @@ def _askable(questions: Mapping[str, Question], labels: Labels, ids: Sequence[st
     asked, skipped = {}, {}
     for qid, question in questions.items():
         keys = question.option_keys()
-        answers = {int(np.argmax([labels[qid][i][k] for k in keys])) for i in ids if i in labels[qid]}
-        n = sum(1 for i in ids if i in labels[qid])
+        Y = _label_rows(labels[qid], [i for i in ids if i in labels[qid]], keys)
         if len(keys) > len(OPTION_LETTERS):
             why: str | None = f"{len(keys)} options; one prompt letters {len(OPTION_LETTERS)} at most"
-        elif reader == "head" and (n < MIN_ITEMS or len(answers) < 2):
-            why = f"{n} train labels, {len(answers)} answer(s); a head needs {MIN_ITEMS} and two"
         else:
-            why = None
+            why = why_no_head(Y, keys) if reader == "head" else None
         if why is None:
             asked[qid] = question
         else:
-            skipped[qid] = HeadInfo(option_keys=keys, train_items=n, skipped=why)
+            skipped[qid] = HeadInfo(option_keys=keys, train_items=len(Y), skipped=why)
     if not asked:
         raise MidLayerError("no question can be answered by a mid-layer tier: "
                             + "; ".join(f"{q}: {info.skipped}" for q, info in skipped.items()))
@@ -165,15 +163,32 @@ def _sampled(train: Sequence[str], max_items: int | None) -> list[str]:
 
 
 def collect_states(scorer: LayerScorer, questions: Mapping[str, Question], states: Mapping[str, State],
-                   ids: Sequence[str], layers: Sequence[int], progress: bool = True) -> States:
-    """Every item's states at ``layers`` (each item decoded once, to the deepest)."""
+                   ids: Sequence[str], layers: Sequence[int], progress: bool = True
+                   ) -> tuple[States, list[str]]:
+    """Every item's states at ``layers`` (each item decoded once, to the deepest), and the items
+    read: one whose prompt the tier's context cannot hold is left out, and said, as routing
+    sends it past the tier unread."""
     rows: dict[int, dict[str, list[np.ndarray]]] = {layer: {q: [] for q in questions} for layer in layers}
+    read_ids, too_long = [], []
     for item in tqdm(ids, unit="item", desc="mid-layer states", disable=not progress):
-        read = scorer.states(DecisionRequest(state=states[item], questions=dict(questions)))
+        try:
+            read = scorer.states(DecisionRequest(state=states[item], questions=dict(questions)))
+        except InputTooLongError:
+            too_long.append(item)
+            continue
+        read_ids.append(item)
         for qid in questions:
             for layer in layers:
                 rows[layer][qid].append(read.vectors[qid][layer])
-    return {layer: {qid: np.stack(got) for qid, got in by_q.items()} for layer, by_q in rows.items()}
+    if too_long:
+        say_once(f"mid-layer tier: {len(too_long)} of {len(ids)} train states do not fit its context "
+                 f"(n_ctx {scorer.ctx.config.n_ctx}; first: {too_long[0]!r}); trained without them")
+    if len(read_ids) < MIN_ITEMS:
+        raise MidLayerError(f"only {len(read_ids)} of {len(ids)} train states fit the mid-layer tier's "
+                            f"context (n_ctx {scorer.ctx.config.n_ctx}); a tier needs {MIN_ITEMS}: give it a "
+                            "longer one (MidLayerConfig(n_ctx=...))")
+    stacked = {layer: {qid: np.stack(got) for qid, got in by_q.items()} for layer, by_q in rows.items()}
+    return stacked, read_ids
 
 
 def fit_heads(states: Mapping[str, np.ndarray], questions: Mapping[str, Question], labels: Labels,
@@ -183,16 +198,22 @@ def fit_heads(states: Mapping[str, np.ndarray], questions: Mapping[str, Question
     for qid, question in questions.items():
         keys = question.option_keys()
         rows = [i for i, item in enumerate(ids) if item in labels[qid]]
-        Y = np.array([[labels[qid][ids[i]][k] for k in keys] for i in rows]).reshape(len(rows), len(keys))
+        Y = _label_rows(labels[qid], [ids[i] for i in rows], keys)
         info = HeadInfo(option_keys=keys, train_items=len(rows))
-        answers = np.unique(Y.argmax(axis=1)) if len(rows) else np.array([])
-        if len(rows) < MIN_ITEMS or len(answers) < 2:
-            why = f"{len(rows)} train labels, {len(answers)} answer(s); a head needs {MIN_ITEMS} and two"
+        why = why_no_head(Y, keys)
+        if why is not None:  # the states read fewer items than _askable counted
             infos[qid] = info.model_copy(update={"skipped": why})
             continue
         heads[qid] = fit_head(states[qid][rows], Y, C)
         infos[qid] = info
     return heads, infos
+
+
+def _label_rows(labels: Mapping[str, Mapping[str, float]], ids: Sequence[str], keys: list[str]
+                ) -> np.ndarray:
+    """(len(ids), len(keys)) teacher probabilities, columns in the question's option order."""
+    rows = np.array([[labels[i][k] for k in keys] for i in ids], dtype=np.float64)
+    return rows.reshape(len(ids), len(keys))
 
 
 def fit_head(states: np.ndarray, Y: np.ndarray, C: float) -> SoftmaxHead:

@@ -48,11 +48,11 @@ from cascade.sections import FinetuneSection, LayerCandidate, TrainingSection
 from cascade.tier_specs import EncoderTier, ExternalTier, GateInfo, GgufTier, HeadInfo, NgramInfo, Tier
 from distill.finetune import FinetuneConfig
 from distill.finetune_base import check_installed
+from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
 from distill.mid_layer import MidLayerConfig, layers_of, train_mid_layer
 from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
 from distill.store import LabelStore, Teacher
 
-MIN_TRAIN_LABELS = 10
 FINETUNED_NAME = "encoder.onnx"
 PARITY_TEXTS = 200
 ENCODER_TIER, TEACHER_TIER = "encoder", "teacher"
@@ -281,7 +281,8 @@ def middle_tier(model: Path, name: str | None = None, n_ctx: int = 4096) -> Gguf
     """A GGUF logit-readout tier for ``train_bundle(middle=...)``, pinned by sha256.
 
     Named after its file unless ``name`` is given: the name is what answers report in
-    ``answered_by``. ``n_ctx`` bounds the prompt it reads (a longer state escalates past it).
+    ``answered_by``. ``n_ctx`` bounds the prompt it reads: a longer one goes past it
+    unread, named in ``routing.too_long_for``.
     """
     model = Path(model)
     if not model.is_file():
@@ -393,7 +394,7 @@ def _fit_question(
     held = [item for item in parts["calibration"] if item in labels]
     Y = _label_rows(qid, keys, labels, train)
     info = HeadInfo(option_keys=keys, train_items=len(train), held_out_items=len(held))
-    reason = _why_no_head(Y, keys)
+    reason = why_no_head(Y, keys)
     if reason is not None:
         return None, info.model_copy(update={"skipped": reason})
     head = SoftmaxHead(C=C).fit(features(train), Y)
@@ -415,13 +416,3 @@ def _label_rows(qid: str, keys: list[str], labels: Labels, items: list[str]) -> 
                              "changed since labelling; relabel into a new store")
         rows[row] = [probs[key] for key in keys]
     return rows
-
-
-def _why_no_head(Y: np.ndarray, keys: list[str]) -> str | None:
-    if len(Y) < MIN_TRAIN_LABELS:
-        return f"only {len(Y)} train labels; a head needs at least {MIN_TRAIN_LABELS}"
-    answers = np.unique(Y.argmax(axis=1))
-    if len(answers) < 2:
-        return f"all {len(Y)} train labels answer {keys[int(answers[0])]!r}; a head needs two answers"
-    return None
-

@@ -12,19 +12,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from corpora import HEADED, copy_bundle, copy_with_middle, read_jsonl, write_jsonl, write_training_inputs
+from corpora import (
+    HEADED,
+    QUESTIONS,
+    copy_bundle,
+    copy_with_middle,
+    read_jsonl,
+    write_jsonl,
+    write_training_inputs,
+)
 from tinymodels import silence_llama_logs, tiny_llama_path
 
 from cascade.bundle import SCHEMA_VERSION, Bundle, Manifest, ModelFile
 from cascade.encoder import Encoder
+from cascade.errors import InputTooLongError
 from cascade.readout import Scorer
 from cascade.router import Cascade
 from cascade.tier_specs import GgufTier
-from cascade.tiers import Item
+from cascade.tiers import Item, ReadoutTier
 from distill.calibration.fits import in_temperature_part
 from distill.calibration.maths import CalibrationError
 from distill.calibration.results import FACTS, CalibrationResult, QuestionTier
 from distill.calibration.run import calibrate_bundle
+from distill.calibration.scoring import score_tier
 from distill.cli import main
 from distill.report import write_report
 from distill.store import LabelStore, Teacher
@@ -202,6 +212,26 @@ def test_budget_mode_keeps_about_the_requested_share(
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     silence_llama_logs()
     yield tiny_llama_path(tmp_path_factory.mktemp("tiny"))
+
+
+def test_a_middle_tier_leaves_states_longer_than_its_context_out_and_says_so(
+    tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    items = [Item("a", "The server is down."), Item("long", "word " * 600), Item("c", "Lunch at noon?")]
+    questions = {"urgent": QUESTIONS["urgent"]}
+    labels = {"urgent": {item.id: 0 for item in items}}
+    scorer = Scorer(tiny_llama, n_ctx=256, n_threads=1)
+    try:
+        with caplog.at_level("WARNING", logger="cascade"):
+            probs, cost = score_tier(ReadoutTier("small", scorer, owned=False, passes_long=True), "gguf",
+                                     items, labels, questions, progress=False)
+        with pytest.raises(InputTooLongError, match="holds 256"):  # the top tier: nothing above
+            ReadoutTier("teacher", scorer, owned=False).reply(items, [["urgent"]] * 3, questions)
+    finally:
+        scorer.close()
+    assert set(probs["urgent"]) == {"a", "c"} and cost.states == 3
+    assert "tier small: 1 of 3 calibration states do not fit its context" in caplog.text
+    assert "(first: item 'long': small: the prompt needs" in caplog.text
 
 
 def test_a_gguf_middle_tier_shares_the_error_budget(

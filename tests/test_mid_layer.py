@@ -5,6 +5,7 @@ the layer it measured cheapest; bad arguments get clear errors."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,10 @@ def test_training_pins_the_teachers_blocks_and_fits_heads_on_them(bundle: Bundle
     heads = load_heads(bundle.directory / spec.heads_file.name)
     assert set(heads) == {"urgent", "department"}
     assert all(spec.heads[q].train_items <= ITEMS for q in heads)
-    assert spec.heads["rare"].skipped and spec.heads["spam"].skipped
+    rule = (r"only \d+ train labels; a head needs at least 10",
+            r"all \d+ train labels answer '\w+'; a head needs two answers")
+    for qid in ("rare", "spam"):  # the encoder heads' rule (distill.head_rule), said the same way
+        assert any(re.fullmatch(reason, spec.heads[qid].skipped or "") for reason in rule)
     assert bundle.manifest.schema_version == 5
 
 
@@ -158,6 +162,21 @@ def test_auto_keeps_the_layer_it_measured_cheapest(inputs: tuple[Path, Path], ge
     for candidate in sweep:
         assert candidate.cost == pytest.approx(candidate.layer / 18 + 1 - candidate.kept)
         assert 0 <= candidate.agreement <= 1
+
+
+def test_train_states_longer_than_the_tiers_context_are_left_out_and_said(
+        inputs: tuple[Path, Path], gemma_path: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    texts = {row["id"]: row["text"] for row in map(json.loads, inputs[0].open(encoding="utf-8"))}
+    labels = labels_of(inputs[1])
+    train_ids = sorted(labels["urgent"])[:20]
+    texts |= {i: " ".join([texts[i]] * 60) for i in train_ids[:3]}
+    config = MidLayerConfig(layer=LAYER, placement=ONE_THREAD, n_ctx=256)
+    with caplog.at_level("WARNING", logger="cascade"):
+        spec, _ = train_mid_layer(config, gemma_path, {"urgent": QUESTIONS["urgent"]}, labels, texts,
+                                  train_ids, tmp_path, C=1.0, progress=False)
+    assert spec.heads["urgent"].train_items == 17
+    assert f"3 of 20 train states do not fit its context (n_ctx 256; first: {train_ids[0]!r})" in caplog.text
 
 
 def test_kept_share_is_the_largest_prefix_by_margin_at_the_target() -> None:

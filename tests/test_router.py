@@ -24,7 +24,7 @@ from cascade.answers import DecisionResponse
 from cascade.bundle import Bundle, Manifest, ModelFile
 from cascade.calibration_math import TemperatureError, apply_temperature, threshold_score
 from cascade.cost import ModelShape, decision_flops
-from cascade.errors import ModelError, RequestError
+from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.placement import Placement
 from cascade.pricing import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
@@ -462,13 +462,14 @@ def test_a_gguf_teacher_answers_escalations_end_to_end(
 SMALL_MS = 10.0
 
 
-def three_tiers(bundle: Bundle, directory: Path, gemma_path: Path, small_threshold: float | None) -> Path:
+def three_tiers(bundle: Bundle, directory: Path, gemma_path: Path, small_threshold: float | None,
+                n_ctx: int = 2048, **fields: Any) -> Path:
     """The bundle with gemma as a middle GGUF tier "small" between the encoder and the teacher."""
     encoder, teacher = bundle.manifest.model_dump(mode="json")["tiers"]
-    small = {"kind": "gguf", "name": "small", "model": ModelFile.of(gemma_path).model_dump(), "n_ctx": 2048}
+    small = {"kind": "gguf", "name": "small", "model": ModelFile.of(gemma_path).model_dump(), "n_ctx": n_ctx}
     costs = {**COSTS, "small": {"seconds_per_state": SMALL_MS / 1e3, "seconds_per_token": 0.0}}
     return variant(bundle, directory, tiers=[encoder, small, teacher], calibration={"costs": costs},
-                   thresholds={"urgent": {"encoder": None, "small": small_threshold}})
+                   thresholds={"urgent": {"encoder": None, "small": small_threshold}}, **fields)
 
 
 def test_a_middle_tier_answers_what_it_is_confident_about_or_what_the_budget_leaves_it(
@@ -498,6 +499,31 @@ def test_a_middle_tier_answers_what_it_is_confident_about_or_what_the_budget_lea
             pooled = sorted(routing(unsure, Budget(ms_per_call=ms)))
             teacher = ("teacher", False, ENCODER_MS + TEACHER_MS)
             assert pooled == [("encoder", True, ENCODER_MS)] * 2 + [teacher]
+
+
+def test_a_state_too_long_for_a_middle_tier_goes_past_it_and_too_long_for_the_teacher_raises(
+    trained: tuple, urgent_items: list[Item], tmp_path: Path, gemma_path: Path
+) -> None:
+    short, base = urgent_items[:2]
+    assert isinstance(base.state, str)
+    longer, longest = Item(base.id, " ".join([base.state] * 12)), Item("x", " ".join([base.state] * 80))
+    directory = three_tiers(trained[2], tmp_path / "b", gemma_path, 0.0, n_ctx=256,
+                            teacher=pinned(gemma_path))
+    with Cascade.load(directory, teacher=gemma_path, threads=1, accept_other_teacher=True,
+                      placement={"teacher": Placement(n_ctx=1024, threads=1)}) as cascade:
+        tokens = cascade.tiers[1].count_tokens([longer.state, longest.state])
+        assert 256 < tokens[0] < 700 and tokens[1] > 1024
+        responses = cascade.decide_batch([short, longer], questions=["urgent"])
+        routes = [r.answers["urgent"].routing for r in responses]
+        assert [(r.tier, r.too_long_for) for r in routes] == [("small", []), ("teacher", ["small"])]
+        cascade.tiers[-1].scorer.forget_head()  # as the teacher's first state decoded it
+        reference = cascade.tiers[-1].scorer.score(DecisionRequest(
+            state=longer.state, questions={"urgent": cascade.questions["urgent"]}))
+        with pytest.raises(InputTooLongError, match=r"needs \d+ tokens .* holds 1024"):
+            cascade.decide_batch([short, longest], questions=["urgent"])
+    # the teacher's own reading of the state the small tier could not hold
+    assert routes[1].raw_confidence == pytest.approx(max(reference.answers["urgent"].probabilities.values()),
+                                                     abs=1e-9)
 
 
 def test_cli_decide_needs_a_teacher_and_resumes(

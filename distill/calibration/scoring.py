@@ -15,6 +15,7 @@ import numpy as np
 from scipy.optimize import nnls
 from tqdm import tqdm
 
+from cascade.placement import say_once
 from cascade.prompts import render_state
 from cascade.questions import Question
 from cascade.tiers import Answers, Asked, Item, Tier
@@ -81,6 +82,7 @@ def _timed_answers(
     the tokens it ran: as it reports them, or ``counts`` of the states' texts."""
     answers: Answers = []
     batches: list[_Batch] = []
+    too_long: list[str] = []
     size = tier.batch_size
     with tqdm(total=len(items), disable=not progress, unit="state", desc=f"tier {tier.name}") as bar:
         for start in range(0, len(items), size):
@@ -89,12 +91,18 @@ def _timed_answers(
             reply = tier.reply(items[rows], asked[rows], questions)
             seconds = time.perf_counter() - began
             answers += reply.answers
+            too_long += [f"item {item.id!r}: {why}" for item, why in zip(items[rows], reply.too_long,
+                                                                          strict=True) if why]
             if tier.meters_tokens:
                 tokens = sum(usage.input_tokens for usage in reply.usage)
             else:
                 tokens = sum(counts[rows])
             batches.append(_Batch(len(items[rows]), tokens, seconds))
             bar.update(len(items[rows]))
+    if too_long:
+        say_once(f"tier {tier.name}: {len(too_long)} of {len(items)} calibration states do not fit its "
+                 f"context; routing sends them past it, and its thresholds and coverage count only the "
+                 f"states it read (first: {too_long[0]})")
     return answers, batches
 
 
