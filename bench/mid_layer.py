@@ -12,7 +12,9 @@ Then, on each of ``--resplits`` random 50/25/25 splits (as bench/goals.py):
 - the mid-layer tier alone: the share it keeps under a threshold certified on the calibration part
   at ``--target`` / delta 0.05, as ``cascade calibrate`` certifies;
 - the cascade frozen encoder -> mid-layer -> teacher against encoder -> teacher, thresholds
-  certified as the library does for two cheap tiers (bench/goals.py's ``cascade_outcome``).
+  certified as the library does for two cheap tiers (bench/goals.py's ``cascade_outcome``);
+  with ``--finetune``, the same two cascades again with MiniLM fine-tuned on each split's train
+  part in front (bench/goals.py's, cached per split: minutes each).
 
 Run it with ``OPENBLAS_NUM_THREADS=1`` beside other jobs: numpy's BLAS threads fighting them for
 the cores made each head's fit 20x slower here.
@@ -39,13 +41,24 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.encoder_quality import CACHE_DIR, TASKS, Task
-from bench.goals import DELTA, Outcome, Parts, cascade_outcome, head_probabilities, parts_of
+from bench.goals import (
+    DELTA,
+    FINETUNED_DIR,
+    Outcome,
+    Parts,
+    cascade_outcome,
+    finetuned,
+    head_probabilities,
+    labels_digest,
+    parts_of,
+)
 from bench.teacher_goals import Items, load_items, markdown
 from cascade.calibration_math import CERTIFIED_SCORE
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
 from cascade.layer_readout import LayerScorer, LetterLens, normalized
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout import Scorer
+from distill.finetune import FinetuneConfig
 from distill.mid_layer import candidate_layers, fit_head
 from distill.teachers import teacher_path
 
@@ -61,7 +74,15 @@ class LayerRun:
     head_agreement: float
     lens_agreement: float
     alone: Outcome  # the tier alone, certified (its ``encoder`` field: the share it keeps)
-    cascade: Outcome  # encoder -> tier -> teacher
+    cascades: dict[str, Outcome]  # encoder name -> encoder -> tier -> teacher
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split: per encoder, encoder -> teacher; per layer, the tier's outcomes."""
+
+    baselines: dict[str, Outcome]
+    layers: dict[int, LayerRun]
 
 
 def sample(items: Items, count: int, seed: int) -> Items:
@@ -140,10 +161,12 @@ def head_split(states: np.ndarray, items: Items, parts: Parts) -> tuple[np.ndarr
 
 
 def one_split(items: Items, states: dict[int, np.ndarray], lens: dict[int, np.ndarray], parts: Parts,
-              target: float) -> tuple[Outcome, dict[int, LayerRun]]:
+              target: float, embeddings: dict[str, np.ndarray]) -> Split:
+    """Every cascade on one split, for each encoder's ``embeddings`` of the items."""
     truth = items.truth[SOURCE]
-    encoder = head_probabilities(items, items.emb, SOURCE, parts)
-    baseline = cascade_outcome(encoder, None, truth, parts, CERTIFIED_SCORE, target)
+    encoders = {name: head_probabilities(items, emb, SOURCE, parts) for name, emb in embeddings.items()}
+    baselines = {name: cascade_outcome(probs, None, truth, parts, CERTIFIED_SCORE, target)
+                 for name, probs in encoders.items()}
     runs = {}
     expected = truth[parts.evaluation]
     for layer in states:
@@ -152,19 +175,24 @@ def one_split(items: Items, states: dict[int, np.ndarray], lens: dict[int, np.nd
             head_agreement=float((mid[1].argmax(axis=1) == expected).mean()),
             lens_agreement=float((lens[layer][parts.evaluation].argmax(axis=1) == expected).mean()),
             alone=cascade_outcome(mid, None, truth, parts, CERTIFIED_SCORE, target),
-            cascade=cascade_outcome(encoder, mid, truth, parts, CERTIFIED_SCORE, target))
-    return baseline, runs
+            cascades={name: cascade_outcome(probs, mid, truth, parts, CERTIFIED_SCORE, target)
+                      for name, probs in encoders.items()})
+    return Split(baselines, runs)
 
 
-def measured_seconds(items: Items, task: Task, layers: list[int], count: int) -> dict[str, float]:
-    """CPU seconds per item of the teacher, the tier at each layer and the encoder, one thread
-    each, interleaved item by item."""
+def measured_seconds(items: Items, task: Task, layers: list[int], count: int, tuned: Path | None
+                     ) -> dict[str, float]:
+    """CPU seconds per item of the teacher, the tier at each layer and each encoder (``tuned``:
+    the last fine-tuned one's file), one thread each, interleaved item by item."""
     path = teacher_path(TEACHER)
     scorers: dict[str, Scorer] = {"teacher": Scorer(path, n_ctx=2048, max_branches=1, n_threads=1)}
     scorers |= {str(layer): LayerScorer(path, [layer], n_ctx=2048, max_branches=1, n_threads=1)
                 for layer in layers}
-    encoder = Encoder(threads=1)
-    spent: dict[str, list[float]] = {name: [] for name in [*scorers, "encoder"]}
+    encoders = {"frozen": Encoder(threads=1)}
+    if tuned is not None:
+        files = EncoderFiles(model=tuned, tokenizer=default_encoder_files().tokenizer)
+        encoders["fine-tuned"] = Encoder(files, threads=1)
+    spent: dict[str, list[float]] = {name: [] for name in [*scorers, *encoders]}
     try:
         for text in tqdm(items.texts[:count], unit="item", desc="timing"):
             request = request_of(task, text)
@@ -172,41 +200,47 @@ def measured_seconds(items: Items, task: Task, layers: list[int], count: int) ->
                 started = time.process_time()
                 scorer.states(request) if isinstance(scorer, LayerScorer) else scorer.score(request)
                 spent[name].append(time.process_time() - started)
-            started = time.process_time()
-            encoder.encode([text])
-            spent["encoder"].append(time.process_time() - started)
+            for name, encoder in encoders.items():
+                started = time.process_time()
+                encoder.encode([text])
+                spent[name].append(time.process_time() - started)
     finally:
         for scorer in scorers.values():
             scorer.close()
     return {name: statistics.mean(values) for name, values in spent.items()}
 
 
-def cost(outcome: Outcome, seconds: dict[str, float], layer: int | None) -> float:
+def cost(outcome: Outcome, seconds: dict[str, float], encoder: str, layer: int | None) -> float:
     tier = seconds[str(layer)] * outcome.reach_middle if layer is not None else 0.0
-    return (seconds["encoder"] + tier) / seconds["teacher"] + 1 - outcome.cheap
+    return (seconds[encoder] + tier) / seconds["teacher"] + 1 - outcome.cheap
 
 
-def report(baseline: list[Outcome], runs: dict[int, list[LayerRun]], seconds: dict[str, float], n_layer: int,
-           target: float) -> str:
+def report(splits: list[Split], seconds: dict[str, float], n_layer: int, target: float) -> str:
     def cell(values: list[float], fmt: str, worst: float) -> str:
         return f"{statistics.mean(values):{fmt}} ({worst:{fmt}})"
 
-    base_costs = [cost(o, seconds, None) for o in baseline]
-    rows = [["encoder -> teacher", "-", "-", "-", "-", "-", cell([o.cheap for o in baseline], ".1%",
-                                                                min(o.cheap for o in baseline)),
-             cell([o.agreement for o in baseline], ".4f", min(o.agreement for o in baseline)),
-             cell(base_costs, ".3f", max(base_costs))]]
-    for layer, layer_runs in runs.items():
-        costs = [cost(r.cascade, seconds, layer) for r in layer_runs]
-        kept = [r.alone.encoder for r in layer_runs]
-        cheap = [r.cascade.cheap for r in layer_runs]
-        agreement = [r.cascade.agreement for r in layer_runs]
-        rows.append([f"encoder -> L{layer} -> teacher", f"{layer}/{n_layer} = {layer / n_layer:.2f}",
-                     f"{seconds[str(layer)] / seconds['teacher']:.2f}",
-                     f"{statistics.mean(r.head_agreement for r in layer_runs):.3f}",
-                     f"{statistics.mean(r.lens_agreement for r in layer_runs):.3f}",
-                     cell(kept, ".1%", min(kept)), cell(cheap, ".1%", min(cheap)),
-                     cell(agreement, ".4f", min(agreement)), cell(costs, ".3f", max(costs))])
+    rows = []
+    for encoder in splits[0].baselines:
+        baseline = [split.baselines[encoder] for split in splits]
+        base_costs = [cost(o, seconds, encoder, None) for o in baseline]
+        rows.append([f"{encoder} encoder -> teacher", "-", "-", "-", "-", "-",
+                     cell([o.cheap for o in baseline], ".1%", min(o.cheap for o in baseline)),
+                     cell([o.agreement for o in baseline], ".4f", min(o.agreement for o in baseline)),
+                     cell(base_costs, ".3f", max(base_costs))])
+        for layer in splits[0].layers:
+            layer_runs = [split.layers[layer] for split in splits]
+            outcomes = [run.cascades[encoder] for run in layer_runs]
+            costs = [cost(o, seconds, encoder, layer) for o in outcomes]
+            kept = [r.alone.encoder for r in layer_runs]
+            cheap = [o.cheap for o in outcomes]
+            agreement = [o.agreement for o in outcomes]
+            rows.append([f"{encoder} encoder -> L{layer} -> teacher",
+                         f"{layer}/{n_layer} = {layer / n_layer:.2f}",
+                         f"{seconds[str(layer)] / seconds['teacher']:.2f}",
+                         f"{statistics.mean(r.head_agreement for r in layer_runs):.3f}",
+                         f"{statistics.mean(r.lens_agreement for r in layer_runs):.3f}",
+                         cell(kept, ".1%", min(kept)), cell(cheap, ".1%", min(cheap)),
+                         cell(agreement, ".4f", min(agreement)), cell(costs, ".3f", max(costs))])
     header = ["cascade", "blocks run", "tier seconds / teacher (measured)", "head agrees with teacher",
               "lens agrees with teacher", f"tier alone keeps at {target}: mean (worst)",
               "cheap tiers keep: mean (worst)", "realised agreement: mean (worst)",
@@ -224,7 +258,11 @@ def main() -> None:
     parser.add_argument("--resplits", type=int, default=10)
     parser.add_argument("--target", type=float, default=0.98)
     parser.add_argument("--cost-items", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads while collecting states")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="llama.cpp threads while collecting states, torch threads while fine-tuning")
+    parser.add_argument("--finetune", action="store_true",
+                        help="also put MiniLM fine-tuned on each split's train part in front "
+                             "(cached; minutes each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     task = next(task for task in TASKS if task.name == args.task)
@@ -236,20 +274,24 @@ def main() -> None:
     (question,) = request_of(task, "-").questions.values()
     lens = lens_probabilities(states, len(question.option_keys()))
     rng = np.random.default_rng(args.seed)
-    baseline: list[Outcome] = []
-    runs: dict[int, list[LayerRun]] = {layer: [] for layer in layers}
-    for _ in range(args.resplits):
+    config = FinetuneConfig(seed=args.seed, threads=args.threads)
+    sample_digest = f"{labels_digest([args.labels])} mid-layer sample {len(items.ids)}"
+    splits: list[Split] = []
+    for number in range(1, args.resplits + 1):
         parts = parts_of(rng.permutation(len(items.ids)))
-        base, by_layer = one_split(items, states, lens, parts, args.target)
-        baseline.append(base)
-        for layer, run in by_layer.items():
-            runs[layer].append(run)
-    seconds = measured_seconds(items, task, layers, args.cost_items)
+        embeddings = {"frozen": items.emb}
+        if args.finetune:
+            tuned_emb = finetuned(items, sample_digest, SOURCE, args.seed, number, parts, config)
+            embeddings["fine-tuned"] = tuned_emb
+        splits.append(one_split(items, states, lens, parts, args.target, embeddings))
+        print(f"split {number}/{args.resplits} done", flush=True)
+    tuned = FINETUNED_DIR / "last.onnx" if args.finetune else None
+    seconds = measured_seconds(items, task, layers, args.cost_items, tuned)
     print(f"\n{len(items.ids)} {task.name} items, teacher {TEACHER} (28 blocks); target {args.target}, delta "
           f"{DELTA}; {args.resplits} random 50/25/25 re-splits (seed {args.seed}); CPU seconds per item on "
           f"{args.cost_items} items, one thread each: "
           + ", ".join(f"{name} {value:.3f}" for name, value in seconds.items()))
-    print(report(baseline, runs, seconds, 28, args.target))
+    print(report(splits, seconds, 28, args.target))
 
 
 if __name__ == "__main__":
