@@ -9,9 +9,11 @@ sends its questions to the next tier (``x_routing.unfamiliar``).
 
 It spends none of delta: it is fitted on training items only, before calibration, and it can only
 move answers up to the teacher, whose answers agree with the teacher: the system's agreement on
-any stream can only rise with it, so the thresholds' certificate holds as it was. What it costs
-is the share of familiar-looking traffic it sends up: about ``1 - quantile`` of items like the
-training ones (measured in BENCHMARKS.md).
+any stream can only rise with it. Calibration leaves the calibration states it finds unfamiliar
+out of the encoder's answers, as routing does, so the thresholds certify the answers routing can
+keep and the replay counts those states as escalated. What it costs is the share of
+familiar-looking traffic it sends up: about ``1 - quantile`` of items like the training ones
+(measured in BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from cascade.encoder import Encoder
 from cascade.errors import BundleError
 from cascade.familiar import QUANTILE, FamiliarityGate
 from cascade.router import Cascade
+from cascade.tiers import Item
+from distill.calibration.scoring import score_tier
 
 NONSENSE = ["zxq 0x7f3a ## ## ||| 9f8e7d6c5b4a3928 qwv", "SELECT * FROM users WHERE id = 42;",
             "Die Katze sitzt auf dem Dach und schläft in der Sonne."]
@@ -67,3 +69,18 @@ def test_an_unfamiliar_state_goes_to_the_teacher_though_the_encoder_would_keep_i
     assert familiar is not None and (familiar.tier, familiar.unfamiliar) == ("encoder", False)
     assert strange is not None and (strange.tier, strange.unfamiliar) == ("teacher", True)
     assert strange.certified  # the teacher agrees with itself: the certificate holds
+
+
+def test_calibration_leaves_the_states_the_gate_sends_up_out_of_the_encoders_answers(
+    trained_bundle: Bundle
+) -> None:
+    """Routing never keeps the encoder's answer about an unfamiliar state, so calibration does
+    not certify it either: the state counts as escalated in the thresholds and the replay."""
+    items = [Item("familiar", corpus_items()[0].text), Item("strange", NONSENSE[0])]
+    with Cascade.load(trained_bundle.directory, labels={KEPT: {}}) as cascade:
+        encoder = cascade.tiers[0]
+        reply = encoder.reply(items, [[KEPT]] * 2, cascade.questions)
+        probs, cost = score_tier(encoder, "encoder", items, {KEPT: {"familiar": 0, "strange": 0}},
+                                 {KEPT: cascade.questions[KEPT]}, progress=False)
+    assert reply.unfamiliar == [False, True] and KEPT in reply.answers[1]  # the tier still answers
+    assert set(probs[KEPT]) == {"familiar"} and cost.states == 2

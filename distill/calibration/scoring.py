@@ -54,6 +54,11 @@ def score_tier(
     exactly that batch (``Cascade._shape``), and a fan-out's numbers move with the batch decoded
     together, so this is what makes the thresholds certify the numbers routing reads. Only the
     labelled answers are kept.
+
+    A state the tier leaves to the tiers above (the encoder's gate found it unfamiliar, or its
+    prompt is longer than a GGUF tier's context) has no answer here, as routing keeps none: the
+    thresholds certify what routing can keep, and the replay and payoffs count the state as sent
+    up.
     """
     answered = [qid for qid in questions if tier.can_answer(qid)]
     asked_all = [[qid for qid in answered if item.id in labels[qid]] for item in items]
@@ -90,7 +95,8 @@ def _timed_answers(
             began = time.perf_counter()
             reply = tier.reply(items[rows], asked[rows], questions)
             seconds = time.perf_counter() - began
-            answers += reply.answers
+            answers += [{} if strange else answer
+                        for answer, strange in zip(reply.answers, reply.unfamiliar, strict=True)]
             too_long += [f"item {item.id!r}: {why}" for item, why in zip(items[rows], reply.too_long,
                                                                           strict=True) if why]
             if tier.meters_tokens:
