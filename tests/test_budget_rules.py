@@ -6,6 +6,7 @@ token), so a budget buys a countable number of escalations whatever this machine
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from tinymodels import silence_llama_logs, tiny_llama_path
 from cascade.answers import DecisionResponse
 from cascade.bundle import Bundle, Manifest
 from cascade.encoder import Encoder
+from cascade.familiar import FamiliarityGate
 from cascade.questions import DecisionRequest
 from cascade.readout import Scorer
 from cascade.router import Cascade
@@ -262,12 +264,22 @@ def test_budget_mode_sets_each_tier_on_what_reaches_it(
     with LabelStore.open_existing(inputs[2]) as store:
         result = calibrate_bundle(bundle, inputs[0], store, escalation_fraction=fraction, progress=False,
                                   encoder=encoder, flops_per_second=1e11)
+        store_labels = {qid: store.labels(qid) for qid in HEADED}
     fits = {(fit.question, fit.tier): fit for fit in result.calibrations}
+    texts = {row["id"]: row["text"] for row in map(json.loads, inputs[0].open(encoding="utf-8"))}
+    calibration = bundle.split_ids()["calibration"]
+    spec = bundle.manifest.encoder_tier
+    assert spec is not None and spec.gate is not None
+    gate = FamiliarityGate.load(bundle.directory / spec.gate.file.name)
+    familiar = dict(zip(calibration, gate.familiar(encoder.encode([texts[i] for i in calibration])),
+                        strict=True))
     for qid in HEADED:
         shares = result.cascades[qid]
         n = shares.n
         reached = n - round(shares.answered_by["encoder"] * n)
-        assert fits[qid, "encoder"].n_threshold == n
+        # the encoder is fitted on the states its gate lets through; the others go up unanswered
+        assert fits[qid, "encoder"].n_threshold == sum(familiar[i] for i in calibration
+                                                       if i in store_labels[qid]) <= n
         assert fits[qid, "small"].n_threshold == reached
         assert round(shares.answered_by["teacher"] * n) == math.floor(fraction * reached + 1e-9)
 
