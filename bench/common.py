@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +77,29 @@ def read_rows(name: str, limit: int | None = None) -> list[dict[str, Any]]:
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextmanager
+def placed_llama_defaults() -> Iterator[None]:
+    """llama-cpp-python's high-level ``Llama`` built under cascade's extra-buffer policy.
+
+    Its default model params turn llama.cpp's extra buffers on, which segfaults the first decode
+    on Intel AMX Xeons (llama.cpp issue 20824); inside this block they follow
+    ``cascade.placement`` (off there, and wherever it turns them off).
+    """
+    import llama_cpp.llama_cpp as low
+
+    from cascade.placement import system_info, use_extra_buffers
+
+    real = low.llama_model_default_params
+
+    def placed() -> Any:
+        params = real()
+        params.use_extra_bufts = use_extra_buffers(None, system_info())[0]
+        return params
+
+    low.llama_model_default_params = placed
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = real

@@ -22,7 +22,7 @@ import numpy as np
 
 from bench.common import question_set, read_rows
 from cascade.llama import default_gguf_path
-from cascade.placement import system_info
+from cascade.placement import reports_amx, system_info
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout import Scorer
 from distill.teachers import TEACHERS, teacher_path
@@ -51,6 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     path = model_path(args.model)
     print(f"model {path.name}; llama.cpp: {system_info().strip()}")
+    if reports_amx(system_info()):
+        raise SystemExit("bench.extra_buffers: llama.cpp reports AMX_INT8 here, where extra buffers "
+                         "segfault the first decode (llama.cpp issue 20824): nothing to measure")
     scorers = {mode: Scorer(path, n_ctx=2048, max_branches=16, n_threads=1, extra_buffers=mode)
                for mode in ("on", "off")}
     requests = [parse_request({"state": row["text"], "questions": question_set(args.questions)})

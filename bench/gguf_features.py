@@ -46,6 +46,7 @@ from bench.cascade_goals import (
     sample,
     variant_rows,
 )
+from bench.common import placed_llama_defaults
 from bench.encoder_quality import CACHE_DIR, TASKS
 from cascade.cost import measure_cpu_flops
 from cascade.encoder import EmbeddingCache, Encoder
@@ -63,8 +64,10 @@ class GemmaVectors:
     """Mean-pooled, L2-normalised last hidden states of a GGUF, cached by text in SQLite."""
 
     def __init__(self, model: Path, threads: int) -> None:
-        self.llm = llama_cpp.Llama(str(model), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
-                                   n_ctx=4096, n_batch=4096, n_ubatch=4096, n_threads=threads, verbose=False)
+        with placed_llama_defaults():
+            self.llm = llama_cpp.Llama(str(model), embedding=True, n_ctx=4096, n_batch=4096,
+                                       pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                                       n_ubatch=4096, n_threads=threads, verbose=False)
         digest = file_sha256(model)[:12]
         self.path = CACHE_DIR / f"gguf-vectors-{digest}-{MAX_TOKENS}.sqlite"
         CACHE_DIR.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,9 @@ print(json.dumps(peak_rss_mib()))
 LLAMA = """
 import json, sys
 from llama_cpp import Llama
-from bench.common import peak_rss_mib
-m = Llama(sys.argv[1], n_ctx=4096, verbose=False)
+from bench.common import peak_rss_mib, placed_llama_defaults
+with placed_llama_defaults():
+    m = Llama(sys.argv[1], n_ctx=4096, verbose=False)
 m.eval(m.tokenize(b"Payouts failing for three days. Is this urgent? Answer:"))
 print(json.dumps(peak_rss_mib()))
 """

@@ -3,13 +3,17 @@
 Machines differ, and the differences must never be silent. A CPU build of llama.cpp accepts
 ``n_gpu_layers`` and ignores it, so asking it for GPU layers is refused here instead. On Intel
 CPUs with AMX, llama-cpp-python 0.3.36's AMX weight buffers (an "extra buffer type") crash the
-first decode (ggml-org/llama.cpp issue 20824), so ``extra_buffers="auto"`` loads without extra
-buffer types where llama.cpp reports AMX, and says so once. Where it reports AVX-512 they are off
-too, for speed: on an AVX-512 AMD EPYC the repacked Q4_K weights took 1.02-1.39x the CPU time of
-plain ones (bench/extra_buffers.py, BENCHMARKS.md). Elsewhere (AVX2-only x86, ARM), where
-llama.cpp's repacking is meant to pay, they stay on; that case was not measured here.
-``CASCADE_EXTRA_BUFTS`` or an explicit ``"on"`` / ``"off"`` overrides the choice either way, and
-every answer's usage records the choice and its reason.
+first decode with a segfault (ggml-org/llama.cpp issue 20824), so ``extra_buffers="auto"`` loads
+without extra buffer types where llama.cpp reports AMX, and says so once. Where it reports AVX-512
+they are off too, for speed: on an AVX-512 AMD EPYC the repacked Q4_K weights took 1.02-1.39x the
+CPU time of plain ones (bench/extra_buffers.py, BENCHMARKS.md). Elsewhere (AVX2-only x86, ARM),
+where llama.cpp's repacking is meant to pay, they stay on; that case was not measured here.
+
+``CASCADE_EXTRA_BUFTS`` or an explicit setting overrides the choice. ``"off"`` always holds.
+``"on"`` holds except where llama.cpp reports AMX: there it is refused with one line before any
+model loads, since the crash would take the whole process down (a server with every request in
+flight). ``"force"`` loads them even there, at the user's own risk. Every answer's usage records
+the choice and its reason.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import logging
 import os
 from collections.abc import Mapping
 from functools import cache
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cascade.errors import ModelError
 
-ExtraBuffers = Literal["auto", "on", "off"]
+ExtraBuffers = Literal["auto", "on", "off", "force"]
+EXTRA_BUFFER_SETTINGS: tuple[ExtraBuffers, ...] = ("auto", "on", "off", "force")
 EXTRA_BUFFERS_ENV = "CASCADE_EXTRA_BUFTS"
 CUDA_BUILD = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
               'llama-cpp-python==0.3.36')
@@ -83,18 +88,46 @@ def reports_avx512(info: str) -> bool:
 
 
 def use_extra_buffers(setting: ExtraBuffers | None, info: str) -> tuple[bool, str]:
-    """Whether to load with extra buffer types, and why (recorded where the model ran)."""
-    if setting in ("on", "off"):
-        return setting == "on", "asked"
+    """Whether to load with extra buffer types, and why (recorded where the model ran).
+
+    Raises ``ModelError`` for "on" where llama.cpp reports AMX: refused, not crashed.
+    """
+    if setting in (None, "auto"):
+        setting, why = _from_environment()
+    else:
+        why = "asked"
+    if setting == "auto":
+        return automatic_choice(info)
+    if setting == "on" and reports_amx(info):
+        raise ModelError(
+            f"extra buffers 'on' refused: llama.cpp reports AMX_INT8 on this CPU, where its AMX "
+            f"weight buffers segfault the first decode (llama.cpp issue 20824) and would take this "
+            f"process down; use auto or off, or 'force' (--extra-buffers force, "
+            f"{EXTRA_BUFFERS_ENV}=force) to load them at your own risk")
+    if setting == "force":
+        if reports_amx(info):
+            say_once("extra buffers forced on although llama.cpp reports AMX_INT8: the first decode "
+                     "may segfault this process (llama.cpp issue 20824)")
+        return True, f"forced ({why})"
+    return setting == "on", why
+
+
+def _from_environment() -> tuple[ExtraBuffers, str]:
+    """``CASCADE_EXTRA_BUFTS``'s setting (auto when unset) and how to name it in the record."""
     env = os.environ.get(EXTRA_BUFFERS_ENV, "").strip().lower()
-    if env not in ("", "auto", "on", "off"):
-        raise ModelError(f"{EXTRA_BUFFERS_ENV} must be auto, on or off; got {env!r}")
-    if env in ("on", "off"):
-        return env == "on", f"{EXTRA_BUFFERS_ENV}={env}"
+    if env in ("", "auto"):
+        return "auto", "default"
+    if env not in EXTRA_BUFFER_SETTINGS:
+        raise ModelError(f"{EXTRA_BUFFERS_ENV} must be auto, on, off or force; got {env!r}")
+    return cast(ExtraBuffers, env), f"{EXTRA_BUFFERS_ENV}={env}"
+
+
+def automatic_choice(info: str) -> tuple[bool, str]:
+    """The policy's own choice for the CPU llama.cpp describes in ``info``, whatever was asked."""
     if reports_amx(info):
         say_once("llama.cpp reports AMX_INT8: loading GGUF models without extra buffer types, "
-                  "since its AMX weight buffers crash on some Intel Xeons (llama.cpp issue 20824); "
-                  f"{EXTRA_BUFFERS_ENV}=on forces them")
+                 "since its AMX weight buffers crash on some Intel Xeons (llama.cpp issue 20824); "
+                 f"{EXTRA_BUFFERS_ENV}=force loads them at your own risk")
         return False, "AMX CPU"
     if reports_avx512(info):
         return False, "AVX-512 CPU, measured faster without"

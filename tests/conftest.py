@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from buffer_guard import no_forced_extra_buffers_in_process  # noqa: F401  (autouse: every test)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,9 @@
 layers on a CPU build, the context a model can hold, the encoder's provider and token limit.
 
 The default decode runs in a subprocess first: on a CPU whose llama.cpp kernels crash, that one
-test fails with the signal and what to do, instead of the crash killing the whole test run.
+test fails with the signal and what to do, instead of the crash killing the whole test run. Forced
+extra buffers run only in child processes too (tests/conftest.py's guard fails any test that loads
+them in the suite's own process); the AMX policy itself is tested with the CPU's flags faked.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
+from cascade import llama
 from cascade.encoder import Encoder
 from cascade.errors import ModelError
 from cascade.hashing import file_sha256
@@ -24,6 +27,7 @@ from cascade.placement import (
     EXTRA_BUFFERS_ENV,
     Placement,
     for_tier,
+    reports_amx,
     say_once,
     system_info,
     use_extra_buffers,
@@ -44,10 +48,26 @@ request = parse_request({"state": "The capital of France is Paris.",
 print(scorer.ran_on)
 print(sum(scorer.score(request).answers["q"].probabilities.values()))
 """
-REQUEST = parse_request({"state": "My payouts have failed for three days, please help!",
-                         "questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"},
-                                       "team": {"type": "choice", "instructions": "Which team?",
-                                                "criteria": {"billing": None, "tech": None}}}})
+REQUEST_BODY = {"state": "My payouts have failed for three days, please help!",
+                "questions": {"urgent": {"type": "noul", "instructions": "Is this urgent?"},
+                              "team": {"type": "choice", "instructions": "Which team?",
+                                       "criteria": {"billing": None, "tech": None}}}}
+REQUEST = parse_request(REQUEST_BODY)
+BUFFERS_CHILD = """
+import json, sys
+from cascade.errors import ModelError
+from cascade.llama import default_gguf_path
+from cascade.questions import parse_request
+from cascade.readout import Scorer
+try:
+    scorer = Scorer(default_gguf_path(), n_ctx=512, max_branches=4, n_threads=1, extra_buffers=sys.argv[1])
+except ModelError as error:
+    print(error, file=sys.stderr)
+    sys.exit(2)
+answers = scorer.score(parse_request(json.loads(sys.argv[2]))).answers
+print(scorer.ran_on)
+print(json.dumps({qid: answer.probabilities for qid, answer in answers.items()}))
+"""
 PATH_TOLERANCE = 0.15  # BENCHMARKS.md: quantized kernels of another shape move p by up to 0.10
 
 
@@ -78,18 +98,55 @@ def test_auto_turns_extra_buffers_off_where_llama_cpp_reports_amx(
     assert use_extra_buffers(None, PLAIN_LINE) == (True, "default")
     assert use_extra_buffers(None, AVX512_LINE) == (False, "AVX-512 CPU, measured faster without")
     assert caplog.text.count("AMX_INT8") == 1  # the crash avoided is said; the speed choice recorded
-    assert use_extra_buffers("on", AMX_LINE) == (True, "asked")  # the user may force them
     assert use_extra_buffers("off", PLAIN_LINE) == (False, "asked")
+    assert use_extra_buffers("on", AVX512_LINE) == (True, "asked")
 
 
-def test_the_environment_forces_extra_buffers_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_is_refused_with_one_line_where_llama_cpp_reports_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EXTRA_BUFFERS_ENV, raising=False)
+    with pytest.raises(ModelError) as refused:
+        use_extra_buffers("on", AMX_LINE)
+    line = str(refused.value)
+    assert "\n" not in line and "AMX_INT8" in line and "issue 20824" in line
+    assert "--extra-buffers force" in line and f"{EXTRA_BUFFERS_ENV}=force" in line
     monkeypatch.setenv(EXTRA_BUFFERS_ENV, "on")
-    assert use_extra_buffers(None, AMX_LINE) == (True, f"{EXTRA_BUFFERS_ENV}=on")
+    with pytest.raises(ModelError, match="extra buffers 'on' refused"):
+        use_extra_buffers(None, AMX_LINE)
+
+
+def test_force_loads_them_even_on_amx_and_says_the_risk(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(EXTRA_BUFFERS_ENV, raising=False)
+    say_once.cache_clear()
+    with caplog.at_level("WARNING", logger="cascade"):
+        assert use_extra_buffers("force", AMX_LINE) == (True, "forced (asked)")
+    assert "may segfault" in caplog.text
+    assert use_extra_buffers("force", PLAIN_LINE) == (True, "forced (asked)")
+    monkeypatch.setenv(EXTRA_BUFFERS_ENV, "force")
+    assert use_extra_buffers(None, AMX_LINE) == (True, f"forced ({EXTRA_BUFFERS_ENV}=force)")
+
+
+def test_a_scorer_asked_for_on_is_refused_on_faked_amx_flags_before_loading(
+    gemma_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real Scorer path with the CPU's flags faked: the refusal comes before llama.cpp loads."""
+    monkeypatch.setattr(llama, "system_info", lambda: AMX_LINE)
+    loads: list[bytes] = []
+    monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", lambda path, params: loads.append(path))
+    with pytest.raises(ModelError, match="extra buffers 'on' refused"):
+        Scorer(gemma_path, n_ctx=512, max_branches=2, n_threads=1, extra_buffers="on")
+    assert loads == []
+
+
+def test_the_environment_sets_extra_buffers_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EXTRA_BUFFERS_ENV, "on")
+    assert use_extra_buffers(None, PLAIN_LINE) == (True, f"{EXTRA_BUFFERS_ENV}=on")
     monkeypatch.setenv(EXTRA_BUFFERS_ENV, "OFF")
-    assert use_extra_buffers(None, PLAIN_LINE) == (False, f"{EXTRA_BUFFERS_ENV}=off")
+    assert use_extra_buffers(None, AMX_LINE) == (False, f"{EXTRA_BUFFERS_ENV}=off")
     assert use_extra_buffers("on", PLAIN_LINE) == (True, "asked")  # an explicit setting wins
     monkeypatch.setenv(EXTRA_BUFFERS_ENV, "maybe")
-    with pytest.raises(ModelError, match=f"{EXTRA_BUFFERS_ENV} must be auto, on or off"):
+    with pytest.raises(ModelError, match=f"{EXTRA_BUFFERS_ENV} must be auto, on, off or force"):
         use_extra_buffers(None, PLAIN_LINE)
 
 
@@ -101,23 +158,35 @@ def test_the_amx_policy_is_said_once_on_stderr() -> None:
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("AMX_INT8") == 1
-    assert f"{EXTRA_BUFFERS_ENV}=on" in result.stderr
+    assert f"{EXTRA_BUFFERS_ENV}=force" in result.stderr
 
 
-def test_both_buffer_settings_load_and_answer_alike(gemma_path: Path) -> None:
+def _answers_in_a_child(mode: str) -> subprocess.CompletedProcess[str]:
+    """gemma's answers to REQUEST with extra buffers ``mode``, read in a child process: forced
+    buffers segfault AMX Xeons (llama.cpp issue 20824), and the suite's own process must live."""
+    env = {k: v for k, v in os.environ.items() if k != EXTRA_BUFFERS_ENV}
+    return subprocess.run([sys.executable, "-c", BUFFERS_CHILD, mode, json.dumps(REQUEST_BODY)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_both_buffer_settings_load_and_answer_alike_in_a_child_process() -> None:
+    """On and off answer alike where on is allowed; where llama.cpp reports AMX, on is refused."""
+    amx = reports_amx(system_info())
     answers = {}
     for mode in ("on", "off"):
-        scorer = Scorer(gemma_path, n_ctx=512, max_branches=4, n_threads=1, extra_buffers=mode)
-        try:
-            assert f"extra buffers {mode} (asked)" in scorer.ran_on
-            answers[mode] = scorer.score(REQUEST).answers
-        finally:
-            scorer.close()
-    for qid, answer in answers["on"].items():
-        other = answers["off"][qid].probabilities
-        assert sum(answer.probabilities.values()) == pytest.approx(1.0)
-        for key, p in answer.probabilities.items():
-            assert p == pytest.approx(other[key], abs=PATH_TOLERANCE)
+        child = _answers_in_a_child(mode)
+        assert child.returncode >= 0, f"extra buffers {mode} crashed the child: {child.stderr[-2000:]}"
+        if mode == "on" and amx:
+            assert child.returncode == 2 and "extra buffers 'on' refused" in child.stderr
+            return
+        assert child.returncode == 0, child.stderr
+        ran_on, probabilities = child.stdout.strip().splitlines()[-2:]
+        assert f"extra buffers {mode} (asked)" in ran_on
+        answers[mode] = json.loads(probabilities)
+    for qid, probs in answers["on"].items():
+        assert sum(probs.values()) == pytest.approx(1.0)
+        for key, p in probs.items():
+            assert p == pytest.approx(answers["off"][qid][key], abs=PATH_TOLERANCE)
 
 
 @pytest.mark.skipif(llama_cpp.llama_supports_gpu_offload(), reason="this build can offload to a GPU")
@@ -197,3 +266,41 @@ def test_cli_score_refuses_gpu_layers_on_a_cpu_build(tmp_path: Path) -> None:
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "ModelError: 99 GPU layers asked, but this llama-cpp-python build has no GPU offload" \
         in result.stderr
+
+
+GUARDED = """
+import llama_cpp
+from cascade.llama import LlamaModel, default_gguf_path
+
+
+def test_forced_in_process():
+    LlamaModel(default_gguf_path(), extra_buffers="force").close()
+
+
+def test_raw_default_params():
+    model = llama_cpp.llama_model_load_from_file(str(default_gguf_path()).encode(),
+                                                 llama_cpp.llama_model_default_params())
+    llama_cpp.llama_model_free(model)
+
+
+def test_policy_default():
+    LlamaModel(default_gguf_path()).close()
+"""
+
+
+def test_the_guard_fails_a_test_that_forces_extra_buffers_in_the_suite_process(tmp_path: Path) -> None:
+    """tests/buffer_guard.py, run on three tests of its own in a child pytest (no decode: no crash)."""
+    (tmp_path / "test_guarded.py").write_text(GUARDED)
+    tests = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != EXTRA_BUFFERS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, "-m", "pytest", "-p", "buffer_guard", "-q", "-rA",
+                            "-p", "no:cacheprovider", str(tmp_path)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert child.returncode == 1, child.stdout + child.stderr
+    lines = child.stdout.splitlines()
+    assert any(line.startswith("PASSED") and "test_policy_default" in line for line in lines)
+    for name, why in (("test_forced_in_process", "extra buffers forced (asked)"),
+                      ("test_raw_default_params", "outside cascade's placement policy")):
+        assert any(line.startswith("ERROR") and name in line for line in lines), child.stdout
+        assert why in child.stdout

@@ -83,6 +83,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def loaded_model(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[tuple[str, object]]:
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
+    params.use_extra_bufts = False  # their AMX repack segfaults some Xeons (tests/buffer_guard.py)
     path = _PATHS[request.param](model_dir)
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     assert model, f"llama.cpp could not load {path}"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cascade.errors import RequestError
-from cascade.placement import Placement
+from cascade.placement import EXTRA_BUFFER_SETTINGS, Placement
 
 if TYPE_CHECKING:
     from cascade.questions import DecisionRequest
@@ -70,10 +70,12 @@ def add_placement_arguments(p: argparse.ArgumentParser, threads: bool = True,
     if threads:
         p.add_argument("--threads", type=whole_number(1), metavar="N",
                        help="CPU threads of each model (default: all cores)")
-    p.add_argument("--extra-buffers", choices=("auto", "on", "off"),
+    p.add_argument("--extra-buffers", choices=EXTRA_BUFFER_SETTINGS,
                    help="llama.cpp's extra weight buffer types (CPU repacking): auto turns them off "
-                   "where llama.cpp reports Intel AMX, whose buffers crash some Xeons, and keeps "
-                   "them elsewhere (default: auto, or $CASCADE_EXTRA_BUFTS)")
+                   "where llama.cpp reports Intel AMX, whose buffers segfault some Xeons (llama.cpp "
+                   "issue 20824), and on AVX-512, where they measured slower; on is refused with "
+                   "one line on an AMX CPU; force loads them even there, at your own risk "
+                   "(default: auto, or $CASCADE_EXTRA_BUFTS)")
 
 
 def placement_of(args: argparse.Namespace) -> Placement:
