@@ -20,9 +20,9 @@ from pathlib import Path
 from bench.serve_load import build_bundle, states
 from cascade.audit.auditor import Auditor
 from cascade.audit.sample import AuditSampler
-from cascade.llama import default_gguf_path
-from cascade.router import Cascade
-from cascade.tiers import Item
+from cascade.readout.llama import default_gguf_path
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 from distill.auditing import StoreSink, bundle_teacher
 
 

@@ -40,14 +40,14 @@ from sklearn.linear_model import LogisticRegression
 
 from bench.common import read_rows
 from bench.encoder_quality import CACHE_DIR, TASKS, Task
-from cascade.bundle import Bundle
-from cascade.cost import measure_cpu_flops
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.bundle.manifest import Bundle
+from cascade.cost.roofline import measure_cpu_flops
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.heads import Matrix, SoftmaxHead
-from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import Question, parse_request
-from cascade.router import Cascade
-from cascade.tiers import Item
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 from distill.calibration.fits import TEMPERATURE_SHARE, in_temperature_part
 from distill.calibration.maths import apply_temperature, fit_temperature, threshold_for_agreement
 from distill.calibration.results import CalibrationResult

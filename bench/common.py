@@ -85,11 +85,11 @@ def placed_llama_defaults() -> Iterator[None]:
 
     Its default model params turn llama.cpp's extra buffers on, which segfaults the first decode
     on Intel AMX Xeons (llama.cpp issue 20824); inside this block they follow
-    ``cascade.placement`` (off there, and wherever it turns them off).
+    ``cascade.readout.placement`` (off there, and wherever it turns them off).
     """
     import llama_cpp.llama_cpp as low
 
-    from cascade.placement import system_info, use_extra_buffers
+    from cascade.readout.placement import system_info, use_extra_buffers
 
     real = low.llama_model_default_params
 

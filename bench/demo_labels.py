@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cascade.prompts import PROMPT_VERSION
+from cascade.readout.prompts import PROMPT_VERSION
 from distill.demo_teacher import FACTS_FILE, LABELS_FILE, MODEL_NAME, ShippedLabels
 from distill.store import LabelStore
 from distill.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, generate

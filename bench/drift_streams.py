@@ -44,9 +44,9 @@ from bench.audit_alarms import Alarm, betting, clopper_pearson
 from bench.encoder_quality import CACHE_DIR, TASKS
 from bench.goals import certified, head_probabilities, parts_of
 from bench.teacher_goals import Items, load_items
-from cascade.calibration_math import CERTIFIED_SCORE, threshold_score
-from cascade.encoder import EmbeddingCache, Encoder
-from cascade.familiar import FamiliarityGate
+from cascade.encoder.familiar import FamiliarityGate
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
+from cascade.thresholds import CERTIFIED_SCORE, threshold_score
 
 LABELS = "bench/labels/ag_news.qwen2.5-coder-1.5b.jsonl"
 SOURCE = "teacher, soft"

@@ -21,7 +21,7 @@ from functools import partial
 
 from bench.common import peak_rss_mib, read_rows
 from bench.encoder_speed import CLOCKS, measure
-from cascade.encoder import Encoder
+from cascade.encoder.onnx_encoder import Encoder
 
 SIZES = (4, 8, 16, 32, 64)
 DEFAULT = 32
@@ -30,7 +30,8 @@ CHUNK = 64
 
 def peak_rss_of(batch_size: int, texts: int) -> float:
     """MiB of peak RSS of a fresh process that loads the encoder and embeds ``texts`` texts."""
-    code = (f"from bench.common import read_rows, peak_rss_mib\nfrom cascade.encoder import Encoder\n"
+    code = ("from bench.common import read_rows, peak_rss_mib\n"
+            "from cascade.encoder.onnx_encoder import Encoder\n"
             f"texts = [r['text'] for r in read_rows('ag_news_test.jsonl', {texts})]\n"
             f"Encoder(batch_size={batch_size}).encode(texts)\nprint(peak_rss_mib())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

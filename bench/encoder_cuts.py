@@ -12,7 +12,7 @@ import statistics
 import time
 
 from bench.common import read_rows
-from cascade.encoder import Encoder
+from cascade.encoder.onnx_encoder import Encoder
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 
 from bench.common import SPAM, STARS, TOPIC, read_rows
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.heads import SoftmaxHead
 from cascade.questions import parse_request
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import read_rows
-from cascade.encoder import CPU, Encoder, EncoderFiles, _load_session, default_encoder_files
+from cascade.encoder.onnx_encoder import CPU, Encoder, EncoderFiles, _load_session, default_encoder_files
 
 Make = Callable[[Path, Path, list[str]], None]
 

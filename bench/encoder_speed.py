@@ -1,7 +1,7 @@
 """Encoder-tier throughput against the raw ONNX Runtime pipeline it wraps, side by side.
 
-The tier embeds a state once, hashes its word n-grams (cascade.ngrams; off with --no-ngrams)
-and runs every question's head on both in one product (HeadStack, as HeadsTier does), so its
+The tier embeds a state once, hashes its word n-grams (cascade.encoder.ngrams; off with --no-ngrams)
+and runs every question's head on both in one product (HeadStack, as EncoderTier does), so its
 cost should be the encoder's plus almost nothing.
 The baseline is the bare pipeline with no heads: the same tokenizer file and truncation, the same
 length-sorted batches, ``session.run`` and mean pooling (the vector every question would then
@@ -28,9 +28,9 @@ import onnxruntime as ort
 from tokenizers import Encoding, Tokenizer
 
 from bench.common import peak_rss_mib, read_rows
-from cascade.encoder import Encoder, EncoderFiles
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import Encoder, EncoderFiles
 from cascade.heads import HeadStack, SoftmaxHead
-from cascade.ngrams import NgramFeatures, beside
 
 QUESTIONS = (1, 4, 16)
 MODES = ("batch", "single")
@@ -88,7 +88,7 @@ def random_heads(dim: int, count: int, seed: int) -> list[SoftmaxHead]:
 def tier_pass(encoder: Encoder, ngrams: NgramFeatures | None, heads: HeadStack, mode: str,
               texts: list[str]) -> None:
     """Every head's distribution for every text, one embedding (and n-gram row) per text, as
-    HeadsTier computes them."""
+    EncoderTier computes them."""
     for group in [texts] if mode == "batch" else [[text] for text in texts]:
         heads.predict_proba(beside(encoder.encode(group), ngrams, group))
 

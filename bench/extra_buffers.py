@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import question_set, read_rows
-from cascade.llama import default_gguf_path
-from cascade.placement import reports_amx, system_info
 from cascade.questions import DecisionRequest, parse_request
-from cascade.readout import Scorer
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.placement import reports_amx, system_info
+from cascade.readout.scorer import Scorer
 from distill.teachers import TEACHERS, teacher_path
 
 

@@ -1,6 +1,6 @@
 """The gate for unfamiliar inputs on real text: what it lets through, and what it sends up.
 
-The gate (``cascade.familiar``) is fitted as ``cascade train`` fits it, on training items' encoder
+The gate (``cascade.encoder.familiar``) is fitted as ``cascade train`` fits it, on training items' encoder
 vectors (here the shipped MiniLM's, of the first ``--train`` AG News items), and read on held-out
 AG News items (in distribution: the share it sends up is cost, since those are items the heads
 know) and on texts of other sources (SMS messages and restaurant reviews: a shift in source).
@@ -15,8 +15,8 @@ import argparse
 import numpy as np
 
 from bench.common import read_rows
-from cascade.encoder import Encoder
-from cascade.familiar import FamiliarityGate
+from cascade.encoder.familiar import FamiliarityGate
+from cascade.encoder.onnx_encoder import Encoder
 
 
 def main() -> None:

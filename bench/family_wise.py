@@ -19,10 +19,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from cascade.bundle import Bundle
+from cascade.bundle.manifest import Bundle
 from cascade.corpus import load_questions
-from cascade.cost import measure_cpu_flops
-from cascade.encoder import Encoder
+from cascade.cost.roofline import measure_cpu_flops
+from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.evaluate import Evaluation, evaluate_bundle

@@ -33,9 +33,9 @@ import numpy as np
 
 from bench.encoder_quality import CACHE_DIR, TASKS
 from bench.teacher_goals import DELTA, TARGET, Items, load_items, markdown
-from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
 from cascade.heads import Matrix, SoftmaxHead
-from cascade.ngrams import NgramFeatures, beside
 from distill.calibration.maths import threshold_for_agreement
 from distill.finetune import FinetuneConfig, finetune_body
 from distill.finetune_base import Targets, import_torch

@@ -48,11 +48,11 @@ from bench.cascade_goals import (
 )
 from bench.common import placed_llama_defaults
 from bench.encoder_quality import CACHE_DIR, TASKS
-from cascade.cost import measure_cpu_flops
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.cost.roofline import measure_cpu_flops
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.hashing import file_sha256
-from cascade.llama import default_gguf_path
-from cascade.ngrams import NgramFeatures, beside
+from cascade.readout.llama import default_gguf_path
 
 MAX_TOKENS = 256
 TOP_SHARES = (10, 25, 50)

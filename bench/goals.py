@@ -54,12 +54,12 @@ import numpy as np
 from bench.encoder_quality import CACHE_DIR, TASKS, Task
 from bench.finetune import finetuned_vectors
 from bench.teacher_goals import GOAL_COST, GOAL_KEPT, Items, hindsight, load_items, markdown, read_export
-from cascade.calibration_math import CERTIFIED_SCORE, ThresholdScore, threshold_score
-from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
 from cascade.heads import SoftmaxHead
-from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
+from cascade.thresholds import CERTIFIED_SCORE, ThresholdScore, threshold_score
 from distill.calibration.maths import threshold_for_agreement
 from distill.finetune import FinetuneConfig
 from distill.teachers import teacher_path

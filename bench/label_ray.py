@@ -28,9 +28,9 @@ from pathlib import Path
 import ray
 
 from bench.common import question_set, read_rows
-from cascade.llama import default_gguf_path
-from cascade.placement import Placement
 from cascade.questions import Question, parse_request
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.placement import Placement
 from distill.label import label_corpus, open_teacher, teacher_of, teacher_of_file
 from distill.label_ray import RayOptions, TeacherSpec, label_on_ray
 from distill.store import LabelStore

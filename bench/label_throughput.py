@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from bench.common import question_set, read_rows
-from cascade.llama import default_gguf_path
 from cascade.questions import parse_request
+from cascade.readout.llama import default_gguf_path
 from distill.label import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore
 

@@ -1,6 +1,6 @@
 """The options-first layout against the state-first one: quality on real sets, and tokens.
 
-Two scorers of the same GGUF in one process, one per layout (``cascade.prompts``), read the same
+Two scorers of the same GGUF in one process, one per layout (``cascade.readout.prompts``), read the same
 items of each shared dataset in turn (AG News topics, Zomato stars, SMS spam: one question each,
 bench/common.py's), with ``--permutations`` balanced option orders. Per dataset and layout:
 accuracy against gold, argmax agreement with the state-first layout (1 - the flip rate), mean top
@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from bench.common import read_rows
 from bench.encoder_quality import TASKS, Task
-from cascade.prompts import LAYOUTS, Layout
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.prompts import LAYOUTS, Layout
+from cascade.readout.scorer import Scorer
 
 
 @dataclass

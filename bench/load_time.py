@@ -1,8 +1,8 @@
 """What ``Cascade.load`` costs beyond loading its models (goal: at most 1.5x their loads).
 
 On the embedded gemma-3-270m GGUF, in one process, each round times once, in a rotating order:
-pricing the model (``ModelShape``) through gguf.GGUFReader, as cascade.cost read it before
-cascade.gguf_header, and through ``ModelShape.from_gguf``; llama.cpp opening and closing the
+pricing the model (``ModelShape``) through gguf.GGUFReader, as cascade.cost.roofline read it before
+cascade.readout.gguf_header, and through ``ModelShape.from_gguf``; llama.cpp opening and closing the
 model (``Scorer``, as the bundle's top tier opens it); the ONNX encoder session (``Encoder``);
 and ``Cascade.load`` of a bundle whose encoder tier is trained on generated messages and whose
 top tier is that GGUF (priced on the roofline, as a bundle without measured costs is), with
@@ -28,14 +28,14 @@ from unittest import mock
 
 from gguf import GGUFReader
 
-from cascade.bundle import Bundle, Manifest, ModelFile
+from cascade.bundle.manifest import Bundle, Manifest, ModelFile
 from cascade.corpus import load_questions
-from cascade.cost import ModelShape
-from cascade.encoder import Encoder
-from cascade.llama import default_gguf_path
-from cascade.readout import Scorer, branch_slots
-from cascade.router import Cascade
-from cascade.tier_specs import GgufTier
+from cascade.cost.roofline import ModelShape
+from cascade.encoder.onnx_encoder import Encoder
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.scorer import Scorer, branch_slots
+from cascade.routing.router import Cascade
+from cascade.tiers.gguf import GgufSpec
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.train import train_bundle
@@ -74,7 +74,7 @@ def gguf_topped_bundle(root: Path, model: Path, items: int, n_ctx: int, threads:
         trained = train_bundle(questions, corpus, store, root / "trained",
                                encoder=Encoder(threads=threads), progress=False)
     data = trained.manifest.model_dump()
-    top = GgufTier(name=data["tiers"][-1]["name"], model=ModelFile.of(model), n_ctx=n_ctx)
+    top = GgufSpec(name=data["tiers"][-1]["name"], model=ModelFile.of(model), n_ctx=n_ctx)
     data["tiers"] = [*data["tiers"][:-1], top.model_dump()]
     return Bundle(Manifest.model_validate(data), trained.directory).save(root / "bundle")
 

@@ -2,7 +2,7 @@
 
 The teacher is Qwen2.5-Coder-1.5B (28 blocks); its labels are the committed export. For ``--items``
 items of the export (a seeded sample), the layer-L state at the answer position is read for every
-``--layers`` L in ONE pass per item, stopped after the deepest (``cascade.layer_readout``); the
+``--layers`` L in ONE pass per item, stopped after the deepest (``cascade.readout.layer_scorer``); the
 states are cached under ~/.cache/cascade-bench/mid_layer, so an interrupted run resumes.
 
 Then, on each of ``--resplits`` random 50/25/25 splits (as bench/goals.py):
@@ -53,11 +53,11 @@ from bench.goals import (
     parts_of,
 )
 from bench.teacher_goals import Items, load_items, markdown
-from cascade.calibration_math import CERTIFIED_SCORE
-from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
-from cascade.layer_readout import LayerScorer, LetterLens, normalized
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
 from cascade.questions import DecisionRequest, parse_request
-from cascade.readout import Scorer
+from cascade.readout.layer_scorer import LayerScorer, LetterLens, normalized
+from cascade.readout.scorer import Scorer
+from cascade.thresholds import CERTIFIED_SCORE
 from distill.finetune import FinetuneConfig
 from distill.mid_layer import candidate_layers, fit_head
 from distill.teachers import teacher_path

@@ -1,7 +1,7 @@
 """What reading a GGUF middle tier in the batch calibration certified costs, in prompt tokens.
 
 The router asks a GGUF tier below the top every question of the bundle about a state that
-reaches it (``cascade.router.Cascade._shape``), because a fan-out's probabilities move with the
+reaches it (``cascade.routing.router.Cascade._shape``), because a fan-out's probabilities move with the
 batch decoded together and calibration scored that batch. A state that escalates one question
 then runs the template, the state and every question block instead of that question's block
 alone. This counts both with gemma-3-270m's tokenizer on the demo's questions, for the demo's
@@ -16,9 +16,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from cascade.llama import default_gguf_path
-from cascade.prompts import question_block, render_state
-from cascade.readout import Scorer
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.prompts import question_block, render_state
+from cascade.readout.scorer import Scorer
 from distill.synthetic import demo_questions, generate
 
 

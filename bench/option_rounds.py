@@ -1,7 +1,7 @@
 """Choice questions of more options than one prompt letters: two rounds against one prompt.
 
 One prompt letters 16 options (A-P); the System One API allows 255, so a bigger question is read in
-two rounds sharing the state's prefill (``cascade.prompts.option_groups``): each group of at most
+two rounds sharing the state's prefill (``cascade.readout.prompts.option_groups``): each group of at most
 16 in a prompt of its own, then the groups' winners. Where both can run (16 options), this reads
 the same question both ways, the rounds forced by a smaller group size (8: 2 groups + finalists;
 4: 4 groups + finalists), on AG News texts, and compares: argmax agreement with the one prompt,
@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import TOPIC, read_rows
-from cascade.llama import default_gguf_path
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.scorer import Scorer
 
 GOLD = {"World": "world", "Sports": "sports", "Business": "business", "Sci/Tech": "scitech"}
 """AG News's classes by the keys both questions give them."""

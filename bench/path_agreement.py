@@ -18,7 +18,7 @@ import numpy as np
 
 from bench.common import question_set, read_rows
 from cascade.questions import parse_request
-from cascade.readout import PATHS, Scorer
+from cascade.readout.scorer import PATHS, Scorer
 
 DATASETS = ("sms_spam.jsonl", "ag_news_test.jsonl", "zomato_restaurant_reviews.jsonl")
 

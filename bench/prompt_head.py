@@ -2,7 +2,7 @@
 
 Two scorers of the same GGUF in one process, read item by item in turn on the same AG News
 items and questions: "before" forgets its prompt head ahead of every item (each prefills its whole
-prompt, as every item did before the head), "after" keeps it (``cascade.readout``: the tokens
+prompt, as every item did before the head), "after" keeps it (``cascade.readout.scorer``: the tokens
 every prompt starts with are prefilled once and copied into each item's sequence). Printed:
 prompt tokens prefilled per decision (the usage's ``input_tokens``), seconds per item, and how
 far the answers moved (largest |dp| and argmax agreement: a cached head was decoded in another
@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.common import TOPIC, question_set, read_rows
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
 
 
 def main() -> None:

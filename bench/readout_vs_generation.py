@@ -16,10 +16,10 @@ import statistics
 import time
 
 from bench.common import many_questions, read_rows
-from cascade.llama import default_gguf_path
-from cascade.prompts import SYSTEM_TEXT, question_block, render_state
 from cascade.questions import DecisionRequest, parse_request
-from cascade.readout import Scorer
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.prompts import SYSTEM_TEXT, question_block, render_state
+from cascade.readout.scorer import Scorer
 
 
 def generation_prompt(request: DecisionRequest) -> str:

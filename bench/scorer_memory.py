@@ -15,13 +15,13 @@ import json
 import subprocess
 import sys
 
-from cascade.llama import default_gguf_path
+from cascade.readout.llama import default_gguf_path
 
 SCORER = """
 import json, sys
 from bench.common import many_questions, peak_rss_mib
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
 s = Scorer(sys.argv[1], n_ctx=4096, max_branches=16)
 s.score(parse_request({"state": "Payouts failing for three days.", "questions": many_questions(16)}))
 print(json.dumps(peak_rss_mib()))
@@ -29,7 +29,7 @@ print(json.dumps(peak_rss_mib()))
 IMPORTS = """
 import json
 from bench.common import peak_rss_mib
-import llama_cpp, cascade.readout
+import llama_cpp, cascade.readout.scorer
 print(json.dumps(peak_rss_mib()))
 """
 LLAMA = """

@@ -18,9 +18,9 @@ import time
 import llama_cpp
 
 from bench.common import many_questions, read_rows
-from cascade.llama import default_gguf_path
 from cascade.questions import DecisionRequest, parse_request
-from cascade.readout import Scorer, _shared_prefix
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.scorer import Scorer, _shared_prefix
 
 
 def raw_rows(scorer: Scorer, request: DecisionRequest) -> tuple[list[int], list[list[int]]]:

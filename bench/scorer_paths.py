@@ -5,7 +5,7 @@ side by side in one process (interleaved, several rounds; medians), on the same 
 the process's CPU time with llama.cpp on ONE thread (and numpy's BLAS on one thread for the peak):
 on a shared machine, wall time measures the neighbours, CPU time measures the work. The roofline
 columns divide the FLOPs each path computes (2 x matmul parameters x tokens, plus attention, from
-cascade.cost) by its CPU time, as a share of one core's measured float32 matmul throughput;
+cascade.cost.roofline) by its CPU time, as a share of one core's measured float32 matmul throughput;
 "useful" counts only the fan-out's tokens, the least any path must compute.
 
     .venv/bin/python -m bench.scorer_paths --rounds 2
@@ -21,10 +21,10 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from bench.common import many_questions, peak_rss_mib, read_rows
-from cascade.cost import ModelShape, decision_flops
-from cascade.llama import default_gguf_path
+from cascade.cost.roofline import ModelShape, decision_flops
 from cascade.questions import DecisionRequest, parse_request
-from cascade.readout import PATHS, Scorer
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.scorer import PATHS, Scorer
 
 
 def state_of(scorer: Scorer, tokens: int) -> str:

@@ -36,13 +36,13 @@ from typing import Any
 
 import httpx
 
-from cascade.bundle import Bundle, Manifest
+from cascade.bundle.manifest import Bundle, Manifest
 from cascade.hashing import file_sha256
-from cascade.llama import default_gguf_path
-from cascade.prompts import PROMPT_VERSION
 from cascade.questions import parse_request
-from cascade.router import Cascade
-from cascade.tiers import Item
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.prompts import PROMPT_VERSION
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import QUESTIONS_JSON, generate, write_corpus, write_labels
 from distill.train import train_bundle

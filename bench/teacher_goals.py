@@ -38,11 +38,11 @@ import numpy as np
 
 from bench.common import read_rows
 from bench.encoder_quality import CACHE_DIR, TASKS, Task
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.heads import Matrix, SoftmaxHead
-from cascade.ngrams import NgramFeatures, beside
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
 from distill.calibration.maths import threshold_for_agreement
 from distill.teachers import teacher_path
 

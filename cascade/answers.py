@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from cascade.calibration_math import ThresholdScore
+from cascade.thresholds import ThresholdScore
 
 
 def argmax(values: Sequence[float]) -> int:
@@ -98,7 +98,7 @@ class Routing(BaseModel):
     teacher alone: no threshold was ever certified for it. ``demoted`` is True when a drift
     alarm on audited traffic took the question's cheap tiers out of its route (``cascade.audit``);
     ``unfamiliar`` when the encoder's gate found the state unlike its training items and sent it
-    up (``cascade.familiar``). ``too_long_for`` names the GGUF tiers below the top whose context
+    up (``cascade.encoder.familiar``). ``too_long_for`` names the GGUF tiers below the top whose context
     could not hold the question's prompt about this state: it went past them, unread.
     """
 

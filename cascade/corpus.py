@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from cascade.errors import CascadeError, RequestError
+from cascade.errors import CorpusError, RequestError
 from cascade.questions import Question, State, parse_request
 
 OnError = Literal["stop", "skip"]
@@ -32,10 +32,6 @@ ON_ERROR: tuple[OnError, ...] = ("stop", "skip")
 EXAMPLE_LINE = '{"id": "e1", "text": "Help! My payouts have been failing."}'
 _PLACEHOLDER_STATE = "placeholder: states come from the corpus"
 _WHITESPACE = re.compile(r"\s*")
-
-
-class CorpusError(CascadeError, ValueError):
-    """A corpus cannot be read, or one of its lines is not a labelling item."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from cascade.errors import ModelError
 
 _ROW_SUM_TOLERANCE = 1e-4
 Matrix: TypeAlias = np.ndarray | sp.csr_matrix
-"""Features: dense, or sparse rows (an embedding with n-grams beside it, cascade.ngrams)."""
+"""Features: dense, or sparse rows (an embedding with n-grams beside it, cascade.encoder.ngrams)."""
 _ARRAY_NAMES = ("coef", "intercept", "C", "max_iter")
 
 

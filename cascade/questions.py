@@ -8,7 +8,7 @@ A request carries one ``state`` (text, or a JSON object or array) and named ``qu
 
 ``noul`` asks yes or no; its optional ``criteria`` say what ``true`` and ``false`` mean. ``choice``
 picks one of 2-255 options; its ``criteria`` map option keys (shown to a model as letters A-P, 16
-at a time: ``cascade.prompts.option_groups``) to descriptions. ``score`` picks one of 2-10
+at a time: ``cascade.readout.prompts.option_groups``) to descriptions. ``score`` picks one of 2-10
 ordered levels; its ``criteria`` list the level legends, level 0 first. Instructions are text or
 JSON; descriptions and legends are text, JSON or null. Answers and responses are typed in
 ``cascade.answers``.

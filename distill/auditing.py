@@ -19,8 +19,8 @@ from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord
 from cascade.audit.sample import AuditSampler
 from cascade.audit.watch import OnDrift
-from cascade.bundle import Manifest
-from cascade.router import Cascade
+from cascade.bundle.manifest import Manifest
+from cascade.routing.router import Cascade
 from distill.store import LabelStore, StoreError, Teacher
 
 

@@ -31,16 +31,16 @@ from typing import Literal, get_args
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from cascade.bundle import Bundle, BundleError
+from cascade.bundle.manifest import Bundle, BundleError
 from cascade.checks import is_int
 from cascade.corpus import BadLine, OnError, count_items, load_questions
-from cascade.encoder import Encoder
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import CascadeError
 from cascade.hashing import file_sha256
-from cascade.llama import default_gguf_path
-from cascade.placement import ExtraBuffers, Placement
-from cascade.readout import Scorer
-from cascade.tier_specs import GgufTier
+from cascade.readout.llama import default_gguf_path
+from cascade.readout.placement import ExtraBuffers, Placement
+from cascade.readout.scorer import Scorer
+from cascade.tiers.gguf import GgufSpec
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.demo_teacher import (
@@ -215,7 +215,7 @@ def _calibrated(run: _Run) -> tuple[CalibrationResult, bool]:
     return result, False
 
 
-def _train(run: _Run, encoder: Encoder, middle: GgufTier) -> Bundle:
+def _train(run: _Run, encoder: Encoder, middle: GgufSpec) -> Bundle:
     run.say("[3/7] training the encoder tier on the teacher's labels of the train part")
     questions = load_questions(run.inputs.questions)
     with run.timed("train"):

@@ -21,9 +21,9 @@ from pydantic import BaseModel
 
 from cascade.corpus import count_items, read_corpus
 from cascade.errors import CascadeError
-from cascade.prompts import PROMPT_VERSION
 from cascade.questions import DecisionRequest, Question
-from cascade.readout import Scorer
+from cascade.readout.prompts import PROMPT_VERSION
+from cascade.readout.scorer import Scorer
 from distill.label import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore, Teacher, export_labels
 from distill.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, SyntheticItem

@@ -19,14 +19,14 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from cascade.answers import Answer, DecisionResponse, Routing
-from cascade.bundle import Bundle, Manifest
+from cascade.bundle.manifest import Bundle, Manifest
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
-from cascade.encoder import Device
+from cascade.encoder.onnx_encoder import Device
 from cascade.errors import CascadeError
-from cascade.placement import Placements
-from cascade.router import Cascade
-from cascade.run import Budget
-from cascade.tiers import Item
+from cascade.readout.placement import Placements
+from cascade.routing.budget import Budget
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 from distill.store import LabelStore
 
 EVALUATION = "evaluation"
@@ -100,7 +100,7 @@ def evaluate_bundle(
 
     ``text_field`` defaults to the one the bundle was trained with. ``cache_dir``: the embedding
     cache training filled (it embedded these items already), so the encoder tier looks them up.
-    ``placement``: where GGUF middle tiers run (cascade.placement). A bad corpus line stops
+    ``placement``: where GGUF middle tiers run (cascade.readout.placement). A bad corpus line stops
     the run, or with ``on_error="skip"`` goes to ``on_bad``, as ``read_corpus`` does.
     """
     bundle = Bundle.load(Path(bundle_dir))

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cascade.sections import FinetuneEpoch, FinetuneSection
+from cascade.bundle.sections import FinetuneEpoch, FinetuneSection
 from distill.finetune_base import FinetuneError, Targets, import_torch
 
 

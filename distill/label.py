@@ -22,10 +22,10 @@ from cascade.checks import is_int
 from cascade.corpus import BadLine, CorpusItem, OnError, check_on_error, count_items, read_corpus
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
-from cascade.placement import ExtraBuffers
-from cascade.prompts import Layout, prompt_version
 from cascade.questions import DecisionRequest, Question
-from cascade.readout import HeadTailExcerpt, Scorer, branch_slots
+from cascade.readout.placement import ExtraBuffers
+from cascade.readout.prompts import Layout, prompt_version
+from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
 from distill.store import LabelStore, StoreMismatchError, Teacher
 
 

@@ -31,10 +31,10 @@ from tqdm import tqdm
 from cascade.checks import is_int
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
 from cascade.errors import CascadeError
-from cascade.placement import Placement
-from cascade.prompts import Layout
 from cascade.questions import Question
-from cascade.readout import HeadTailExcerpt
+from cascade.readout.placement import Placement
+from cascade.readout.prompts import Layout
+from cascade.readout.scorer import HeadTailExcerpt
 from distill.label import (
     LabelSummary,
     check_label_options,

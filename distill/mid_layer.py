@@ -1,5 +1,5 @@
 """Training the mid-layer tier: the teacher's layer-L states of the train items, one head per
-question on them, and L chosen by measurement (``cascade.layer_readout``).
+question on them, and L chosen by measurement (``cascade.readout.layer_scorer``).
 
 Collecting a train item's states costs about L/N of a teacher pass (its decodes stop at L). With
 ``layer="auto"`` the states of every candidate layer come from one pass stopped at the deepest,
@@ -21,18 +21,19 @@ from typing import Literal
 import numpy as np
 from tqdm import tqdm
 
-from cascade.bundle import BundleFile
-from cascade.calibration_math import CERTIFIED_SCORE, threshold_score
-from cascade.cost import ModelShape
+from cascade.bundle.manifest import BundleFile
+from cascade.bundle.sections import LayerCandidate
+from cascade.cost.roofline import ModelShape
 from cascade.errors import CascadeError, InputTooLongError
 from cascade.heads import SoftmaxHead, save_heads
-from cascade.layer_readout import LayerScorer, LetterLens, Reader, normalized
 from cascade.pins import ModelFile
-from cascade.placement import Placement, say_once
 from cascade.questions import OPTION_LETTERS, DecisionRequest, Question, State
-from cascade.readout import branch_slots
-from cascade.sections import LayerCandidate
-from cascade.tier_specs import HeadInfo, MidLayerTier
+from cascade.readout.layer_scorer import LayerScorer, LetterLens, Reader, normalized
+from cascade.readout.placement import Placement, say_once
+from cascade.readout.scorer import branch_slots
+from cascade.thresholds import CERTIFIED_SCORE, threshold_score
+from cascade.tiers.base import HeadInfo
+from cascade.tiers.mid_layer import MidLayerSpec
 from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
 
 MID_HEADS_NAME = "mid_layer_heads.npz"
@@ -82,7 +83,7 @@ def candidate_layers(n_layer: int) -> list[int]:
 def train_mid_layer(config: MidLayerConfig, model: Path, questions: Mapping[str, Question],
                     labels: Labels, states: Mapping[str, State], train: Sequence[str],
                     stage: Path, C: float, progress: bool = True
-                    ) -> tuple[MidLayerTier, list[LayerCandidate]]:
+                    ) -> tuple[MidLayerSpec, list[LayerCandidate]]:
     """The tier's spec (its heads saved into ``stage``) and, with ``auto``, every candidate's score
     (the manifest's ``training.mid_layer``)."""
     ids = _sampled(train, config.max_items)
@@ -93,8 +94,8 @@ def train_mid_layer(config: MidLayerConfig, model: Path, questions: Mapping[str,
     asked, skipped = _askable(questions, labels, ids, config.reader)
 
     def spec(layer: int, heads_file: BundleFile | None = None, heads: dict[str, HeadInfo] | None = None
-             ) -> MidLayerTier:
-        return MidLayerTier(name=config.name, model=ModelFile.of(model), layer=layer, n_layer=n_layer,
+             ) -> MidLayerSpec:
+        return MidLayerSpec(name=config.name, model=ModelFile.of(model), layer=layer, n_layer=n_layer,
                             reader=config.reader, n_ctx=config.n_ctx, placement=config.placement,
                             heads_file=heads_file, heads=heads or {})
 

@@ -1,6 +1,6 @@
 """A fine-tuned encoder body to the int8 ONNX file the fast tier serves, checked against itself.
 
-The served file must look to ``cascade.encoder.Encoder`` exactly like the shipped MiniLM: inputs
+The served file must look to ``cascade.encoder.onnx_encoder.Encoder`` exactly like the shipped MiniLM: inputs
 ``input_ids``, ``attention_mask``, ``token_type_ids``; first output per-token hidden states
 (batch, sequence, 384). Dynamic int8 quantization (weights int8, activations quantized per call)
 is what made the shipped model fast on CPU; it moves vectors a little, so the int8 file is
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from cascade.encoder import Encoder, EncoderFiles
-from cascade.sections import EncoderParity
+from cascade.bundle.sections import EncoderParity
+from cascade.encoder.onnx_encoder import Encoder, EncoderFiles
 from distill.finetune_base import FinetuneError, import_torch
 
 OPSET = 17

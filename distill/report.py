@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cascade.bundle import Bundle
-from cascade.tierkinds import kind_of
+from cascade.bundle.manifest import Bundle
+from cascade.tiers.kinds import kind_of
 from distill.calibration.results import CalibrationResult, QuestionTier
 from distill.report_figures import ReportFigure, draw_figures, tier_seconds
 

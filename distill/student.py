@@ -16,7 +16,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import BertConfig, BertModel
 
-from cascade.encoder import load_tokenizer
+from cascade.encoder.onnx_encoder import load_tokenizer
 from distill.finetune_base import Targets, float_minilm
 
 Wanted = dict[str, tuple[torch.Tensor, torch.Tensor]]

@@ -2,7 +2,7 @@
 
 Each labelled state is embedded once (through the embedding cache, so retraining with another C
 or another question re-embeds nothing) and every question's head reads that same vector, with
-the state's hashed word n-grams beside it unless ``ngrams=False`` (cascade.ngrams). Heads
+the state's hashed word n-grams beside it unless ``ngrams=False`` (cascade.encoder.ngrams). Heads
 learn the teacher's full distributions, only from the "train" part of the split; the
 "calibration" part gives an honest held-out agreement now and the thresholds later.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cascade.bundle import (
+from cascade.bundle.manifest import (
     HEADS_NAME,
     MANIFEST_NAME,
     NGRAMS_NAME,
@@ -32,20 +32,24 @@ from cascade.bundle import (
     SplitInfo,
     TeacherInfo,
 )
+from cascade.bundle.sections import FinetuneSection, LayerCandidate, TrainingSection
 from cascade.checks import is_finite
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
-from cascade.encoder import EmbeddingCache, Encoder, EncoderFiles
+from cascade.encoder.familiar import GATE_NAME, QUANTILE, FamiliarityGate
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles
 from cascade.errors import CascadeError
-from cascade.familiar import GATE_NAME, QUANTILE, FamiliarityGate
 from cascade.hashing import file_sha256
 from cascade.heads import Matrix, SoftmaxHead, save_heads
-from cascade.ngrams import NgramFeatures, beside
 from cascade.pins import write_json_file
-from cascade.placement import Placement
-from cascade.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of, render_state
 from cascade.questions import Question
-from cascade.sections import FinetuneSection, LayerCandidate, TrainingSection
-from cascade.tier_specs import EncoderTier, ExternalTier, GateInfo, GgufTier, HeadInfo, NgramInfo, Tier
+from cascade.readout.placement import Placement
+from cascade.readout.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of, render_state
+from cascade.tiers.base import HeadInfo
+from cascade.tiers.encoder import EncoderSpec, GateInfo, NgramInfo
+from cascade.tiers.external import ExternalSpec
+from cascade.tiers.gguf import GgufSpec
+from cascade.tiers.kinds import AnyTierSpec
 from distill.finetune import FinetuneConfig
 from distill.finetune_base import check_installed
 from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
@@ -87,7 +91,7 @@ def train_bundle(
     on_error: OnError = "stop",
     on_bad: Callable[[BadLine], None] | None = None,
     finetune: FinetuneConfig | None = None,
-    middle: Sequence[GgufTier] = (),
+    middle: Sequence[GgufSpec] = (),
     mid_layer: MidLayerConfig | None = None,
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
@@ -114,7 +118,7 @@ def train_bundle(
         check_installed()
     top = _top_tier(store.teacher, teacher_model, teacher_placement)
     if mid_layer is not None:
-        if not isinstance(top, GgufTier):
+        if not isinstance(top, GgufSpec):
             raise TrainError("a mid-layer tier runs the teacher's own first blocks, and this store's "
                              f"teacher is external ({store.teacher.model!r}); label with a GGUF teacher")
         layers_of(mid_layer, Path(top.model.path))
@@ -245,7 +249,7 @@ def _target_rows(qid: str, keys: list[str], labels: Labels, items: list[str]) ->
 def _manifest(
     questions: Mapping[str, Question],
     name: str,
-    tiers: list[Tier],
+    tiers: list[AnyTierSpec],
     teacher: Teacher,
     split: SplitInfo,
     training: TrainingSection,
@@ -264,20 +268,20 @@ def _manifest(
     )
 
 
-def _mid_layer(config: MidLayerConfig | None, top: Tier, questions: Mapping[str, Question],
+def _mid_layer(config: MidLayerConfig | None, top: AnyTierSpec, questions: Mapping[str, Question],
                labels: Mapping[str, Labels], texts: Mapping[str, str], parts: Mapping[str, list[str]],
-               stage: Path, C: float, progress: bool) -> tuple[list[Tier], list[LayerCandidate]]:
+               stage: Path, C: float, progress: bool) -> tuple[list[AnyTierSpec], list[LayerCandidate]]:
     """The mid-layer tier asked for (none: no config), its heads saved into ``stage``, and the
     layers ``auto`` tried; the rendered texts are the states (``render_state`` of a text is the
     text)."""
-    if config is None or not isinstance(top, GgufTier):
+    if config is None or not isinstance(top, GgufSpec):
         return [], []
     spec, sweep = train_mid_layer(config, Path(top.model.path), questions, labels, texts, parts["train"],
                                   stage, C, progress)
     return [spec], sweep
 
 
-def middle_tier(model: Path, name: str | None = None, n_ctx: int = 4096) -> GgufTier:
+def middle_tier(model: Path, name: str | None = None, n_ctx: int = 4096) -> GgufSpec:
     """A GGUF logit-readout tier for ``train_bundle(middle=...)``, pinned by sha256.
 
     Named after its file unless ``name`` is given: the name is what answers report in
@@ -289,10 +293,10 @@ def middle_tier(model: Path, name: str | None = None, n_ctx: int = 4096) -> Gguf
         raise TrainError(f"middle tier model {model} not found; give the path of a GGUF file")
     if not (isinstance(n_ctx, int) and n_ctx > 0):
         raise TrainError(f"n_ctx of a middle tier must be a whole number > 0; got {n_ctx!r}")
-    return GgufTier(name=name or model.stem, model=ModelFile.of(model), n_ctx=n_ctx)
+    return GgufSpec(name=name or model.stem, model=ModelFile.of(model), n_ctx=n_ctx)
 
 
-def _check_middle(middle: Sequence[GgufTier]) -> None:
+def _check_middle(middle: Sequence[GgufSpec]) -> None:
     names = [tier.name for tier in middle]
     for name in names:
         if name in (ENCODER_TIER, TEACHER_TIER) or names.count(name) > 1:
@@ -307,10 +311,10 @@ def _check_arguments(questions: Mapping[str, Question], C: float) -> None:
         raise TrainError(f"C (inverse regularisation strength) must be a number > 0; got {C!r}")
 
 
-def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None) -> Tier:
+def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None) -> AnyTierSpec:
     """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only."""
     if teacher.kind == "external":
-        return ExternalTier(name=TEACHER_TIER, labels=teacher.model)
+        return ExternalSpec(name=TEACHER_TIER, labels=teacher.model)
     if layout_of(teacher.prompt_version) is None:
         raise TrainError(f"the store's labels were made with prompt version "
                          f"{teacher.prompt_version!r}; this cascade prompts with {PROMPT_VERSION!r} "
@@ -327,7 +331,7 @@ def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None)
         raise TrainError(f"teacher_model {model} has sha256 {pinned.sha256}, but the store's labels "
                          f"were made by {teacher.model!r} with sha256 {teacher.model_sha256}; "
                          "give that file")
-    return GgufTier(name=TEACHER_TIER, model=pinned, placement=placement or Placement())
+    return GgufSpec(name=TEACHER_TIER, model=pinned, placement=placement or Placement())
 
 
 def _labelled_texts(
@@ -364,11 +368,11 @@ def _save_ngrams(grams: NgramFeatures | None, bundle_dir: Path) -> NgramInfo | N
 
 def _encoder_tier(
     encoder: Encoder, bundle_dir: Path, heads: dict[str, HeadInfo], ngrams: NgramInfo | None, inside: bool
-) -> EncoderTier:
+) -> EncoderSpec:
     """``inside``: the encoder model is a file of the bundle (fine-tuned for it), else shared."""
     model = (BundleFile.of(bundle_dir, encoder.files.model.name) if inside else
              ModelFile(path=str(encoder.files.model.resolve()), sha256=encoder.sha256))
-    return EncoderTier(
+    return EncoderSpec(
         name=ENCODER_TIER,
         model=model,
         tokenizer=ModelFile(path=str(encoder.files.tokenizer.resolve()),

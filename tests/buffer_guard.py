@@ -20,7 +20,7 @@ import pytest
 def no_forced_extra_buffers_in_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import llama_cpp
 
-    from cascade import llama
+    from cascade.readout import llama
 
     offences: list[str] = []
     placed: list[bool] = []  # non-empty while cascade's LlamaModel loads under the policy

@@ -9,9 +9,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cascade.bundle import Manifest, ModelFile, SplitInfo, TeacherInfo
+from cascade.bundle.manifest import Manifest, ModelFile, SplitInfo, TeacherInfo
 from cascade.pins import write_json_file
-from cascade.tier_specs import ExternalTier, GgufTier
+from cascade.tiers.external import ExternalSpec
+from cascade.tiers.gguf import GgufSpec
 
 QUESTIONS = {"urgent": {"type": "noul", "instructions": "Is this urgent?"},
              "team": {"type": "choice", "instructions": "Which team?",
@@ -27,7 +28,7 @@ def write_bundle(directory: Path, **fields: Any) -> Path:
     stand_in.write_bytes(b"not a model: the registry's stand-in kind never opens it")
     manifest = Manifest(
         name=directory.name, created_at=datetime.now(timezone.utc), questions=QUESTIONS,
-        tiers=[GgufTier(name=MIDDLE, model=ModelFile.of(stand_in)), ExternalTier(name=TOP, labels="tests")],
+        tiers=[GgufSpec(name=MIDDLE, model=ModelFile.of(stand_in)), ExternalSpec(name=TOP, labels="tests")],
         thresholds={qid: {MIDDLE: None} for qid in QUESTIONS},
         teacher=TeacherInfo(kind="external", model="tests"),
         split=SplitInfo(fractions={"train": 0.5, "calibration": 0.25, "evaluation": 0.25}, salt="s",

@@ -19,7 +19,7 @@ def gemma_path() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_scorer(gemma_path: Path) -> Iterator[object]:
-    from cascade.readout import Scorer
+    from cascade.readout.scorer import Scorer
 
     scorer = Scorer(gemma_path, n_ctx=2048, max_branches=16)
     yield scorer
@@ -29,7 +29,7 @@ def gemma_scorer(gemma_path: Path) -> Iterator[object]:
 @pytest.fixture(scope="session")
 def encoder() -> object:
     """The default MiniLM encoder on one thread (tests share two cores), loaded once."""
-    from cascade.encoder import Encoder
+    from cascade.encoder.onnx_encoder import Encoder
 
     return Encoder(threads=1)
 

@@ -16,8 +16,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from cascade.bundle import Bundle, Manifest
-from cascade.encoder import Encoder
+from cascade.bundle.manifest import Bundle, Manifest
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.questions import parse_request
 from distill.split import part_of
 from distill.store import LabelStore, Teacher, import_labels

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from cascade.bundle import Bundle, Manifest
+from cascade.bundle.manifest import Bundle, Manifest
 from cascade.hashing import file_sha256
-from cascade.prompts import PROMPT_VERSION
-from cascade.router import Cascade
+from cascade.readout.prompts import PROMPT_VERSION
+from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig, create_app
 
 KEPT, ESCALATED = "urgent", "department"

@@ -12,9 +12,9 @@ import json
 from collections.abc import Collection
 from pathlib import Path
 
-from cascade.bundle import Bundle
+from cascade.bundle.manifest import Bundle
 from cascade.corpus import load_questions
-from cascade.encoder import Encoder
+from cascade.encoder.onnx_encoder import Encoder
 from distill.store import LabelStore, Teacher, import_labels
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.train import train_bundle

@@ -24,12 +24,12 @@ from servers import KEPT, running, serving_bundle
 from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.audit.sample import AuditSampler
-from cascade.bundle import Bundle
+from cascade.bundle.manifest import Bundle
 from cascade.errors import CascadeError
-from cascade.router import Cascade
+from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import EngineSettings
-from cascade.tiers import Item
+from cascade.tiers.base import Item
 from distill.auditing import StoreSink, auditor_for, bundle_teacher, stored_audits
 from distill.cli import main
 from distill.store import LabelStore

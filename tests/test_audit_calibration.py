@@ -16,8 +16,8 @@ import pytest
 from corpora import HEADED, copy_bundle, read_jsonl
 
 from cascade.audit.record import AuditRecord
-from cascade.bundle import Bundle
-from cascade.encoder import Encoder
+from cascade.bundle.manifest import Bundle
+from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.maths import CalibrationError
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle

@@ -18,14 +18,14 @@ from synthbundle import copy_bundle, train, write_inputs
 from tinymodels import silence_llama_logs, tiny_llama_path
 
 from cascade.answers import DecisionResponse
-from cascade.bundle import Bundle, Manifest
-from cascade.encoder import Encoder
-from cascade.familiar import FamiliarityGate
+from cascade.bundle.manifest import Bundle, Manifest
+from cascade.encoder.familiar import FamiliarityGate
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.questions import DecisionRequest
-from cascade.readout import Scorer
-from cascade.router import Cascade
-from cascade.run import Budget
-from cascade.tiers import Item
+from cascade.readout.scorer import Scorer
+from cascade.routing.budget import Budget
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 from distill.calibration.maths import CalibrationError
 from distill.calibration.run import calibrate_bundle
 from distill.evaluate import evaluate_bundle, format_evaluation

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from corpora import HEADED
 
-from cascade.bundle import HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME, Bundle, BundleError
+from cascade.bundle.manifest import HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME, Bundle, BundleError
 from cascade.corpus import read_corpus
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.encoder.familiar import GATE_NAME
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.errors import CascadeError
-from cascade.familiar import GATE_NAME
 from cascade.hashing import file_sha256
 from cascade.heads import Matrix
-from cascade.ngrams import NgramFeatures, beside
-from cascade.prompts import render_state
-from cascade.tier_specs import EncoderTier
+from cascade.readout.prompts import render_state
+from cascade.tiers.encoder import EncoderSpec
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ def test_heads_file_must_hold_the_heads_the_manifest_names(copy: Path) -> None:
 def test_verify_false_skips_the_hash_checks(copy: Path) -> None:
     edit_manifest(copy, _repoint_encoder)
     bundle = Bundle.load(copy, verify=False)
-    assert isinstance(bundle.manifest.tiers[0], EncoderTier)
+    assert isinstance(bundle.manifest.tiers[0], EncoderSpec)
     assert set(bundle.heads) == set(HEADED)
 
 

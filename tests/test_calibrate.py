@@ -15,8 +15,8 @@ from scipy.optimize import brentq
 from scipy.special import softmax
 from scipy.stats import beta, binom, binomtest
 
-from cascade.calibration_math import threshold_score
 from cascade.errors import CascadeError
+from cascade.thresholds import threshold_score
 from distill.calibration.maths import (
     CalibrationError,
     apply_temperature,

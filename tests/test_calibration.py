@@ -23,13 +23,13 @@ from corpora import (
 )
 from tinymodels import silence_llama_logs, tiny_llama_path
 
-from cascade.bundle import SCHEMA_VERSION, Bundle, Manifest, ModelFile
-from cascade.encoder import Encoder
+from cascade.bundle.manifest import SCHEMA_VERSION, Bundle, Manifest, ModelFile
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import InputTooLongError
-from cascade.readout import Scorer
-from cascade.router import Cascade
-from cascade.tier_specs import GgufTier
-from cascade.tiers import Item, ReadoutTier
+from cascade.readout.scorer import Scorer
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
+from cascade.tiers.gguf import GgufSpec, GgufTier
 from distill.calibration.fits import in_temperature_part
 from distill.calibration.maths import CalibrationError
 from distill.calibration.results import FACTS, CalibrationResult, QuestionTier
@@ -223,10 +223,10 @@ def test_a_middle_tier_leaves_states_longer_than_its_context_out_and_says_so(
     scorer = Scorer(tiny_llama, n_ctx=256, n_threads=1)
     try:
         with caplog.at_level("WARNING", logger="cascade"):
-            probs, cost = score_tier(ReadoutTier("small", scorer, owned=False, passes_long=True), "gguf",
+            probs, cost = score_tier(GgufTier("small", scorer, owned=False, passes_long=True), "gguf",
                                      items, labels, questions, progress=False)
         with pytest.raises(InputTooLongError, match="holds 256"):  # the top tier: nothing above
-            ReadoutTier("teacher", scorer, owned=False).reply(items, [["urgent"]] * 3, questions)
+            GgufTier("teacher", scorer, owned=False).reply(items, [["urgent"]] * 3, questions)
     finally:
         scorer.close()
     assert set(probs["urgent"]) == {"a", "c"} and cost.states == 3
@@ -238,7 +238,7 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
     trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tiny_llama: Path, tmp_path: Path
 ) -> None:
     data = trained.manifest.model_dump()
-    small = GgufTier(name="small", model=ModelFile.of(tiny_llama), n_ctx=1024)
+    small = GgufSpec(name="small", model=ModelFile.of(tiny_llama), n_ctx=1024)
     data["tiers"] = [data["tiers"][0], small.model_dump(), data["tiers"][1]]
     bundle = Bundle(Manifest.model_validate(data), trained.directory).save(tmp_path / "b")
     scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1)
@@ -309,7 +309,7 @@ def test_a_middle_tier_that_costs_more_than_it_saves_is_taken_out(
 def gguf_topped(tmp_path_factory: pytest.TempPathFactory, trained: Bundle, tiny_llama: Path) -> Bundle:
     """The trained bundle with a runnable teacher: a pinned GGUF as its top tier."""
     data = trained.manifest.model_dump()
-    top = GgufTier(name="teacher", model=ModelFile.of(tiny_llama), n_ctx=1024)
+    top = GgufSpec(name="teacher", model=ModelFile.of(tiny_llama), n_ctx=1024)
     data["tiers"] = [data["tiers"][0], top.model_dump()]
     folder = tmp_path_factory.mktemp("gguf") / "b"
     return Bundle(Manifest.model_validate(data), trained.directory).save(folder)

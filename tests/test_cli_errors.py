@@ -15,7 +15,7 @@ from corpora import QUESTIONS_JSON, copy_bundle
 from test_router import variant
 from tinymodels import tiny_llama_path
 
-from cascade.bundle import Bundle
+from cascade.bundle.manifest import Bundle
 
 CASCADE = [sys.executable, "-m", "distill.cli"]
 

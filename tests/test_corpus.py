@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cascade.corpus import BadLine, CorpusError, count_items, load_questions, read_corpus
-from cascade.errors import CascadeError, RequestError
+from cascade.corpus import BadLine, count_items, load_questions, read_corpus
+from cascade.errors import CascadeError, CorpusError, RequestError
 
 
 def ignore(bad: BadLine) -> None:

@@ -13,10 +13,10 @@ import pytest
 from gguf import GGUFReader
 from tinymodels import LLAMA_SHAPE, QWEN35_SHAPE, tiny_llama_path, tiny_qwen35_path, tiny_vocab
 
-from cascade.cost import (
-    DEVICES,
+from cascade.cost.roofline import (
+    ROOFS,
     ModelShape,
-    cpu_device,
+    cpu_roof,
     decision_bytes,
     decision_flops,
     format_roofline,
@@ -25,7 +25,7 @@ from cascade.cost import (
     roofline,
 )
 from cascade.errors import ModelError, RequestError
-from cascade.gguf_header import read_header
+from cascade.readout.gguf_header import read_header
 
 # Qwen3.5-4B as its GGUF metadata and the background note give it: 32 blocks, every 4th full
 # attention, hidden 2560, 16 query / 4 KV heads of 256, vocabulary 248,320, about 3.5 B
@@ -144,7 +144,7 @@ def test_decision_bytes_reads_weights_once_and_kv_twice() -> None:
 
 
 def test_prefill_is_compute_bound_and_one_token_memory_bound_on_t4() -> None:
-    t4 = DEVICES["t4"]
+    t4 = ROOFS["t4"]
     prefill, single = roofline(QWEN35_4B, t4, 512), roofline(QWEN35_4B, t4, 1)
     assert prefill.bound == "compute"
     assert prefill.intensity > 5 * t4.ridge
@@ -174,24 +174,24 @@ def test_from_gguf_rejects_a_file_that_is_not_gguf(tmp_path: Path) -> None:
 
 
 def test_device_table_holds_datasheet_figures() -> None:
-    assert set(DEVICES) == {"t4", "a10", "l4", "h100", "h200"}
-    assert (DEVICES["t4"].peak_flops, DEVICES["t4"].bandwidth) == (65e12, 320e9)
-    assert DEVICES["t4"].ridge == pytest.approx(203.125)
-    assert DEVICES["h200"].bandwidth == 4.8e12
-    assert all("datasheet" in device.note for device in DEVICES.values())
+    assert set(ROOFS) == {"t4", "a10", "l4", "h100", "h200"}
+    assert (ROOFS["t4"].peak_flops, ROOFS["t4"].bandwidth) == (65e12, 320e9)
+    assert ROOFS["t4"].ridge == pytest.approx(203.125)
+    assert ROOFS["h200"].bandwidth == 4.8e12
+    assert all("datasheet" in device.note for device in ROOFS.values())
 
 
 def test_cpu_is_a_measured_device() -> None:
     for measured in (measure_cpu_flops(0.01), measure_cpu_bandwidth(0.01)):
         assert math.isfinite(measured) and measured > 0
-    cpu = cpu_device(measured_flops=1e11, measured_bandwidth=2e10)
+    cpu = cpu_roof(measured_flops=1e11, measured_bandwidth=2e10)
     assert (cpu.name, cpu.ridge) == ("cpu", 5.0)
     with pytest.raises(RequestError, match="seconds"):
         measure_cpu_flops(0)
 
 
 def test_format_roofline_shows_the_verdict(gemma: ModelShape) -> None:
-    t4 = DEVICES["t4"]
+    t4 = ROOFS["t4"]
     table = format_roofline(gemma, t4, roofline(gemma, t4, 512))
     assert "Gemma 3 270m" in table and "18 attention, 0 recurrent" in table
     assert "512 tokens" in table and "compute-bound" in table
@@ -214,7 +214,7 @@ def reference(gguf_file: Path) -> GGUFReader:
 
 
 def reader_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """What ModelShape read before cascade.gguf_header: every field but the tokenizer's and
+    """What ModelShape read before cascade.readout.gguf_header: every field but the tokenizer's and
     GGUFReader's own GGUF.* entries (version and counts, which are not metadata keys)."""
     return {key: field.contents() for key, field in reader.fields.items()
             if not key.startswith(("tokenizer.", "GGUF."))}

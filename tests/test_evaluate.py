@@ -11,10 +11,10 @@ import pytest
 from corpora import TEACHER
 from test_router import COSTS, ENCODER_MS, HEADED, TEACHER_MS, labels, texts, thresholds, trained, variant
 
-from cascade.bundle import Bundle
-from cascade.encoder import Encoder
-from cascade.ngrams import beside
-from cascade.run import Budget
+from cascade.bundle.manifest import Bundle
+from cascade.encoder.ngrams import beside
+from cascade.encoder.onnx_encoder import Encoder
+from cascade.routing.budget import Budget
 from distill.cli import main
 from distill.evaluate import Evaluation, EvaluationError, evaluate_bundle
 from distill.store import LabelStore, Teacher

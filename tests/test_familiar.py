@@ -10,12 +10,12 @@ import pytest
 from corpora import corpus_items
 from servers import KEPT, serving_bundle
 
-from cascade.bundle import Bundle
-from cascade.encoder import Encoder
+from cascade.bundle.manifest import Bundle
+from cascade.encoder.familiar import QUANTILE, FamiliarityGate
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import BundleError
-from cascade.familiar import QUANTILE, FamiliarityGate
-from cascade.router import Cascade
-from cascade.tiers import Item
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 from distill.calibration.scoring import score_tier
 
 NONSENSE = ["zxq 0x7f3a ## ## ||| 9f8e7d6c5b4a3928 qwv", "SELECT * FROM users WHERE id = 42;",

@@ -27,12 +27,12 @@ pytest.importorskip("transformers")
 
 from corpora import HEADED, QUESTIONS, copy_bundle, corpus_items, train
 
-from cascade.bundle import SCHEMA_VERSION, Bundle, BundleError, BundleFile
-from cascade.encoder import EmbeddingCache, Encoder, default_encoder_files
-from cascade.onnx_header import weight_precision, weight_types
-from cascade.router import Cascade
-from cascade.tierkinds import RouterError
-from cascade.tiers import Item
+from cascade.bundle.manifest import SCHEMA_VERSION, Bundle, BundleError, BundleFile
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, default_encoder_files
+from cascade.encoder.onnx_header import weight_precision, weight_types
+from cascade.errors import RouterError
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 from distill.calibration.run import calibrate_bundle
 from distill.finetune import FinetuneConfig, finetune_body
 from distill.finetune_base import FinetuneError, Targets
@@ -115,7 +115,7 @@ def test_a_fine_tuned_export_gives_a_text_the_same_vector_alone_and_in_any_batch
 
 
 def test_the_exports_weight_types_are_read_as_the_onnx_package_reads_them(tuned_bundle: Bundle) -> None:
-    """``cascade.onnx_header`` walks the protobuf itself (the runtime has no ``onnx``): checked
+    """``cascade.encoder.onnx_header`` walks the protobuf itself (the runtime has no ``onnx``): checked
     here, where the fine-tune's extra brings ``onnx``, on a file the project wrote."""
     import onnx
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from synthbundle import copy_bundle, corpus_ids, train, write_inputs
 
-from cascade.bundle import Bundle
-from cascade.encoder import Encoder
+from cascade.bundle.manifest import Bundle
+from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.maths import CalibrationError
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle

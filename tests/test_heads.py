@@ -9,7 +9,7 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.linear_model import LogisticRegression
 
-from cascade.encoder import Encoder
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import ModelError
 from cascade.heads import HeadStack, SoftmaxHead, load_heads, save_heads
 from distill.synthetic import generate

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 from tinymodels import tiny_llama_path
 
-from cascade.corpus import CorpusError
-from cascade.errors import InputTooLongError
-from cascade.prompts import PROMPT_VERSION
+from cascade.errors import CorpusError, InputTooLongError
 from cascade.questions import parse_request
-from cascade.readout import HeadTailExcerpt, Scorer
+from cascade.readout.prompts import PROMPT_VERSION
+from cascade.readout.scorer import HeadTailExcerpt, Scorer
 from distill.cli import main
 from distill.label import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore, StoreMismatchError

@@ -18,7 +18,7 @@ import pytest
 from test_label import QUESTIONS, ROOT, stored_rows, write_corpus, write_questions
 
 from cascade.errors import InputTooLongError
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
 from distill.cli import main
 from distill.label import label_corpus, open_teacher, teacher_of, teacher_of_file
 from distill.label_ray import (

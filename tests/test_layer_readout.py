@@ -13,11 +13,11 @@ import pytest
 from tinymodels import LLAMA_SHAPE, QWEN35_SHAPE, silence_llama_logs, write_tiny_llama, write_tiny_qwen35
 
 from cascade.errors import ModelError, RequestError
-from cascade.layer_readout import LayerScorer, LetterLens, normalized
-from cascade.layer_tap import LayerTap
-from cascade.llama import ContextConfig, LlamaContext, LlamaModel
 from cascade.questions import DecisionRequest, parse_request
-from cascade.readout import Scorer
+from cascade.readout.layer_scorer import LayerScorer, LetterLens, normalized
+from cascade.readout.layer_tap import LayerTap
+from cascade.readout.llama import ContextConfig, LlamaContext, LlamaModel
+from cascade.readout.scorer import Scorer
 
 REQUEST = parse_request({
     "state": "The committee approved the budget after a long debate about roads and schools.",

@@ -82,3 +82,42 @@ def _import_cycles() -> list[list[str]]:
 
 def test_no_two_modules_import_each_other() -> None:
     assert _import_cycles() == []
+
+
+def test_the_public_surface_imports_every_name_it_lists_without_loading_models() -> None:
+    """``from cascade import Cascade, ...``: every listed name resolves; ``import cascade`` alone
+    starts neither llama.cpp nor ONNX Runtime (the command line's --help stays fast)."""
+    code = ("import sys, cascade\nheavy = [m for m in ('llama_cpp', 'onnxruntime') if m in sys.modules]\n"
+            "assert not heavy, heavy\nassert sorted(cascade.__all__) == sorted(cascade._HOMES)\n"
+            "for name in cascade.__all__:\n    assert getattr(cascade, name) is not None, name\n"
+            "from cascade import Budget, Cascade, parse_request\nprint(Cascade.__module__)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cascade.routing.router"
+
+
+ROOMS = {"readout": 1, "encoder": 1, "cost": 2, "tiers": 3, "bundle": 4, "routing": 5, "audit": 6, "serve": 7}
+"""cascade's rooms, lowest first: a room imports only rooms below it and the top-level modules
+(wire types, errors, heads, thresholds), which import no room. Two rooms of one floor never meet."""
+
+
+def _room(module: str) -> tuple[str, int]:
+    if module == "cascade":
+        return "the public surface", len(ROOMS) + 1  # re-exports from every room
+    parts = module.split(".")
+    room = parts[1] if len(parts) > 2 else "top"
+    return room, ROOMS.get(room, 0)
+
+
+def test_rooms_import_only_rooms_below_them() -> None:
+    paths = {_module_name(path): path for path in _modules("cascade")}
+    wrong = []
+    for name, path in paths.items():
+        room, floor = _room(name)
+        for other in sorted(_imported(path) & set(paths)):
+            other_room, other_floor = _room(other)
+            if other_room != room and other_floor >= floor:
+                wrong.append(f"{name} ({room}) imports {other} ({other_room})")
+    assert set(ROOMS) == {p.name for p in (ROOT / "cascade").iterdir() if (p / "__init__.py").is_file()}
+    assert wrong == []

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from corpora import QUESTIONS, copy_bundle, train, write_training_inputs
 
-from cascade.bundle import Bundle, Manifest
-from cascade.encoder import Encoder
+from cascade.bundle.manifest import Bundle, Manifest
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.heads import SoftmaxHead, load_heads
-from cascade.layer_readout import LetterLens, normalized
-from cascade.placement import Placement
 from cascade.questions import DecisionRequest
-from cascade.router import Cascade
-from cascade.tier_specs import MidLayerTier
-from cascade.tiers import Item, LayerTier
+from cascade.readout.layer_scorer import LetterLens, normalized
+from cascade.readout.placement import Placement
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
+from cascade.tiers.mid_layer import MidLayerSpec, MidLayerTier
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
 from distill.label import teacher_of_file
@@ -63,7 +63,7 @@ def test_training_pins_the_teachers_blocks_and_fits_heads_on_them(bundle: Bundle
     names = [tier.name for tier in bundle.manifest.tiers]
     assert names == ["encoder", "mid-layer", "teacher"]
     spec = bundle.manifest.tiers[1]
-    assert isinstance(spec, MidLayerTier)
+    assert isinstance(spec, MidLayerSpec)
     assert (spec.layer, spec.n_layer, spec.reader) == (LAYER, 18, "head")
     assert spec.model.sha256 == bundle.manifest.tiers[2].model.sha256  # type: ignore[union-attr]
     assert spec.heads_file is not None
@@ -87,7 +87,7 @@ def test_a_routed_answer_is_the_tiers_own_reading_of_the_batch_calibration_reads
     with Cascade.load(directory, labels=labels_of(inputs[1]), cache_dir=embedding_cache,
                       placement=ONE_THREAD) as cascade:
         tier = cascade.tiers[1]
-        assert isinstance(tier, LayerTier)
+        assert isinstance(tier, MidLayerTier)
         for item, response in zip(items, cascade.decide_batch(items, None, ["urgent"]), strict=True):
             answer = response.answers["urgent"]
             assert answer.routing.tier == "mid-layer"
@@ -133,12 +133,12 @@ def test_the_lens_reader_needs_no_training_and_reads_the_models_letters(
     lensed = train(*inputs, tmp_path / "lens", encoder, embedding_cache, teacher_model=gemma_path,
                    mid_layer=MidLayerConfig(layer=LAYER, reader="lens"))
     spec = lensed.manifest.tiers[1]
-    assert isinstance(spec, MidLayerTier) and spec.reader == "lens" and spec.heads_file is None
+    assert isinstance(spec, MidLayerSpec) and spec.reader == "lens" and spec.heads_file is None
     directory = kept_at(lensed, tmp_path / "v", {"urgent": {"encoder": None, "mid-layer": 0.0}})
     with Cascade.load(directory, labels=labels_of(inputs[1]), cache_dir=embedding_cache,
                       placement=ONE_THREAD) as cascade:
         tier = cascade.tiers[1]
-        assert isinstance(tier, LayerTier)
+        assert isinstance(tier, MidLayerTier)
         state = "Our payment system is down and customers cannot check out."
         answer = cascade.decide_batch([Item("x", state)], None, ["urgent"])[0].answers["urgent"]
         read = tier.scorer.states(DecisionRequest(state=state, questions=dict(cascade.questions)))

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from cascade.encoder.ngrams import NgramFeatures, beside
 from cascade.errors import ModelError
 from cascade.heads import SoftmaxHead
-from cascade.ngrams import NgramFeatures, beside
 
 TRAIN = ["free prize now", "call me now", "see you at noon", "free entry, call now"]
 

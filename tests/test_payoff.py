@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cascade.pricing import TierCost as PriceCost
-from cascade.pricing import TierPricing, estimate_tokens
+from cascade.cost.pricing import TierCost as PriceCost
+from cascade.cost.pricing import TierPricing, estimate_tokens
 from cascade.questions import NoulQuestion
-from cascade.tiers import Item
+from cascade.tiers.base import Item
 from distill.calibration.fits import Fit
 from distill.calibration.payoff import tier_payoffs
 from distill.calibration.results import QuestionTier, TierCost

@@ -19,11 +19,12 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from cascade import llama
-from cascade.encoder import Encoder
+from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import ModelError
 from cascade.hashing import file_sha256
-from cascade.placement import (
+from cascade.questions import parse_request
+from cascade.readout import llama
+from cascade.readout.placement import (
     EXTRA_BUFFERS_ENV,
     Placement,
     for_tier,
@@ -32,16 +33,15 @@ from cascade.placement import (
     system_info,
     use_extra_buffers,
 )
-from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
 
 AMX_LINE = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
 AVX512_LINE = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
 PLAIN_LINE = "CPU : SSE3 = 1 | AVX2 = 1 | LLAMAFILE = 1 | REPACK = 1 |"
 ONE_DECODE = """
-from cascade.llama import default_gguf_path
+from cascade.readout.llama import default_gguf_path
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
 scorer = Scorer(default_gguf_path(), n_ctx=512, max_branches=2, n_threads=1)
 request = parse_request({"state": "The capital of France is Paris.",
                          "questions": {"q": {"type": "noul", "instructions": "Is this about France?"}}})
@@ -56,9 +56,9 @@ REQUEST = parse_request(REQUEST_BODY)
 BUFFERS_CHILD = """
 import json, sys
 from cascade.errors import ModelError
-from cascade.llama import default_gguf_path
+from cascade.readout.llama import default_gguf_path
 from cascade.questions import parse_request
-from cascade.readout import Scorer
+from cascade.readout.scorer import Scorer
 try:
     scorer = Scorer(default_gguf_path(), n_ctx=512, max_branches=4, n_threads=1, extra_buffers=sys.argv[1])
 except ModelError as error:
@@ -79,7 +79,7 @@ def test_one_real_decode_with_the_default_settings_survives() -> None:
         name = signal.Signals(-result.returncode).name
         pytest.fail(f"llama.cpp crashed ({name}) in one default decode of gemma-3-270m on this CPU "
                     f"({system_info().strip()}); if it reports AMX, extra buffer types are the "
-                    f"known cause: check cascade.placement's policy, or set {EXTRA_BUFFERS_ENV}=off. "
+                    f"known cause: check cascade.readout.placement's policy, or set {EXTRA_BUFFERS_ENV}=off. "
                     f"stderr: {result.stderr[-2000:]}")
     assert result.returncode == 0, result.stderr
     ran_on, total = result.stdout.strip().splitlines()[-2:]
@@ -151,7 +151,7 @@ def test_the_environment_sets_extra_buffers_either_way(monkeypatch: pytest.Monke
 
 
 def test_the_amx_policy_is_said_once_on_stderr() -> None:
-    code = ("from cascade.placement import use_extra_buffers\n"
+    code = ("from cascade.readout.placement import use_extra_buffers\n"
             f"for _ in range(3): use_extra_buffers(None, {AMX_LINE!r})\n")
     env = {k: v for k, v in os.environ.items() if k != EXTRA_BUFFERS_ENV}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -270,7 +270,7 @@ def test_cli_score_refuses_gpu_layers_on_a_cpu_build(tmp_path: Path) -> None:
 
 GUARDED = """
 import llama_cpp
-from cascade.llama import LlamaModel, default_gguf_path
+from cascade.readout.llama import LlamaModel, default_gguf_path
 
 
 def test_forced_in_process():

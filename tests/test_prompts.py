@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cascade.pricing import TierCost, TierPricing
-from cascade.prompts import (
+from cascade.cost.pricing import TierCost, TierPricing
+from cascade.questions import OPTION_LETTERS, parse_request
+from cascade.readout.prompts import (
     FINALISTS_HEADING,
     LAYOUTS,
     PROMPT_VERSION,
@@ -20,7 +21,6 @@ from cascade.prompts import (
     question_blocks,
     template_sha256,
 )
-from cascade.questions import OPTION_LETTERS, parse_request
 
 
 def choice(n: int) -> object:

@@ -19,10 +19,10 @@ from tinymodels import tiny_llama_path, tiny_qwen35_path
 from cascade.answers import DecisionResponse
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
-from cascade.orders import balanced_orders
-from cascade.prompts import PROMPT_VERSION, PromptTemplate
 from cascade.questions import parse_request
-from cascade.readout import HeadTailExcerpt, Scorer
+from cascade.readout.orders import balanced_orders
+from cascade.readout.prompts import PROMPT_VERSION, PromptTemplate
+from cascade.readout.scorer import HeadTailExcerpt, Scorer
 from distill.cli import main
 
 PATH_TOLERANCE = 0.15

@@ -12,8 +12,8 @@ import pytest
 from corpora import HEADED, copy_bundle
 from test_calibration import FLOPS, calibrate
 
-from cascade.bundle import Bundle
-from cascade.encoder import Encoder
+from cascade.bundle.manifest import Bundle
+from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.results import CalibrationResult
 from distill.cli import build_parser, main
 from distill.report import write_report

@@ -21,18 +21,18 @@ from corpora import HEADED
 from tinymodels import tiny_llama_path
 
 from cascade.answers import DecisionResponse
-from cascade.bundle import Bundle, Manifest, ModelFile
-from cascade.calibration_math import TemperatureError, apply_temperature, threshold_score
-from cascade.cost import ModelShape, decision_flops
-from cascade.errors import InputTooLongError, ModelError, RequestError
+from cascade.bundle.manifest import Bundle, Manifest, ModelFile
+from cascade.cost.pricing import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
+from cascade.cost.roofline import ModelShape, decision_flops
+from cascade.errors import InputTooLongError, ModelError, RequestError, RouterError, TemperatureError
 from cascade.hashing import file_sha256
-from cascade.placement import Placement
-from cascade.pricing import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
-from cascade.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, PromptTemplate
 from cascade.questions import DecisionRequest
-from cascade.router import Cascade, RouterError
-from cascade.run import Budget
-from cascade.tiers import Item
+from cascade.readout.placement import Placement
+from cascade.readout.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, PromptTemplate
+from cascade.routing.budget import Budget
+from cascade.routing.router import Cascade
+from cascade.thresholds import apply_temperature, threshold_score
+from cascade.tiers.base import Item
 from distill.cli import main
 from distill.store import LabelStore
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from bundles import MIDDLE, manifest_json, write_bundle
 
-from cascade.bundle import Bundle, BundleError
-from cascade.sections import CalibrationSection, TrainingSection
+from cascade.bundle.manifest import Bundle, BundleError
+from cascade.bundle.sections import CalibrationSection, TrainingSection
 
 COSTS = {MIDDLE: {"seconds_per_state": 0.002, "seconds_per_token": 1e-5}}
 TRAINING = {"C": 1.0, "ngrams": True, "min_train_labels": 10, "labelled_items": 40, "new_embeddings": 0,

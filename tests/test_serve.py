@@ -29,8 +29,8 @@ from schemathesis.checks import not_a_server_error
 from servers import ESCALATED, KEPT, free_port, running, serving_bundle
 
 from cascade.answers import DecisionResponse
-from cascade.bundle import Bundle
-from cascade.router import Cascade
+from cascade.bundle.manifest import Bundle
+from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import EngineSettings
 
@@ -382,7 +382,7 @@ def test_without_the_serve_extra_routing_works_and_serve_says_how_to_install_it(
     bundle_dir: Path, tmp_path: Path
 ) -> None:
     route = BLOCK_SERVE_EXTRA + (
-        "from cascade.router import Cascade\n"
+        "from cascade.routing.router import Cascade\n"
         f"with Cascade.load({str(bundle_dir)!r}, labels={{'urgent': {{}}, 'department': {{}}}}) as c:\n"
         f"    print(c.decide({STATE!r}, questions=['urgent']).answers['urgent'].routing.tier)\n")
     done = subprocess.run([sys.executable, "-c", route], capture_output=True, text=True)

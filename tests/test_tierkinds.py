@@ -17,13 +17,15 @@ import pytest
 from bundles import MIDDLE, TOP, write_bundle
 
 from cascade.answers import ChoiceAnswer, NoulAnswer
-from cascade.bundle import Bundle
-from cascade.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens
+from cascade.bundle.manifest import Bundle
+from cascade.cost.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens
+from cascade.errors import RouterError
 from cascade.questions import Question
-from cascade.router import Cascade, RouterError
-from cascade.tier_specs import TIER_SPECS, GgufTier
-from cascade.tierkinds import KINDS, Build, GgufKind, TierKind, kind_of, register
-from cascade.tiers import Answers, Asked, Item, LabelsTier, Tier
+from cascade.routing.router import Cascade
+from cascade.tiers.base import KINDS, Answers, Asked, Build, Item, Tier, TierKind, register
+from cascade.tiers.gguf import GgufKind, GgufSpec
+from cascade.tiers.kinds import TIER_SPECS, kind_of
+from cascade.tiers.labels import LabelsTier
 
 FLOPS = 1e9
 ROWS = {"urgent": [0.9, 0.1], "team": [0.55, 0.45]}
@@ -59,17 +61,17 @@ class Constant(Tier):
         self.closed = True
 
 
-class ConstantKind(TierKind[GgufTier]):
-    spec = GgufTier
+class ConstantKind(TierKind[GgufSpec]):
+    spec = GgufSpec
 
     def __init__(self) -> None:
         self.built: list[Constant] = []
 
-    def build(self, spec: GgufTier, bundle: Bundle, build: Build, top: bool) -> Tier:
+    def build(self, spec: GgufSpec, bundle: Bundle, build: Build, top: bool) -> Tier:
         self.built.append(Constant(spec.name))
         return self.built[-1]
 
-    def weights(self, spec: GgufTier) -> tuple[float, str]:
+    def weights(self, spec: GgufSpec) -> tuple[float, str]:
         return 5e5, "stand-in"
 
 

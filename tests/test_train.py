@@ -28,13 +28,14 @@ from corpora import (
 )
 from tinymodels import tiny_llama_path
 
-from cascade.bundle import NGRAMS_NAME, Bundle
-from cascade.encoder import EmbeddingCache, Encoder
+from cascade.bundle.manifest import NGRAMS_NAME, Bundle
+from cascade.encoder.ngrams import NgramFeatures, beside
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.hashing import file_sha256
-from cascade.ngrams import NgramFeatures, beside
-from cascade.placement import Placement
-from cascade.prompts import PROMPT_VERSION
-from cascade.tier_specs import ExternalTier, GgufTier
+from cascade.readout.placement import Placement
+from cascade.readout.prompts import PROMPT_VERSION
+from cascade.tiers.external import ExternalSpec
+from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
 from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
 from distill.store import Teacher
@@ -111,7 +112,7 @@ def test_manifest_describes_the_training(bundle: Bundle, inputs: tuple[Path, Pat
     assert heads["urgent"].train_items == len(urgent & set(parts["train"])) < len(parts["train"])
     assert heads["urgent"].held_out_items == len(urgent & set(parts["calibration"]))
     assert heads["department"].held_out_items == len(parts["calibration"])
-    assert isinstance(manifest.tiers[-1], ExternalTier) and manifest.tiers[-1].labels == TEACHER.model
+    assert isinstance(manifest.tiers[-1], ExternalSpec) and manifest.tiers[-1].labels == TEACHER.model
     assert manifest.teacher.model_dump() == TEACHER.model_dump()
     assert manifest.prompt_version == PROMPT_VERSION
     assert all(manifest.threshold(q, "encoder") is None for q in QUESTIONS)
@@ -175,7 +176,7 @@ def test_gguf_teacher_becomes_a_pinned_top_tier(
     bundle = train(corpus, store, tmp_path / "b", encoder, cache_dir, teacher_model=model,
                    teacher_placement=Placement(gpu_layers=99))
     top = Bundle.load(bundle.directory).manifest.tiers[-1]
-    assert isinstance(top, GgufTier)
+    assert isinstance(top, GgufSpec)
     assert (top.model.path, top.model.sha256) == (str(model.resolve()), file_sha256(model))
     assert top.default_placement() == Placement(gpu_layers=99, n_ctx=top.n_ctx)  # the router's default
 
@@ -243,7 +244,7 @@ def test_cli_trains_a_gguf_middle_tier_that_keeps_nothing_until_calibrated(
     assert capsys.readouterr().out.splitlines()[-2] == f"tiers: encoder -> {middle.stem} -> teacher"
     manifest = Bundle.load(tmp_path / "cli").manifest
     tier = manifest.tiers[1]
-    assert isinstance(tier, GgufTier) and (tier.name, tier.n_ctx) == (middle.stem, 512)
+    assert isinstance(tier, GgufSpec) and (tier.name, tier.n_ctx) == (middle.stem, 512)
     assert tier.model.sha256 == file_sha256(middle)
     assert all(manifest.threshold(qid, middle.stem) is None for qid in manifest.questions)
     assert main([*args, "--middle", str(middle), "--middle", str(middle)]) == 2

@@ -17,8 +17,8 @@ from cascade.audit.record import AuditRecord, AuditSink, certified_answers
 from cascade.audit.sample import AuditSampler
 from cascade.audit.watch import DriftWatch, OnDrift
 from cascade.errors import CascadeError
-from cascade.router import Cascade
-from cascade.tiers import Item
+from cascade.routing.router import Cascade
+from cascade.tiers.base import Item
 
 log = logging.getLogger("cascade.audit")
 

@@ -1,6 +1,6 @@
 """``cascade serve``: a bundle's cascade behind a System One HTTP endpoint.
 
-A room of its own, on top of the router: ``wire`` reads request bodies (size limit, gzip and zstd,
+A room of its own, on top of the router: ``transport`` reads request bodies (size limit, gzip and zstd,
 errors in the shapes clients parse), ``matching`` finds a request's questions among the bundle's
 by content, ``engine`` routes requests on one worker thread per tier (requests that arrive together
 share a batch; a request the encoder answers never waits behind another's escalation; the top

@@ -34,12 +34,12 @@ from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
 from cascade.errors import CascadeError, InputTooLongError, RequestError
 from cascade.questions import DecisionRequest, load_json, parse_request
-from cascade.router import Cascade
-from cascade.run import Budget
+from cascade.routing.budget import Budget
+from cascade.routing.router import Cascade
 from cascade.serve.engine import Engine, EngineSettings
 from cascade.serve.matching import Matched, QuestionIndex
 from cascade.serve.metrics import CONTENT_TYPE, ServerMetrics
-from cascade.serve.wire import DEFAULT_MAX_BODY, HttpProblem, error_body, problems, read_body, request_id
+from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem, error_body, problems, read_body, request_id
 
 log = logging.getLogger("cascade.serve")
 LOADING_RETRY_AFTER = "5"

@@ -39,12 +39,12 @@ from typing import Literal
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
 from cascade.questions import State
-from cascade.router import Cascade
-from cascade.run import Budget, Run
+from cascade.routing.budget import Budget, Run
+from cascade.routing.router import Cascade
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
-from cascade.serve.wire import HttpProblem
-from cascade.tiers import Item
+from cascade.serve.transport import HttpProblem
+from cascade.tiers.base import Item
 
 log = logging.getLogger("cascade.serve")
 Overload = Literal["refuse", "keep"]

@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cascade.answers import Answer, Audit, DecisionResponse, Routing, Usage
-from cascade.calibration_math import threshold_score
-from cascade.prompts import letters_sha256, template_sha256
 from cascade.questions import Question
-from cascade.router import Cascade
+from cascade.readout.prompts import letters_sha256, template_sha256
+from cascade.routing.router import Cascade
 from cascade.serve.matching import Matched
-from cascade.tiers import Item
+from cascade.thresholds import threshold_score
+from cascade.tiers.base import Item
 
 
 @dataclass(frozen=True)

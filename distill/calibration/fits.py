@@ -2,7 +2,7 @@
 
 Per (question, tier): the temperature on a part of the items picked by a hash of their id
 (TEMPERATURE_SHARE), its reliability on the rest; the threshold on the RAW score the router
-compares (``cascade.calibration_math.CERTIFIED_SCORE``: the top probability's margin), certified
+compares (``cascade.thresholds.CERTIFIED_SCORE``: the top probability's margin), certified
 on all of them (``maths.threshold_for_agreement``), or in budget mode set on the items
 that reach the tier (``maths.threshold_for_budget``); the coverage curve and the confusion
 matrix the report draws. Then each question's items are routed through the new thresholds to
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cascade.calibration_math import CERTIFIED_SCORE, threshold_score
+from cascade.thresholds import CERTIFIED_SCORE, threshold_score
 from distill.calibration.inputs import Labels
 from distill.calibration.maths import (
     ThresholdResult,

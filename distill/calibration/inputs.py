@@ -18,11 +18,11 @@ from typing import Literal
 
 import numpy as np
 
-from cascade.bundle import Manifest, SplitInfo
+from cascade.bundle.manifest import Manifest, SplitInfo
+from cascade.bundle.sections import AuditSpan
 from cascade.corpus import BadLine, OnError, read_corpus
 from cascade.questions import Question
-from cascade.sections import AuditSpan
-from cascade.tiers import Item
+from cascade.tiers.base import Item
 from distill.calibration.maths import CalibrationError
 from distill.split import part_of
 from distill.store import LabelStore

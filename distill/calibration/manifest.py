@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from cascade.bundle import SCHEMA_VERSION, Manifest
-from cascade.calibration_math import CERTIFIED_SCORE
-from cascade.sections import CalibrationSection, MeasuredCost, QuestionFacts, ReplayShares
+from cascade.bundle.manifest import SCHEMA_VERSION, Manifest
+from cascade.bundle.sections import CalibrationSection, MeasuredCost, QuestionFacts, ReplayShares
+from cascade.thresholds import CERTIFIED_SCORE
 from distill.calibration.fits import TEMPERATURE_SALT
 from distill.calibration.results import CalibrationResult
 

@@ -1,7 +1,7 @@
 """The maths of calibration: temperature scaling, and thresholds with a finite-sample guarantee.
 
 A tier answers a question when its confidence (a score of its raw probabilities: the router's
-``cascade.calibration_math.threshold_score``) clears that question's threshold; otherwise the
+``cascade.thresholds.threshold_score``) clears that question's threshold; otherwise the
 question escalates, and the last tier, the teacher, always answers. Only answers a tier *keeps*
 can disagree with the teacher, so for a threshold ``t`` the cascade's disagreement on an item is
 the loss ``1{confidence >= t and the tier is wrong}``, and the cascade agreement is one minus
@@ -26,10 +26,9 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 from scipy.stats import beta
 
-from cascade.calibration_math import TemperatureError
-from cascade.calibration_math import apply_temperature as runtime_temperature
 from cascade.checks import is_finite, is_integer, is_real
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, TemperatureError
+from cascade.thresholds import apply_temperature as runtime_temperature
 
 ROW_SUM_TOLERANCE = 1e-4
 TEMPERATURE_BOUNDS = (0.05, 20.0)
@@ -107,7 +106,7 @@ def fit_temperature(
 def apply_temperature(scores: Any, temperature: float, *, kind: ScoreKind = "probs") -> np.ndarray:
     """``softmax(log p / T)`` (or ``softmax(logits / T)``): rows sum to 1, argmax unchanged.
 
-    Probabilities go through the router's own formula (``cascade.calibration_math``), so that a
+    Probabilities go through the router's own formula (``cascade.thresholds``), so that a
     threshold set here is compared with exactly the numbers the router computes.
     """
     if kind == "probs":

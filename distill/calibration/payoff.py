@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from cascade.pricing import TierPricing
-from cascade.prompts import render_state
+from cascade.bundle.sections import TierPayoff
+from cascade.cost.pricing import TierPricing
 from cascade.questions import Question
-from cascade.sections import TierPayoff
-from cascade.tiers import Item
+from cascade.readout.prompts import render_state
+from cascade.tiers.base import Item
 from distill.calibration.fits import Fit, keeps
 from distill.calibration.results import TierCost
 

@@ -1,6 +1,6 @@
 """What a calibration run decides and measures: the schemas of its result.
 
-The manifest keeps the facts of each (question, tier) (``cascade.sections.QuestionFacts``); the
+The manifest keeps the facts of each (question, tier) (``cascade.bundle.sections.QuestionFacts``); the
 result adds the figures a report draws from them (reliability and coverage curves, confusion).
 """
 
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from cascade.sections import AuditSpan, QuestionFacts, TierPayoff, dropped_tiers
+from cascade.bundle.sections import AuditSpan, QuestionFacts, TierPayoff, dropped_tiers
 from distill.calibration.inputs import Source
 
 FACTS = tuple(QuestionFacts.model_fields)
@@ -40,7 +40,7 @@ class QuestionTier(QuestionFacts):
     report draws. Lax where the manifest's facts are strict: it is made in memory, not read back.
 
     The threshold is on the tier's RAW score (the top probability's margin over the runner-up:
-    ``cascade.calibration_math.CERTIFIED_SCORE``) and is certified on all n items
+    ``cascade.thresholds.CERTIFIED_SCORE``) and is certified on all n items
     (``n_threshold``): the temperature never moves which answers are kept, so no item has to be
     set aside from the certificate for it; in budget mode ``n_threshold`` counts the items that
     reach the tier, the ones its threshold is set on and its ``kept_share`` and ``agreement``

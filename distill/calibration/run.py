@@ -8,7 +8,7 @@ from that traffic; ``"both"`` pools them, which certifies the pooled mixture and
 choose only where the two come from one distribution (``inputs``).
 
 Thresholds are on each tier's RAW probabilities reduced to one score, the top probability's lead
-over the runner-up (``cascade.calibration_math``): a score fixed before any calibration item was
+over the runner-up (``cascade.thresholds``): a score fixed before any calibration item was
 drawn, so every calibration item certifies them: the finite-sample certificate assumes exactly
 that, and a score fitted on the same items would spend part of it. The temperature only rescales
 the probabilities answers report (and orders escalations under a budget); it never moves which
@@ -35,7 +35,7 @@ teacher answers about ``F ** m`` of them; the agreement that follows is reported
 
 A GGUF middle tier is scored on every question of the bundle at once per state, through a
 scorer that decodes as many branches together as the router's: the router asks it exactly
-that batch (``cascade.router.Cascade._shape``), so the numbers certified are the ones routing
+that batch (``cascade.routing.router.Cascade._shape``), so the numbers certified are the ones routing
 reads, not those of another batch shape.
 
 A teacher that can run here (a GGUF top tier) is timed on a few calibration items the same way,
@@ -58,17 +58,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from cascade.bundle import Bundle
+from cascade.bundle.manifest import Bundle
 from cascade.checks import is_finite
 from cascade.corpus import BadLine, OnError
-from cascade.cost import measure_cpu_flops
-from cascade.encoder import Encoder
-from cascade.placement import Placements
-from cascade.pricing import TierCost as PriceCost
-from cascade.pricing import TierPricing
-from cascade.readout import Scorer
-from cascade.tierkinds import Build, RouterError, build_tiers, close_tiers, kind_of
-from cascade.tiers import Item, Tier
+from cascade.cost.pricing import TierCost as PriceCost
+from cascade.cost.pricing import TierPricing
+from cascade.cost.roofline import measure_cpu_flops
+from cascade.encoder.onnx_encoder import Encoder
+from cascade.errors import RouterError
+from cascade.readout.placement import Placements
+from cascade.readout.scorer import Scorer
+from cascade.tiers.base import Build, Item, Tier
+from cascade.tiers.kinds import build_tiers, close_tiers, kind_of
 from distill.calibration.fits import TEMPERATURE_SHARE, fit_all, replay
 from distill.calibration.inputs import (
     SOURCES,
@@ -122,7 +123,7 @@ def calibrate_bundle(
     it sees and the agreement that follows is reported. A target that cannot be certified
     leaves the threshold None and the result's message says what is reachable. ``encoder`` and
     ``scorers`` (tier name -> open Scorer) reuse loaded models; they must be the pinned files.
-    ``placement`` says where the GGUF tiers it opens run (cascade.placement).
+    ``placement`` says where the GGUF tiers it opens run (cascade.readout.placement).
     ``flops_per_second`` is this machine's throughput for roofline costs of tiers without a
     measurement (an external teacher); measured with numpy when not given. ``family_wise``
     splits ``delta`` over the questions too, so that every question meets the target at once
@@ -249,7 +250,7 @@ def _top_pricing(bundle: Bundle, measured: TierCost | None, flops_per_second: fl
 
 
 def _open(bundle: Bundle, build: Build) -> list[Tier]:
-    """The bundle's cheap tiers, built as the router builds them (``cascade.tierkinds``): a GGUF
+    """The bundle's cheap tiers, built as the router builds them (``cascade.tiers.kinds``): a GGUF
     tier's scorer decodes the batches the router's does, since the batch shape moves the numbers
     and thresholds must certify the ones routing reads. A model the caller gave that is not the
     one its tier pins is refused."""

@@ -2,7 +2,7 @@
 
 The seconds are those spent inside the tier's ``reply``, batch by batch, and are split into
 seconds per state and per token the way the router's cost model adds them up
-(``cascade.pricing``), so that the costs a budget is charged are the ones measured here.
+(``cascade.cost.pricing``), so that the costs a budget is charged are the ones measured here.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import numpy as np
 from scipy.optimize import nnls
 from tqdm import tqdm
 
-from cascade.placement import say_once
-from cascade.prompts import render_state
 from cascade.questions import Question
-from cascade.tiers import Answers, Asked, Item, Tier
+from cascade.readout.placement import say_once
+from cascade.readout.prompts import render_state
+from cascade.tiers.base import Answers, Asked, Item, Tier
 from distill.calibration.inputs import Labels
 from distill.calibration.results import TierCost
 

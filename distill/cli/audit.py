@@ -16,7 +16,7 @@ PNG."""
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from cascade.bundle import Bundle
+    from cascade.bundle.manifest import Bundle
     from distill.auditing import audit_report, plot_audit
 
     manifest = Bundle.load(args.bundle).manifest

@@ -58,7 +58,7 @@ example:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from cascade.bundle import Bundle
+    from cascade.bundle.manifest import Bundle
     from distill.calibration.run import calibrate_bundle
     from distill.report import write_report
     from distill.store import LabelStore

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cascade.errors import RequestError
-from cascade.placement import EXTRA_BUFFER_SETTINGS, Placement
+from cascade.readout.placement import EXTRA_BUFFER_SETTINGS, Placement
 
 if TYPE_CHECKING:
     from cascade.questions import DecisionRequest

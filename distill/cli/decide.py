@@ -22,9 +22,9 @@ from distill.cli.common import (
 
 if TYPE_CHECKING:
     from cascade.audit.auditor import Auditor
-    from cascade.router import Cascade
-    from cascade.run import Budget
-    from cascade.tiers import Item
+    from cascade.routing.budget import Budget
+    from cascade.routing.router import Cascade
+    from cascade.tiers.base import Item
 
 DESCRIPTION = """\
 Route every item of a JSONL corpus through a model bundle's tiers, cheapest first: a question is
@@ -45,9 +45,9 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cascade.corpus import count_items, read_corpus
-    from cascade.router import Cascade
-    from cascade.run import Budget
-    from cascade.tiers import Item
+    from cascade.routing.budget import Budget
+    from cascade.routing.router import Cascade
+    from cascade.tiers.base import Item
     from distill.auditing import auditor_for
 
     if args.batch_size < 1:

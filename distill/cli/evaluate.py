@@ -28,7 +28,7 @@ example:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from cascade.errors import RequestError
-    from cascade.run import Budget
+    from cascade.routing.budget import Budget
     from distill.evaluate import evaluate_bundle, format_evaluation
     from distill.store import LabelStore
     from distill.train import default_cache_dir

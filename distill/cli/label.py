@@ -11,7 +11,7 @@ from distill.cli.common import add_placement_arguments, whole_number
 
 if TYPE_CHECKING:
     from cascade.questions import Question
-    from cascade.readout import HeadTailExcerpt
+    from cascade.readout.scorer import HeadTailExcerpt
     from distill.label import LabelSummary
     from distill.store import ImportSummary
 
@@ -75,7 +75,7 @@ def _cmd_label(args: argparse.Namespace) -> int:
 
 def _label(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
-    from cascade.readout import HeadTailExcerpt
+    from cascade.readout.scorer import HeadTailExcerpt
 
     ray_only = [flag for flag in ("actors", "batch_size") if getattr(args, flag) is not None]
     if ray_only and not args.ray:
@@ -83,7 +83,7 @@ def _label(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions)
     excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
     if args.layout == "auto":
-        from cascade.prompts import plan_layout
+        from cascade.readout.prompts import plan_layout
 
         args.layout, why = plan_layout(list(questions.values()), args.permutations)
         print(f"layout {why}", file=sys.stderr)

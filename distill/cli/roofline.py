@@ -7,16 +7,16 @@ from pathlib import Path
 
 
 def _cmd_roofline(args: argparse.Namespace) -> int:
-    from cascade.cost import DEVICES, ModelShape, cpu_device, format_roofline, roofline
+    from cascade.cost.roofline import ROOFS, ModelShape, cpu_roof, format_roofline, roofline
 
     shape = ModelShape.from_gguf(args.model)
-    device = cpu_device() if args.device == "cpu" else DEVICES[args.device]
+    device = cpu_roof() if args.device == "cpu" else ROOFS[args.device]
     print(format_roofline(shape, device, roofline(shape, device, args.tokens)))
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from cascade.cost import DEVICES
+    from cascade.cost.roofline import ROOFS
 
     p = sub.add_parser(
         "roofline",
@@ -27,13 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "FLOPs, bytes read, arithmetic intensity against the device's ridge point, whether it "
             "is compute- or memory-bound, and the floor time. A decision is prefill only, so at "
             "realistic lengths it is compute-bound: its cost is tokens x parameters. Device peaks "
-            "are datasheet figures (cascade.cost.DEVICES); 'cpu' measures this machine."
+            "are datasheet figures (cascade.cost.roofline.ROOFS); 'cpu' measures this machine."
         ),
         epilog="example: cascade roofline --model Qwen3.5-4B-Q4_K_M.gguf --device t4 --tokens 1000",
     )
     p.add_argument("--model", type=Path, required=True, help="path of a GGUF model")
     p.add_argument(
-        "--device", choices=[*DEVICES, "cpu"], default="cpu", help="device (default: this CPU)"
+        "--device", choices=[*ROOFS, "cpu"], default="cpu", help="device (default: this CPU)"
     )
     p.add_argument("--tokens", type=int, default=512, help="prompt tokens per decision (default 512)")
     p.set_defaults(run=_cmd_roofline)

@@ -11,11 +11,11 @@ from distill.cli.common import add_placement_arguments, placement_of, read_reque
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
-    from cascade.readout import HeadTailExcerpt, Scorer
+    from cascade.readout.scorer import HeadTailExcerpt, Scorer
 
     request = read_request(args.request)
     if args.model is None:
-        from cascade.llama import default_gguf_path
+        from cascade.readout.llama import default_gguf_path
 
         args.model = default_gguf_path()
         print(f"no --model given: using the embedded {args.model.name}", file=sys.stderr)

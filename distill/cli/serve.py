@@ -50,7 +50,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise CascadeError(f'cascade serve needs the serve extra ({exc}): pip install "cascade-router[serve]"'
                            ) from None
     from cascade.audit.auditor import Auditor
-    from cascade.router import Cascade
+    from cascade.routing.router import Cascade
     from distill.auditing import StoreSink, auditor_for
 
     if not (args.bundle / "manifest.json").is_file():

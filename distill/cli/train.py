@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from distill.cli.common import add_on_error_argument, report_skipped, whole_number
 
 if TYPE_CHECKING:
-    from cascade.tier_specs import Tier
+    from cascade.tiers.kinds import AnyTierSpec
     from distill.finetune import FinetuneConfig
     from distill.mid_layer import MidLayerConfig
 
@@ -60,7 +60,7 @@ def _layer_or_auto(text: str) -> int | str:
 
 
 def _mid_layer_config(args: argparse.Namespace) -> MidLayerConfig | None:
-    from cascade.placement import Placement
+    from cascade.readout.placement import Placement
     from distill.mid_layer import MidLayerConfig, MidLayerError
 
     if args.mid_layer is None:
@@ -72,19 +72,19 @@ def _mid_layer_config(args: argparse.Namespace) -> MidLayerConfig | None:
                           placement=Placement(gpu_layers=args.teacher_gpu_layers))
 
 
-def _tier_text(tier: Tier) -> str:
+def _tier_text(tier: AnyTierSpec) -> str:
     """A tier's name, with its blocks for a mid-layer tier."""
-    from cascade.tier_specs import MidLayerTier
+    from cascade.tiers.mid_layer import MidLayerSpec
 
-    if isinstance(tier, MidLayerTier):
+    if isinstance(tier, MidLayerSpec):
         return f"{tier.name} (first {tier.layer} of {tier.n_layer} blocks, {tier.reader})"
     return tier.name
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
-    from cascade.encoder import Encoder
-    from cascade.placement import Placement
+    from cascade.encoder.onnx_encoder import Encoder
+    from cascade.readout.placement import Placement
     from distill.mid_layer import AUTO_TARGET
     from distill.store import LabelStore
     from distill.train import default_cache_dir, middle_tier, train_bundle

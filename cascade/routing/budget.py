@@ -1,6 +1,6 @@
 """A routing call's state: the budget it may spend and each question's answer so far.
 
-``cascade.router`` moves questions up the tiers; what it moves lives here, so that a server can
+``cascade.routing.router`` moves questions up the tiers; what it moves lives here, so that a server can
 hold many calls at once and hand each from one tier's worker to the next.
 """
 
@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from cascade.answers import Readout, Usage
 from cascade.checks import is_finite, is_real
-from cascade.costmodel import BatchCost
 from cascade.errors import RequestError
-from cascade.tiers import Item
+from cascade.routing.forecast import BatchCost
+from cascade.tiers.base import Item
 
 
 class Budget(BaseModel):

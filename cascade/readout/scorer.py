@@ -13,7 +13,7 @@ three decode paths run exactly the tokens of one full prompt per question:
 Nothing falls back from one path to another: the caller names the path.
 
 The prompt head (the prompt's text before the state) is decoded once and copied into each
-request's sequence 0 by ``cascade.prompt_head``; ``fresh`` never uses it.
+request's sequence 0 by ``cascade.readout.prompt_head``; ``fresh`` never uses it.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import numpy as np
 from cascade.answers import Answer, Audit, DecisionResponse, Readout, Usage
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
-from cascade.llama import ContextConfig, LlamaContext, LlamaModel
-from cascade.orders import Order, balanced_orders, unpermute
-from cascade.placement import ExtraBuffers, Placement, say_once
-from cascade.prompt_head import PromptHead, common_prefix
-from cascade.prompts import (
+from cascade.questions import OPTION_LETTERS, DecisionRequest, Question
+from cascade.readout.llama import ContextConfig, LlamaContext, LlamaModel
+from cascade.readout.orders import Order, balanced_orders, unpermute
+from cascade.readout.placement import ExtraBuffers, Placement, say_once
+from cascade.readout.prompt_head import PromptHead, common_prefix
+from cascade.readout.prompts import (
     FINALISTS_HEADING,
     Layout,
     PromptTemplate,
@@ -46,10 +47,9 @@ from cascade.prompts import (
     render_state,
     template_sha256,
 )
-from cascade.questions import OPTION_LETTERS, DecisionRequest, Question
 
-Path_ = Literal["fanout", "serial", "fresh"]
-PATHS: tuple[Path_, ...] = ("fanout", "serial", "fresh")
+DecodePath = Literal["fanout", "serial", "fresh"]
+PATHS: tuple[DecodePath, ...] = ("fanout", "serial", "fresh")
 _EXCERPT_MARK = "\n[...]\n"
 MAX_BRANCHES = 64
 
@@ -121,12 +121,12 @@ class Scorer:
     ) -> None:
         """``chat_template`` (Jinja text) replaces the one in the GGUF, e.g. for a file without one.
         ``layout``: the state before the questions (the fan-out's) or the options first
-        (``cascade.prompts``); each is its own prompt version, which every answer records.
+        (``cascade.readout.prompts``); each is its own prompt version, which every answer records.
         ``letters_per_prompt``: most options one prompt letters (16); a question of more is read
-        in two rounds (``cascade.prompts.option_groups``). Fewer is for measuring the rounds
+        in two rounds (``cascade.readout.prompts.option_groups``). Fewer is for measuring the rounds
         against one prompt (bench/option_rounds.py); the cost model prices groups of 16.
 
-        ``n_gpu_layers`` and ``extra_buffers`` place the model (cascade.placement): GPU layers on a
+        ``n_gpu_layers`` and ``extra_buffers`` place the model (cascade.readout.placement): GPU layers on a
         build without GPU offload are refused, never run on the CPU in silence. An ``n_ctx`` beyond
         the model's trained context is lowered to it, said once and recorded in :attr:`ran_on`.
         """
@@ -160,7 +160,7 @@ class Scorer:
                    extra_buffers=place.extra_buffers, layout=layout)
 
     def _context(self, config: ContextConfig) -> LlamaContext:
-        """The decoding context (``cascade.layer_readout`` adds its layer tap here)."""
+        """The decoding context (``cascade.readout.layer_scorer`` adds its layer tap here)."""
         return LlamaContext(self.model, config)
 
     def _choose_template(self, template: str, override: str | None) -> PromptTemplate:
@@ -227,7 +227,7 @@ class Scorer:
     def score(
         self,
         request: DecisionRequest,
-        path: Path_ = "fanout",
+        path: DecodePath = "fanout",
         permutations: int = 1,
         excerpt: HeadTailExcerpt | None = None,
     ) -> DecisionResponse:
@@ -340,7 +340,7 @@ class Scorer:
             f"excerpt of the state"
         )
 
-    def _read(self, branches: list[_Branch], shared: int, path: Path_, readings: _Readings | None = None,
+    def _read(self, branches: list[_Branch], shared: int, path: DecodePath, readings: _Readings | None = None,
               prefilled: bool = False) -> _Readings:
         """Read ``branches`` (into ``readings``); ``prefilled``: sequence 0 already holds the
         ``shared`` tokens (a second round), so they are not decoded again."""

@@ -3,9 +3,9 @@
 A decision often settles before the last layer. This tier reads the teacher's layer-L state at
 each question's answer position (the prompt's last token, where the teacher's letter logits
 would be read) and answers from it, at about L/N of a teacher pass: every decode stops at L
-(``cascade.layer_tap``), so no layer above L is ever computed.
+(``cascade.readout.layer_tap``), so no layer above L is ever computed.
 
-The prompts and the fan-out are the teacher's (``cascade.readout``): the state is prefilled once
+The prompts and the fan-out are the teacher's (``cascade.readout.scorer``): the state is prefilled once
 in sequence 0 (after the prompt head), copied to one branch per question, and each branch's
 suffix decoded; only the suffixes' last tokens are decoded in a batch of their own, one token per
 branch, so the tapped rows are exactly the answer positions, in branch order, whatever the model
@@ -35,11 +35,11 @@ import numpy as np
 from cascade.answers import DecisionResponse, Usage
 from cascade.errors import ModelError, RequestError
 from cascade.heads import SoftmaxHead
-from cascade.layer_tap import LayerTap
-from cascade.llama import ContextConfig, LlamaContext
-from cascade.placement import ExtraBuffers, Placement
 from cascade.questions import OPTION_LETTERS, DecisionRequest, Question
-from cascade.readout import HeadTailExcerpt, Path_, Scorer, _Branch, _shared_prefix
+from cascade.readout.layer_tap import LayerTap
+from cascade.readout.llama import ContextConfig, LlamaContext
+from cascade.readout.placement import ExtraBuffers, Placement
+from cascade.readout.scorer import DecodePath, HeadTailExcerpt, Scorer, _Branch, _shared_prefix
 
 
 def normalized(states: np.ndarray) -> np.ndarray:
@@ -109,7 +109,7 @@ class LayerScorer(Scorer):
     def ran_on(self) -> str:
         return f"{super().ran_on}, first {self.tap.layers[-1]} of {self.model.n_layer} blocks"
 
-    def score(self, request: DecisionRequest, path: Path_ = "fanout", permutations: int = 1,
+    def score(self, request: DecisionRequest, path: DecodePath = "fanout", permutations: int = 1,
               excerpt: HeadTailExcerpt | None = None) -> DecisionResponse:
         raise ModelError(f"{self.model.path.name} is decoded to block {self.tap.layers[-1]} only, "
                          "so it has no logits to read; use states()")

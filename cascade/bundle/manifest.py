@@ -8,7 +8,7 @@ referenced by name and sha256 (``cascade.pins``). Loading runs no code from the 
 manifest pinned: thresholds calibrated for one model say nothing about another.
 
 Each kind of tier declares what it pins, what it reads from the bundle folder and where in the
-cascade it may stand in ``cascade.tier_specs``; how it is built and run is in ``cascade.tierkinds``.
+cascade it may stand in its own module of ``cascade.tiers``, beside how it is built and run.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from pydantic import (
     model_validator,
 )
 
-from cascade.calibration_math import ThresholdScore
+from cascade.bundle.sections import CalibrationSection, TrainingSection
 from cascade.checks import is_int
+from cascade.encoder.ngrams import NgramFeatures
 from cascade.errors import BundleError, ModelError
-from cascade.heads import SoftmaxHead, load_heads
-from cascade.ngrams import NgramFeatures
+from cascade.heads import SoftmaxHead
 from cascade.pins import (
     BundleFile,
     ModelFile,
@@ -45,15 +45,17 @@ from cascade.pins import (
     read_json,
     write_atomically,
 )
-from cascade.prompts import PROMPT_VERSION
 from cascade.questions import Question
-from cascade.sections import CalibrationSection, TrainingSection
-from cascade.tier_specs import TIER_SPECS, EncoderTier, HeadInfo, StrictModel, Tier, TierSpec
+from cascade.readout.prompts import PROMPT_VERSION, Layout, layout_of
+from cascade.thresholds import ThresholdScore
+from cascade.tiers.base import StrictModel, TierSpec, read_heads
+from cascade.tiers.encoder import EncoderSpec
+from cascade.tiers.kinds import TIER_SPECS, AnyTierSpec
 
 SCHEMA_VERSION = 5
 VECTORS_ALONE_SCHEMA = 3
 """The first schema whose thresholds certify encoder vectors computed from each text alone
-(``cascade.encoder``); before it, an encoder with dynamic int8 activations ran in batches."""
+(``cascade.encoder.onnx_encoder``); before it, an encoder with dynamic int8 activations ran in batches."""
 MANIFEST_NAME = "manifest.json"
 HEADS_NAME = "heads.npz"
 NGRAMS_NAME = "ngrams.npz"
@@ -90,9 +92,9 @@ class Manifest(StrictModel):
     as top probabilities. Schema 3 (``VECTORS_ALONE_SCHEMA``) changes no field: its thresholds
     were certified on encoder vectors that do not depend on their batch, and the router refuses
     an older bundle whose encoder's did, until it is calibrated again. Schema 4 adds the encoder
-    tier's optional ``gate`` (``cascade.familiar``), so that an older cascade says its schema is
+    tier's optional ``gate`` (``cascade.encoder.familiar``), so that an older cascade says its schema is
     too old rather than failing on an unknown field; a bundle without one routes as before.
-    Schema 5 adds the mid-layer tier kind (``cascade.layer_readout``), for the same reason.
+    Schema 5 adds the mid-layer tier kind (``cascade.readout.layer_scorer``), for the same reason.
     """
 
     schema_version: Literal[1, 2, 3, 4, 5] = 5
@@ -100,7 +102,7 @@ class Manifest(StrictModel):
     created_at: datetime
     prompt_version: str = PROMPT_VERSION
     questions: dict[str, dict[str, Any]] = Field(min_length=1)
-    tiers: list[Tier] = Field(min_length=1)
+    tiers: list[AnyTierSpec] = Field(min_length=1)
     threshold_on: ThresholdScore = "margin"
     # question -> tier -> lowest RAW score (``threshold_on``) kept (None: never accept)
     thresholds: dict[str, dict[str, float | None]] = Field(default_factory=dict)
@@ -148,9 +150,9 @@ class Manifest(StrictModel):
         return dict(self._parsed)
 
     @property
-    def encoder_tier(self) -> EncoderTier | None:
+    def encoder_tier(self) -> EncoderSpec | None:
         first = self.tiers[0]
-        return first if isinstance(first, EncoderTier) else None
+        return first if isinstance(first, EncoderSpec) else None
 
     def threshold(self, question: str, tier: str) -> float | None:
         """Lowest confidence ``tier`` may answer ``question`` with; None means always escalate."""
@@ -158,6 +160,12 @@ class Manifest(StrictModel):
 
     def temperature(self, question: str, tier: str) -> float:
         return self.temperatures.get(question, {}).get(tier, 1.0)
+
+    def teacher_layout(self) -> Layout:
+        """The layout the bundle's labels were read with, for the teacher that answers in their
+        place (state first where the version is not one this code reads: only an accepted other
+        teacher)."""
+        return layout_of(self.teacher.prompt_version) or "state-first"
 
     def model_files(self) -> Iterator[tuple[str, ModelFile]]:
         for tier in self.tiers:
@@ -290,28 +298,23 @@ class Bundle:
             raise BundleError(f"split file {path} must map each part to a list of item ids")
         return data
 
+    @property
+    def question_count(self) -> int:
+        return len(self.manifest.questions)
+
+    @property
+    def teacher_layout(self) -> Layout:
+        return self.manifest.teacher_layout()
+
+    @property
+    def tier_specs(self) -> list[AnyTierSpec]:
+        return self.manifest.tiers
+
     def _load_heads(self) -> dict[str, SoftmaxHead]:
         tier = self.manifest.encoder_tier
         if tier is None:
             return {}
         return read_heads(self.directory / tier.heads_file.name, tier.heads)
-
-
-def read_heads(path: Path, infos: Mapping[str, HeadInfo]) -> dict[str, SoftmaxHead]:
-    """A tier's heads file, refused unless it holds exactly the heads its manifest lists."""
-    try:
-        heads = load_heads(path)
-    except ModelError as exc:
-        raise BundleError(f"{exc}; re-train the bundle") from exc
-    expected = {qid for qid, info in infos.items() if info.has_head}
-    if set(heads) != expected:
-        raise BundleError(f"heads file {path} has heads for {sorted(heads)}; the manifest "
-                          f"expects {sorted(expected)}; re-train the bundle")
-    for qid, head in heads.items():
-        if head.n_classes_ != len(infos[qid].option_keys):
-            raise BundleError(f"heads file {path}: head {qid!r} has {head.n_classes_} classes, "
-                              f"the manifest {len(infos[qid].option_keys)}; re-train")
-    return heads
 
 
 def _read_manifest(path: Path) -> Manifest:

@@ -15,13 +15,13 @@ What this relies on, and where it is checked:
   without the tap seeing its layer is refused (:meth:`LayerTap.check_seen`), so a build or an
   architecture that names them otherwise fails loudly, never reads another tensor.
 - a cancelled decode's logits and its KV cells above ``L`` are garbage: the context refuses to
-  read logits while a tap is on (``cascade.llama.LlamaContext``), and a tapped context only ever
+  read logits while a tap is on (``cascade.readout.llama.LlamaContext``), and a tapped context only ever
   decodes to ``L``, so no layer above ``L`` is ever needed.
 
 A decode may run as several micro-batches (a hybrid model splits by sequence); the tap is called
 once per micro-batch and keeps each one's rows in order. Returning false ends the graph split it
 falls in, not the splits after it: a graph over several devices (part of the model on a GPU)
-would still run them, so the mid-layer tier refuses partial offload (``cascade.layer_readout``).
+would still run them, so the mid-layer tier refuses partial offload (``cascade.readout.layer_scorer``).
 On a GPU the tensor is copied to host memory after the scheduler synchronises the device; what
 that costs is not measured here (no GPU).
 """

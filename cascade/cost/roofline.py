@@ -67,9 +67,9 @@ class ModelShape:
 
     @classmethod
     def from_gguf(cls, path: Path) -> ModelShape:
-        """Read the shape from metadata and tensor infos (cascade.gguf_header: the tokenizer's
+        """Read the shape from metadata and tensor infos (cascade.readout.gguf_header: the tokenizer's
         arrays are skipped unread, and tensor data stays in the file)."""
-        from cascade.gguf_header import read_header  # imports gguf: only where a file is read
+        from cascade.readout.gguf_header import read_header  # imports gguf: only where a file is read
 
         path = Path(path)
         header = read_header(path)
@@ -210,7 +210,7 @@ def decision_bytes(shape: ModelShape, prompt_tokens: int) -> float:
 
 
 @dataclass(frozen=True)
-class Device:
+class Roof:
     """A roof: dense fp16 tensor peak (FLOP/s) and memory bandwidth (bytes/s), with the source."""
 
     name: str
@@ -226,13 +226,13 @@ class Device:
 
 # Dense fp16 tensor-core peaks (datasheet "with sparsity" figures halved) and memory bandwidth.
 # llama.cpp's quantized matmuls may take int8 paths instead: the roof bounds the fp16 path.
-DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("t4", 65e12, 320e9, "NVIDIA T4 datasheet: 65 TFLOPS FP16 tensor, 320 GB/s"),
-    Device("a10", 125e12, 600e9, "NVIDIA A10 datasheet: 125 TFLOPS FP16 tensor, 600 GB/s"),
-    Device("l4", 121e12, 300e9, "NVIDIA L4 datasheet: 242 TFLOPS FP16 sparse / 2, 300 GB/s"),
-    Device("h100", 989e12, 3.35e12, "NVIDIA H100 SXM datasheet: 1,979 TFLOPS FP16 sparse / 2, "
+ROOFS: dict[str, Roof] = {d.name: d for d in (
+    Roof("t4", 65e12, 320e9, "NVIDIA T4 datasheet: 65 TFLOPS FP16 tensor, 320 GB/s"),
+    Roof("a10", 125e12, 600e9, "NVIDIA A10 datasheet: 125 TFLOPS FP16 tensor, 600 GB/s"),
+    Roof("l4", 121e12, 300e9, "NVIDIA L4 datasheet: 242 TFLOPS FP16 sparse / 2, 300 GB/s"),
+    Roof("h100", 989e12, 3.35e12, "NVIDIA H100 SXM datasheet: 1,979 TFLOPS FP16 sparse / 2, "
            "3.35 TB/s"),
-    Device("h200", 989e12, 4.8e12, "NVIDIA H200 datasheet: 1,979 TFLOPS FP16 sparse / 2, 4.8 TB/s"),
+    Roof("h200", 989e12, 4.8e12, "NVIDIA H200 datasheet: 1,979 TFLOPS FP16 sparse / 2, 4.8 TB/s"),
 )}
 
 
@@ -263,12 +263,12 @@ def measure_cpu_bandwidth(seconds: float = 0.5) -> float:
     return 2.0 * src.nbytes / _best_seconds(lambda: np.copyto(dst, src), seconds)
 
 
-def cpu_device(measured_flops: float | None = None,
-               measured_bandwidth: float | None = None) -> Device:
+def cpu_roof(measured_flops: float | None = None,
+               measured_bandwidth: float | None = None) -> Roof:
     """This machine as a roof, measured now (pass earlier measurements to skip that)."""
     flops = measure_cpu_flops() if measured_flops is None else measured_flops
     bandwidth = measure_cpu_bandwidth() if measured_bandwidth is None else measured_bandwidth
-    return Device("cpu", flops, bandwidth, "measured here: numpy float32 1024^3 matmul, 64 MiB "
+    return Roof("cpu", flops, bandwidth, "measured here: numpy float32 1024^3 matmul, 64 MiB "
                   "copy; llama.cpp's int8 dot-product kernels can run above this roof")
 
 
@@ -285,7 +285,7 @@ class Roofline:
     floor_seconds: float
 
 
-def roofline(shape: ModelShape, device: Device, prompt_tokens: int) -> Roofline:
+def roofline(shape: ModelShape, device: Roof, prompt_tokens: int) -> Roofline:
     """Classify one decision of ``prompt_tokens`` tokens (one logit row read) on ``device``."""
     flops = decision_flops(shape, prompt_tokens)
     nbytes = decision_bytes(shape, prompt_tokens)
@@ -302,7 +302,7 @@ def _si(value: float, unit: str) -> str:
     return f"{value:.2f} {unit}"
 
 
-def format_roofline(shape: ModelShape, device: Device, roofline: Roofline) -> str:
+def format_roofline(shape: ModelShape, device: Roof, roofline: Roofline) -> str:
     """The table ``cascade roofline`` prints: every figure with its unit and where it came from."""
     rows = [
         ("model", f"{shape.name} ({shape.architecture}), {_si(shape.n_params, ' params')}, "

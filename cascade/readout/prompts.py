@@ -36,7 +36,7 @@ _VERSIONS: dict[Layout, str] = {"state-first": PROMPT_VERSION, "options-first": 
 
 FINALISTS_HEADING = "Options (finalists, each the pick of a group of options):"
 """Heads the second round's block; the round's prompts part from the first round's right there,
-so the tokens every prompt of both rounds shares end before it (``cascade.readout``)."""
+so the tokens every prompt of both rounds shares end before it (``cascade.readout.scorer``)."""
 SYSTEM_TEXT = (
     "You are a careful classifier. Read the evidence, then answer the question with the letter "
     "of exactly one option."
@@ -140,7 +140,7 @@ class PromptTemplate:
     def head(self, block: str = "", layout: Layout = "state-first") -> str:
         """A prompt's text before the state (template, system text, the evidence heading; with the
         options first, ``block``'s question and options too): what a scorer prefills once per run
-        (``cascade.prompt_head``)."""
+        (``cascade.readout.prompt_head``)."""
         return self.render(_STATE_MARK, block or "\n", layout).split(_STATE_MARK)[0]
 
     def render(self, state_text: str, block: str, layout: Layout = "state-first") -> str:

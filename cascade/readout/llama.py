@@ -19,8 +19,8 @@ import llama_cpp
 import numpy as np
 
 from cascade.errors import ModelError
-from cascade.layer_tap import LayerTap
-from cascade.placement import ExtraBuffers, check_gpu_layers, system_info, use_extra_buffers
+from cascade.readout.layer_tap import LayerTap
+from cascade.readout.placement import ExtraBuffers, check_gpu_layers, system_info, use_extra_buffers
 
 _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
 _BACKEND_READY = False
@@ -53,7 +53,7 @@ class LlamaModel:
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0,
                  extra_buffers: ExtraBuffers | None = None) -> None:
-        """``extra_buffers``: llama.cpp's extra weight buffer types (cascade.placement)."""
+        """``extra_buffers``: llama.cpp's extra weight buffer types (cascade.readout.placement)."""
         self.path = Path(path)
         self._model = None
         if not self.path.is_file():
@@ -185,7 +185,7 @@ class LlamaContext:
     """A decoding context with one logits row per requested output and whole-sequence memory ops."""
 
     def __init__(self, model: LlamaModel, config: ContextConfig, tap: LayerTap | None = None) -> None:
-        """``tap`` (cascade.layer_tap) stops every decode at its layer: the context then has no
+        """``tap`` (cascade.readout.layer_tap) stops every decode at its layer: the context then has no
         logits to read, and refuses to."""
         self.model = model
         self.config = config

@@ -1,7 +1,7 @@
 """How one tier is priced: seconds per state and per token, and how it counts its tokens.
 
 Each runtime tier prices itself (``Tier.pricing``), from a cost measured at calibration or
-estimated on the roofline (``Tier.flops_per_token``); the cost model (``cascade.costmodel``)
+estimated on the roofline (``Tier.flops_per_token``); the cost model (``cascade.routing.forecast``)
 adds the prices up for the states and questions of a call.
 
 A tier charges ``seconds_per_state`` for each state it reads and ``seconds_per_token`` for each
@@ -10,8 +10,8 @@ prefills a state once and fans its questions out, so the first question of a sta
 it pays the prompt (template + state) and its own suffix, and every further question of that
 state only its suffix (the question block, once per option order). The template's head, the text
 before the state, is not charged: a scorer prefills it once per run and copies it
-(``cascade.prompt_head``), and the seconds per token calibration measures count the tokens it
-decoded, without the head. With the options first (one branch: ``cascade.prompts.plan_layout``)
+(``cascade.readout.prompt_head``), and the seconds per token calibration measures count the tokens it
+decoded, without the head. With the options first (one branch: ``cascade.readout.prompts.plan_layout``)
 the question's block is part of that head too, so a state costs its tokens, the template around
 it and its answer line (a run that forces options first on several branches is priced as if each
 read only that: their state is read once per branch, which this leaves out).
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cascade.prompts import Layout, PromptTemplate, question_blocks, split_block
 from cascade.questions import Question
+from cascade.readout.prompts import Layout, PromptTemplate, question_blocks, split_block
 
 TEACHER_PARAMS = 4.0e9
 """Weights assumed for an external teacher known only by its labels: the 4B decision model
@@ -55,7 +55,7 @@ def gguf_flops_per_token(path: Path) -> float:
     """FLOPs one prompt token costs a GGUF model: ``cost.decision_flops`` of one token, read from
     the file's shape (the output rows read and the attention growth past the first token are left
     out: a few % for decisions)."""
-    from cascade.cost import ModelShape, decision_flops
+    from cascade.cost.roofline import ModelShape, decision_flops
 
     return decision_flops(ModelShape.from_gguf(Path(path)), prompt_tokens=1, output_rows=0)
 

@@ -2,7 +2,7 @@
 
 ``gguf.GGUFReader`` makes numpy views for every element of every metadata array: on gemma-3-270m
 (a 262,144-token vocabulary) it takes ~10 s of a 2-core machine, ~94% of ``Cascade.load``.
-Pricing a tier (``cascade.cost``) needs the hyperparameters and the tensor table only, so this
+Pricing a tier (``cascade.cost.roofline``) needs the hyperparameters and the tensor table only, so this
 reader steps over the values of ``tokenizer.*`` keys: a scalar array in one seek, a string array
 by walking its lengths in the mapped file. Gemma's whole header then reads in ~25 ms
 (bench/load_time.py).

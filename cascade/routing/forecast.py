@@ -1,6 +1,6 @@
 """What answering will cost, predicted before any tier runs, so a budget can choose what to pay for.
 
-Each tier prices itself (``Tier.pricing``, ``cascade.pricing``): a readout tier charges the
+Each tier prices itself (``Tier.pricing``, ``cascade.cost.pricing``): a readout tier charges the
 prompt once per state and each question's block on top, the encoder tier a state's tokens once.
 Figures come from measurements when calibration stored them in the manifest
 (``calibration.costs[tier]``: seconds per state and per token), else from the roofline: the
@@ -10,7 +10,7 @@ stored in the manifest as ``calibration.flops_per_second``, or measured here onc
 is in its ``usage``.
 
 Every tier a question reaches is charged in full, whatever the tiers below it computed: no tier
-reuses another's work. That holds for the mid-layer tier too (``cascade.layer_readout``): it runs
+reuses another's work. That holds for the mid-layer tier too (``cascade.readout.layer_scorer``): it runs
 the teacher's own first blocks, and an escalation from it runs the whole teacher from the start,
 so a state it escalates costs its L/N of a teacher pass plus the teacher's.
 """
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from cascade.bundle import BundleError, Manifest
+from cascade.bundle.manifest import BundleError, Manifest
 from cascade.checks import is_finite
-from cascade.pricing import TierCost, TierPricing
-from cascade.prompts import render_state
+from cascade.cost.pricing import TierCost, TierPricing
 from cascade.questions import Question
-from cascade.tiers import Item, Tier
+from cascade.readout.prompts import render_state
+from cascade.tiers.base import Item, Tier
 
 
 class CostModel:
@@ -94,7 +94,7 @@ class _Throughput:
     @property
     def value(self) -> float:
         if self._value is None:
-            from cascade.cost import measure_cpu_flops
+            from cascade.cost.roofline import measure_cpu_flops
 
             self._value = measure_cpu_flops()
         return float(self._value)

@@ -15,11 +15,7 @@ import numpy as np
 from scipy.special import softmax
 
 from cascade.checks import is_finite
-from cascade.errors import CascadeError
-
-
-class TemperatureError(CascadeError, ValueError):
-    """A temperature that is not a finite number > 0."""
+from cascade.errors import CascadeError, TemperatureError
 
 
 def apply_temperature(probs: Any, temperature: float) -> np.ndarray:

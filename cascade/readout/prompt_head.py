@@ -1,7 +1,7 @@
 """The prompt head: a prompt's tokens before the state, decoded once and copied into each request.
 
 Every prompt of a run starts with the same text before the state: the chat template, the system
-text and the evidence heading, and with the options first (``cascade.prompts``) the question
+text and the evidence heading, and with the options first (``cascade.readout.prompts``) the question
 block too. A scorer keeps those tokens in a sequence of its own across requests and copies them
 into sequence 0 (``llama_memory_seq_cp``, whole sequences only, so hybrid models work) instead
 of prefilling them again; only the rest of the shared tokens are decoded.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from cascade.llama import LlamaContext
-from cascade.prompts import Layout, PromptTemplate
+from cascade.readout.llama import LlamaContext
+from cascade.readout.prompts import Layout, PromptTemplate
 
 MIN_HEAD = 8
 """Fewest tokens worth splitting off as a head (a sequence copy and a decode call of their own)."""

@@ -34,9 +34,9 @@ import onnxruntime as ort
 from tokenizers import Encoding, Tokenizer
 from tqdm import tqdm
 
+from cascade.encoder.onnx_header import weight_precision
 from cascade.errors import ModelError
 from cascade.hashing import file_sha256
-from cascade.onnx_header import weight_precision
 
 T = TypeVar("T")
 Device = Literal["cpu", "cuda", "auto"]

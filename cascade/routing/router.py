@@ -26,14 +26,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cascade.answers import Answer, Audit, DecisionResponse, Routing, TierUsage, Usage
-from cascade.bundle import MANIFEST_NAME, VECTORS_ALONE_SCHEMA, Bundle, Manifest
-from cascade.calibration_math import apply_temperature, threshold_score
-from cascade.costmodel import CostModel
-from cascade.encoder import Device, quantizes_per_call
-from cascade.errors import CascadeError, RequestError
+from cascade.bundle.manifest import MANIFEST_NAME, VECTORS_ALONE_SCHEMA, Bundle, Manifest
+from cascade.encoder.onnx_encoder import Device, quantizes_per_call
+from cascade.errors import CascadeError, RequestError, RouterError
 from cascade.hashing import file_sha256
-from cascade.placement import Placements
-from cascade.prompts import (
+from cascade.questions import Question, State
+from cascade.readout.placement import Placements
+from cascade.readout.prompts import (
     OPTIONS_FIRST_VERSION,
     PROMPT_VERSION,
     layout_of,
@@ -41,10 +40,11 @@ from cascade.prompts import (
     prompt_version,
     template_sha256,
 )
-from cascade.questions import Question, State
-from cascade.run import Budget, Pick, Run, allowance
-from cascade.tierkinds import Build, Labels, RouterError, build_tiers, close_tiers, kind_of, teacher_layout
-from cascade.tiers import Item, Reply, Tier
+from cascade.routing.budget import Budget, Pick, Run, allowance
+from cascade.routing.forecast import CostModel
+from cascade.thresholds import apply_temperature, threshold_score
+from cascade.tiers.base import Build, Item, Labels, Reply, Tier
+from cascade.tiers.kinds import build_tiers, close_tiers, kind_of
 
 
 class Cascade:
@@ -65,7 +65,7 @@ class Cascade:
             manifest.model_dump_json().encode()).hexdigest()
         self.calibration_version = manifest.calibration.version()
         # what every answer's audit lists per question, hashed once here instead of per answer
-        version = prompt_version(teacher_layout(manifest))
+        version = prompt_version(manifest.teacher_layout())
         self._audit_hashes = {qid: (template_sha256(q, version), letters_sha256(q))
                               for qid, q in self.questions.items()}
         self.demoted: set[str] = set()  # questions a drift alarm sent to the top tier (cascade.audit)
@@ -443,7 +443,7 @@ def _check_encoder_vectors(bundle: Bundle) -> None:
 
     Before schema 3, an encoder that quantizes activations per call (a fine-tuned int8 export)
     ran in batches, so each vector calibration saw depended on its batch; it now runs each text
-    alone (``cascade.encoder``), and those thresholds say nothing about these numbers.
+    alone (``cascade.encoder.onnx_encoder``), and those thresholds say nothing about these numbers.
     """
     tier = bundle.manifest.encoder_tier
     if (tier is None or bundle.manifest.schema_version >= VECTORS_ALONE_SCHEMA

@@ -1,0 +1,1 @@
+"""Tier kinds: each kind's manifest spec, runtime tier and builder in one module (``base`` says how)."""
