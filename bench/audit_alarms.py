@@ -13,6 +13,7 @@ alarm watches "agreement >= target" at level alpha:
 
 Printed: the share of streams that raised a (false) alarm when agreement is exactly the target,
 and, for streams whose agreement dropped, the share caught and the median items to the alarm.
+The alarms are bench.common's, which bench.drift_streams runs on real traffic.
 
     PYTHONPATH=. .venv/bin/python -m bench.audit_alarms --streams 200 --items 3000
 """
@@ -21,42 +22,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
 
 import numpy as np
-from scipy.stats import beta
 
-from cascade.audit.alarms import AgreementMonitor, Stake
-
-Alarm = Callable[[np.ndarray], int | None]
-"""An alarm run over one stream: the audited item at which it fired, or None."""
-
-
-def betting(target: float, alpha: float, stake: Stake = "ons") -> Alarm:
-    def run(outcomes: np.ndarray) -> int | None:
-        monitor = AgreementMonitor(target, alpha, grid=2, stake=stake)
-        monitor.update([bool(x) for x in outcomes])
-        return monitor.alarm_at
-
-    return run
-
-
-def clopper_pearson(target: float, alpha: float, every: int, window: int | None) -> Alarm:
-    def run(outcomes: np.ndarray) -> int | None:
-        for end in range(every, len(outcomes) + 1, every):
-            seen = outcomes[max(0, end - window):end] if window else outcomes[:end]
-            agreed, n = int(seen.sum()), len(seen)
-            upper = 1.0 if agreed == n else float(beta.ppf(1 - alpha, agreed + 1, n - agreed))
-            if upper < target:
-                return end
-        return None
-
-    return run
+from bench.common import Alarm, argument_parser, betting, clopper_pearson
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--items", type=int, default=3000)
     parser.add_argument("--target", type=float, default=0.95)

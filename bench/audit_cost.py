@@ -4,20 +4,20 @@ An audited item is answered by the teacher on every bundle question, on top of i
 times, on the same items and interleaved (so that machine noise hits all alike): the cascade's
 route of an item, the audit of it (``Auditor.audit``: one teacher readout of every question, and
 the store write), and the teacher alone on the same questions (``Cascade`` routing with every
-question escalated). The bundle is bench/serve_load's (generated messages, gemma-3-270m live as
-the teacher, "urgent" kept by the encoder, "department" escalated).
+question escalated). The bundle is bench.common's ``support_bundle``, which bench/serve_load runs
+too (generated messages, gemma-3-270m live as the teacher, "urgent" kept by the encoder,
+"department" escalated).
 
     PYTHONPATH=. .venv/bin/python -m bench.audit_cost --items 60
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
-from bench.serve_load import build_bundle, states
+from bench.common import argument_parser, support_bundle, support_messages
 from cascade.audit.auditor import Auditor
 from cascade.audit.sample import AuditSampler
 from cascade.readout.llama import default_gguf_path
@@ -27,21 +27,20 @@ from distill.auditing import StoreSink, bundle_teacher
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--items", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--share", type=float, default=0.02)
     args = parser.parse_args()
     teacher = default_gguf_path()
     with tempfile.TemporaryDirectory() as tmp:
-        bundle = build_bundle(Path(tmp), teacher, 300)
+        bundle = support_bundle(Path(tmp), teacher, 300)
         with Cascade.load(bundle, teacher=teacher, threads=args.threads) as cascade:
             sink = StoreSink(Path(tmp) / "audits.sqlite", bundle_teacher(cascade.manifest))
             auditor = Auditor(cascade, AuditSampler(1.0), sink, on_drift="alarm")
             every = {qid: qid for qid in cascade.questions}
             route = audit = alone = 0.0
-            for n, state in enumerate(states(args.items)):
+            for n, state in enumerate(support_messages(args.items)):
                 item = Item(f"i{n}", state)
                 started = time.perf_counter()
                 response = cascade.decide(state)

@@ -24,7 +24,6 @@ is one draw, and the realised agreement on it moves by ~0.004.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import tempfile
@@ -38,8 +37,7 @@ from typing import Any
 import numpy as np
 from sklearn.linear_model import LogisticRegression
 
-from bench.common import read_rows
-from bench.encoder_quality import CACHE_DIR, TASKS, Task
+from bench.common import CACHE_DIR, DELTA, TARGET, TASKS, Task, argument_parser, markdown, sample
 from cascade.bundle.manifest import Bundle
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.ngrams import NgramFeatures, beside
@@ -53,10 +51,11 @@ from distill.calibration.maths import apply_temperature, fit_temperature, thresh
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.evaluate import Evaluation, evaluate_bundle
-from distill.store import LabelStore, Teacher, import_labels
+from distill.label_transfer import import_labels
+from distill.options import CorpusInput, RunOptions
+from distill.store import LabelStore, Teacher
 from distill.train import ENCODER_TIER, TEACHER_TIER, train_bundle
 
-TARGET, DELTA = 0.98, 0.05
 GOAL_FACTOR = 1.5
 MIN_PLATT_ITEMS = 10
 Probs = Callable[[str], np.ndarray]
@@ -135,14 +134,6 @@ class Outcome:
         return min(1.0, (int(self.correct.sum()) + math.floor((1 - TARGET) * n + 1e-9)) / n)
 
 
-def sample(task: Task, items: int, seed: int) -> list[dict[str, Any]]:
-    """The rows bench/encoder_quality.py samples, so their embeddings are already cached."""
-    rows = read_rows(task.file)
-    if items > len(rows):
-        raise SystemExit(f"--items {items} exceeds the {len(rows)} rows of {task.file}")
-    return [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))[:items]]
-
-
 def answer_value(question: Question, key: str) -> bool | int | str:
     """The hard label as import_labels types it: noul bool, score level int, choice key."""
     if question.type == "noul":
@@ -173,12 +164,12 @@ def run_library(task: Task, rows: list[dict[str, Any]], workdir: Path, encoder: 
     teacher = Teacher(kind="external", model=f"gold labels of {task.file}")
     with LabelStore(workdir / "labels.sqlite", teacher) as store:
         import_labels(store, labels_path, questions)
-        bundle = train_bundle(questions, corpus, store, workdir / "bundle", encoder=encoder,
-                              cache_dir=CACHE_DIR, progress=False)
-        calibration = calibrate_bundle(bundle, corpus, store, TARGET, DELTA, progress=False,
-                                       encoder=encoder, flops_per_second=flops)
-        evaluation = evaluate_bundle(bundle.directory, corpus, store, progress=False,
-                                     cache_dir=CACHE_DIR, flops_per_second=flops)
+        bundle = train_bundle(questions, CorpusInput(corpus), store, workdir / "bundle", encoder=encoder,
+                              run=RunOptions(progress=False, cache_dir=CACHE_DIR))
+        calibration = calibrate_bundle(bundle, CorpusInput(corpus), store, TARGET, DELTA, encoder=encoder,
+                                       run=RunOptions(progress=False, flops_per_second=flops))
+        evaluation = evaluate_bundle(bundle.directory, CorpusInput(corpus), store, run=RunOptions(
+            progress=False, cache_dir=CACHE_DIR, flops_per_second=flops))
         labels = {qid: store.labels(qid)}
     bundle = Bundle.load(bundle.directory)
     costs = item_costs(bundle, labels, rows, qid, flops)
@@ -411,11 +402,6 @@ def variant_rows(task: Task, outcomes: list[Outcome], run: LibraryRun, parts: Pa
              f"{cost_ratio(o, run, parts):.4f}"] for o in outcomes]
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
-
-
 def check_replay(task: Task, run: LibraryRun, replay: Outcome) -> str:
     """The replayed library rule must reproduce evaluate_bundle, or the variants compare nothing."""
     ev = run.evaluation.questions[run.qid]
@@ -448,8 +434,7 @@ VARIANTS = ["dataset", "variant", "keeps", "x baseline", "agreement", "wrong kep
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--items", type=int, default=4000, help="items sampled per dataset")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resplits", type=int, default=10, help="random re-splits per dataset")

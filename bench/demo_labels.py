@@ -17,10 +17,10 @@ and then:
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from bench.common import argument_parser
 from cascade.readout.prompts import PROMPT_VERSION
 from distill.demo_teacher import FACTS_FILE, LABELS_FILE, MODEL_NAME, ShippedLabels
 from distill.store import LabelStore
@@ -32,8 +32,7 @@ COMMAND = ("cascade label --teacher qwen2.5-coder-1.5b-instruct.gguf --questions
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--store", type=Path, required=True)
     parser.add_argument("--seconds-per-item", type=float, required=True,
                         help="the labelling's measured pace, recorded for the demo's estimates")

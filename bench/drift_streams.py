@@ -40,10 +40,19 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.audit_alarms import Alarm, betting, clopper_pearson
-from bench.encoder_quality import CACHE_DIR, TASKS
-from bench.goals import certified, head_probabilities, parts_of
-from bench.teacher_goals import Items, load_items
+from bench.common import (
+    CACHE_DIR,
+    Alarm,
+    Items,
+    argument_parser,
+    betting,
+    certified,
+    clopper_pearson,
+    head_probabilities,
+    load_items,
+    parts_of,
+    task_named,
+)
 from cascade.encoder.familiar import FamiliarityGate
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.thresholds import CERTIFIED_SCORE, threshold_score
@@ -194,8 +203,7 @@ def _print_runs(name: str, runs: list[Run]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--splits", type=int, default=10)
     parser.add_argument("--streams", type=int, default=200, help="no-shift streams in all")
     parser.add_argument("--shifted-streams", type=int, default=100, help="shifted streams per shift")
@@ -208,8 +216,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    [task] = [t for t in TASKS if t.name == "ag_news"]
-    items = load_items(Path(LABELS), task, EmbeddingCache(CACHE_DIR, Encoder()))
+    items = load_items(Path(LABELS), task_named("ag_news"), EmbeddingCache(CACHE_DIR, Encoder()))
     rng = np.random.default_rng(args.seed)
     systems = [system_of(items, rng.permutation(len(items.ids)), args.target, args.delta)
                for _ in range(args.splits)]

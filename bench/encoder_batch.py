@@ -13,14 +13,12 @@ in a fresh subprocess that reports its own ``ru_maxrss``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
 from functools import partial
 
-from bench.common import peak_rss_mib, read_rows
-from bench.encoder_speed import CLOCKS, measure
+from bench.common import CLOCKS, argument_parser, chunked_rounds, median_ratio, peak_rss_mib, read_rows
 from cascade.encoder.onnx_encoder import Encoder
 
 SIZES = (4, 8, 16, 32, 64)
@@ -43,8 +41,7 @@ def embed(encoder: Encoder, texts: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--texts", type=int, default=500, help="ag_news texts per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -54,13 +51,13 @@ def main() -> None:
     peaks = {size: peak_rss_of(size, args.texts) for size in SIZES}
     encoders = {size: Encoder(batch_size=size) for size in SIZES}
     contenders = {f"batch {size}": partial(embed, encoder) for size, encoder in encoders.items()}
-    seconds = measure(contenders, texts, CHUNK, args.rounds)
+    seconds = chunked_rounds(contenders, texts, CHUNK, args.rounds)
     base = seconds[f"batch {DEFAULT}"]
     print(f"\n{args.texts} ag_news texts per round in turns of {CHUNK}, {args.rounds} rounds")
     print(f"{'batch':>5} {'texts/s':>8} {'wall vs 32':>11} {'cpu vs 32':>10} {'peak RSS (own process)':>23}")
     for size in SIZES:
         mine = seconds[f"batch {size}"]
-        ratio = {c: statistics.median(m / b for m, b in zip(mine[c], base[c], strict=True)) for c in CLOCKS}
+        ratio = {c: median_ratio(mine[c], base[c]) for c in CLOCKS}
         print(f"{size:>5} {args.texts / statistics.median(mine['wall']):>8.1f} {ratio['wall']:>11.2f} "
               f"{ratio['cpu']:>10.2f} {peaks[size]:>19.0f} MiB")
 

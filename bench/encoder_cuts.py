@@ -7,17 +7,15 @@ in one process, interleaved rounds, process CPU time, the encoder on one thread.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from bench.common import read_rows
+from bench.common import argument_parser, read_rows
 from cascade.encoder.onnx_encoder import Encoder
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--texts", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()

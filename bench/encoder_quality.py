@@ -12,12 +12,9 @@ word 1-2 grams (sublinear tf) with logistic regression. Embeddings are cached, s
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -25,31 +22,12 @@ from sklearn.feature_extraction.text import HashingVectorizer, TfidfTransformer,
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 
-from bench.common import SPAM, STARS, TOPIC, read_rows
+from bench.common import CACHE_DIR, TASKS, Task, argument_parser, sample
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.heads import SoftmaxHead
 from cascade.questions import parse_request
 
-CACHE_DIR = Path.home() / ".cache" / "cascade-bench"
 C_GRID = (0.1, 1.0, 10.0, 100.0)
-AG_TOPICS = {1: "world", 2: "sports", 3: "business", 4: "scitech"}
-
-
-@dataclass(frozen=True)
-class Task:
-    """A dataset and the question its gold label answers, with the label's option key."""
-
-    name: str
-    file: str
-    questions: dict[str, Any]
-    option_key: Callable[[Any], str]
-
-
-TASKS = (
-    Task("sms_spam", "sms_spam.jsonl", SPAM, lambda label: "true" if label == "spam" else "false"),
-    Task("ag_news", "ag_news_test.jsonl", TOPIC, lambda label: AG_TOPICS[label]),
-    Task("zomato", "zomato_restaurant_reviews.jsonl", STARS, lambda label: str(label - 1)),
-)
 
 
 @dataclass
@@ -69,15 +47,12 @@ Fit = Callable[[float, Split], Callable[[str], np.ndarray]]
 
 def load_split(task: Task, items: int, seed: int, cache: EmbeddingCache) -> Split:
     """Sample ``items`` rows, map gold labels to option indices, embed, and split 50/25/25."""
-    rows = read_rows(task.file)
-    if items > len(rows):
-        raise SystemExit(f"--items {items} exceeds the {len(rows)} rows of {task.file}")
+    rows = sample(task, items, seed)
     (question,) = parse_request({"state": "-", "questions": task.questions}).questions.values()
     keys = question.option_keys()
-    order = np.random.default_rng(seed).permutation(len(rows))[:items]
     bounds = {"train": (0, items // 2), "cal": (items // 2, 3 * items // 4), "eval": (3 * items // 4, items)}
-    texts = {part: [rows[i]["text"] for i in order[a:b]] for part, (a, b) in bounds.items()}
-    y = {part: np.array([keys.index(task.option_key(rows[i]["label"])) for i in order[a:b]])
+    texts = {part: [row["text"] for row in rows[a:b]] for part, (a, b) in bounds.items()}
+    y = {part: np.array([keys.index(task.option_key(row["label"])) for row in rows[a:b]])
          for part, (a, b) in bounds.items()}
     emb = {part: cache.encode(texts[part], progress=True) for part in bounds}
     return Split(texts, y, emb, len(keys), question.type)
@@ -175,9 +150,7 @@ def print_level_errors(rows: list[Row]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--items", type=int, default=4000, help="items sampled per dataset")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

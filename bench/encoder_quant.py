@@ -22,18 +22,17 @@ the cosine of each vector with the float model's. Ratios are against today's bat
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import read_rows
+from bench.common import WALL, argument_parser, in_rounds, read_rows
 from cascade.encoder.onnx_encoder import CPU, Encoder, EncoderFiles, _load_session, default_encoder_files
 
 Make = Callable[[Path, Path, list[str]], None]
@@ -90,8 +89,7 @@ def _batched(encoder: Encoder, texts: list[str], size: int) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--texts", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -143,13 +141,9 @@ class Way:
 
 
 def _report(ways: dict[str, Way], texts: list[str], rounds: int) -> None:
-    seconds: dict[str, list[float]] = {name: [] for name in ways}
     vectors = {name: way.run(texts) for name, way in ways.items()}  # also the warm-up
-    for _ in range(rounds):
-        for name, way in ways.items():
-            started = time.perf_counter()
-            way.run(texts)
-            seconds[name].append(time.perf_counter() - started)
+    timed = in_rounds({name: partial(way.run, texts) for name, way in ways.items()}, rounds, WALL)
+    seconds = {name: values["wall"] for name, values in timed.items()}
     reference = vectors["float"]
     baseline = statistics.median(seconds[BASELINE])
     print(f"{len(texts)} AG News texts, median of {rounds} interleaved rounds; batch diff: largest "

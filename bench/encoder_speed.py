@@ -17,17 +17,15 @@ classes): a head's cost does not depend on its weights.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import numpy as np
 import onnxruntime as ort
 from tokenizers import Encoding, Tokenizer
 
-from bench.common import peak_rss_mib, read_rows
+from bench.common import CLOCKS, argument_parser, chunked_rounds, median_ratio, peak_rss_mib, read_rows
 from cascade.encoder.ngrams import NgramFeatures, beside
 from cascade.encoder.onnx_encoder import Encoder, EncoderFiles
 from cascade.heads import HeadStack, SoftmaxHead
@@ -98,40 +96,6 @@ def baseline_pass(raw: RawPipeline, mode: str, texts: list[str]) -> None:
         raw.embed(group)
 
 
-Clock = Callable[[], float]
-CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
-"""Wall time is what a caller waits; this process's CPU time (all its threads) is what the work
-costs, and moves far less when other processes load the shared cores."""
-
-
-def measure(
-    contenders: Mapping[str, Callable[[list[str]], None]], texts: list[str], chunk: int, rounds: int
-) -> dict[str, dict[str, list[float]]]:
-    """Seconds (per clock) each contender spends on all texts, per round.
-
-    Contenders take turns chunk by chunk, the order rotating at every chunk, so that a burst of
-    load from other processes on the shared cores falls on all of them alike.
-    """
-    names = list(contenders)
-    for name in names:
-        contenders[name](texts[:chunk])
-    seconds: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CLOCKS} for name in names}
-    turn = 0
-    for _ in range(rounds):
-        spent = {name: dict.fromkeys(CLOCKS, 0.0) for name in names}
-        for start in range(0, len(texts), chunk):
-            for name in names[turn % len(names) :] + names[: turn % len(names)]:
-                begin = {c: clock() for c, clock in CLOCKS.items()}
-                contenders[name](texts[start : start + chunk])
-                for c, clock in CLOCKS.items():
-                    spent[name][c] += clock() - begin[c]
-            turn += 1
-        for name in names:
-            for c in CLOCKS:
-                seconds[name][c].append(spent[name][c])
-    return seconds
-
-
 def report(mode: str, seconds: dict[str, dict[str, list[float]]], states: int) -> None:
     """Decisions per second from median wall time; overheads are medians of per-round ratios."""
     base = seconds["baseline"]
@@ -145,10 +109,6 @@ def report(mode: str, seconds: dict[str, dict[str, list[float]]], states: int) -
               f"{over['wall']:>14.1%} {over['cpu']:>13.1%}")
 
 
-def median_ratio(tier: list[float], base: list[float]) -> float:
-    return statistics.median(t / b for t, b in zip(tier, base, strict=True))
-
-
 def check_same_vectors(encoder: Encoder, raw: RawPipeline, texts: list[str]) -> None:
     """The baseline must compute what the tier computes, or the ratio means nothing."""
     diff = float(np.abs(encoder.encode(texts) - raw.embed(texts)).max())
@@ -158,9 +118,7 @@ def check_same_vectors(encoder: Encoder, raw: RawPipeline, texts: list[str]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--texts", type=int, default=500, help="ag_news texts (states) per pass")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
@@ -187,7 +145,7 @@ def main() -> None:
         for q in QUESTIONS:
             stack = HeadStack({str(n): head for n, head in enumerate(heads[:q])})
             contenders[f"tier {q}"] = partial(tier_pass, encoder, ngrams, stack, mode)
-        report(mode, measure(contenders, texts, CHUNK[mode], args.rounds), len(texts))
+        report(mode, chunked_rounds(contenders, texts, CHUNK[mode], args.rounds), len(texts))
     print(f"\npeak RSS after the run: {peak_rss_mib():.0f} MiB")
 
 

@@ -13,14 +13,13 @@ in another order).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import question_set, read_rows
+from bench.common import argument_parser, question_set, read_rows
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.placement import reports_amx, system_info
@@ -41,8 +40,7 @@ def timed(scorer: Scorer, request: DecisionRequest) -> tuple[float, np.ndarray]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--model", choices=sorted(TEACHERS),
                         help="a packaged teacher (default: the embedded gemma-3-270m)")
     parser.add_argument("--rounds", type=int, default=5)

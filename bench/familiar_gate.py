@@ -10,18 +10,15 @@ know) and on texts of other sources (SMS messages and restaurant reviews: a shif
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
-from bench.common import read_rows
+from bench.common import argument_parser, read_rows
 from cascade.encoder.familiar import FamiliarityGate
 from cascade.encoder.onnx_encoder import Encoder
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--train", type=int, default=2000)
     parser.add_argument("--held", type=int, default=1000)
     args = parser.parse_args()

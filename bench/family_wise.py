@@ -19,6 +19,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from bench.common import CACHE_DIR, argument_parser
 from cascade.bundle.manifest import Bundle
 from cascade.corpus import load_questions
 from cascade.cost.roofline import measure_cpu_flops
@@ -26,21 +27,22 @@ from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.evaluate import Evaluation, evaluate_bundle
-from distill.store import LabelStore, Teacher, import_labels
+from distill.label_transfer import import_labels
+from distill.options import CorpusInput, RunOptions
+from distill.store import LabelStore, Teacher
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.train import train_bundle
-
-CACHE_DIR = Path.home() / ".cache" / "cascade-bench"
 
 
 def run(family_wise: bool, bundle: Bundle, corpus: Path, store: LabelStore, args: argparse.Namespace,
         encoder: Encoder, flops: float) -> tuple[CalibrationResult, Evaluation]:
     copy = Bundle(bundle.manifest, bundle.directory, bundle.heads).save(
         bundle.directory.parent / ("family" if family_wise else "per-question"))
-    result = calibrate_bundle(copy, corpus, store, target=args.target, delta=args.delta, progress=False,
-                              encoder=encoder, flops_per_second=flops, family_wise=family_wise)
-    evaluation = evaluate_bundle(copy.directory, corpus, store, progress=False, cache_dir=CACHE_DIR,
-                                 flops_per_second=flops)
+    result = calibrate_bundle(copy, CorpusInput(corpus), store, target=args.target, delta=args.delta,
+                              run=RunOptions(progress=False, flops_per_second=flops), encoder=encoder,
+                              family_wise=family_wise)
+    evaluation = evaluate_bundle(copy.directory, CorpusInput(corpus), store,
+                                 run=RunOptions(progress=False, cache_dir=CACHE_DIR, flops_per_second=flops))
     return result, evaluation
 
 
@@ -59,8 +61,7 @@ def rows(name: str, result: CalibrationResult, evaluation: Evaluation) -> list[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--items", type=int, default=2000, help="generated messages (demo default 2000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", type=float, default=0.95)
@@ -74,8 +75,8 @@ def main() -> None:
         questions = load_questions(write_questions(root / "questions.json"))
         with LabelStore(root / "labels.sqlite", Teacher(kind="external", model="generator")) as store:
             import_labels(store, write_labels(items, root / "labels.jsonl"), questions)
-            bundle = train_bundle(questions, corpus, store, root / "bundle", encoder=encoder,
-                                  cache_dir=CACHE_DIR, progress=False)
+            bundle = train_bundle(questions, CorpusInput(corpus), store, root / "bundle", encoder=encoder,
+                                  run=RunOptions(progress=False, cache_dir=CACHE_DIR))
             runs = {name: run(name == "family-wise", bundle, corpus, store, args, encoder, flops)
                     for name in ("per-question", "family-wise")}
     result = runs["per-question"][0]

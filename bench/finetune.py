@@ -21,27 +21,36 @@ the fine-tuned one (so the quantization's share of any difference is visible).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import math
 import statistics
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from bench.encoder_quality import CACHE_DIR, TASKS
-from bench.teacher_goals import DELTA, TARGET, Items, load_items, markdown
-from cascade.encoder.ngrams import NgramFeatures, beside
+from bench.common import (
+    CACHE_DIR,
+    DELTA,
+    SOURCES,
+    TARGET,
+    TASK_NAMES,
+    Items,
+    argument_parser,
+    cell,
+    certified,
+    finetuned_vectors,
+    head_probabilities,
+    in_rounds,
+    load_items,
+    markdown,
+    parts_of,
+    task_named,
+)
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
-from cascade.heads import Matrix, SoftmaxHead
-from distill.calibration.maths import threshold_for_agreement
-from distill.finetune import FinetuneConfig, finetune_body
-from distill.finetune_base import Targets, import_torch
+from distill.finetune import FinetuneConfig
+from distill.finetune_base import import_torch
 from distill.onnx_export import export_int8
-
-SOURCES = {"teacher": "teacher, soft", "gold": "gold"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,36 +62,12 @@ class Outcome:
 
 def measure(items: Items, emb: np.ndarray, source: str, order: np.ndarray) -> Outcome:
     """Head on ``emb`` (+ n-grams) fitted on the train part; certified threshold; evaluation."""
-    n = len(order)
-    train, calibration, evaluation = order[: n // 2], order[n // 2: 3 * n // 4], order[3 * n // 4:]
-    grams = NgramFeatures().fit([items.texts[i] for i in train])
-
-    def features(rows: np.ndarray) -> Matrix:
-        return beside(emb[rows], grams, [items.texts[i] for i in rows])
-
-    head = SoftmaxHead(C=1.0, max_iter=5000).fit(features(train), items.targets[source][train])
-    cal, ev = head.predict_proba(features(calibration)), head.predict_proba(features(evaluation))
+    parts = parts_of(order)
+    cal, ev = head_probabilities(items, emb, source, parts)
     truth = items.truth[source]
-    chosen = threshold_for_agreement(cal.max(axis=1), cal.argmax(axis=1) == truth[calibration], TARGET, DELTA)
-    keep = ev.max(axis=1) >= (chosen.threshold if chosen.threshold is not None else math.inf)
-    correct = ev.argmax(axis=1) == truth[evaluation]
+    keep = ev.max(axis=1) >= certified(cal, truth[parts.calibration], TARGET, DELTA, "top")
+    correct = ev.argmax(axis=1) == truth[parts.evaluation]
     return Outcome(float(correct.mean()), float(keep.mean()), 1.0 - float((keep & ~correct).mean()))
-
-
-def finetuned_vectors(items: Items, source: str, train: np.ndarray, work: Path,
-                      config: FinetuneConfig) -> tuple[np.ndarray, float, Path]:
-    """All items' vectors from a MiniLM fine-tuned on ``train``; seconds to train and export."""
-    tokenizer = default_encoder_files().tokenizer
-    started = time.perf_counter()
-    body, record = finetune_body([items.texts[i] for i in train],
-                                 {"q": Targets(items.targets[source][train])}, tokenizer, config)
-    path = work / f"{source.split(',')[0]}-{len(list(work.iterdir()))}.onnx"
-    parity = export_int8(body, tokenizer, path, [items.texts[i] for i in train[:200]], 256)
-    seconds = time.perf_counter() - started
-    epochs = ", ".join(f"{e.epoch}: {e.held_out_loss:.3f}/{e.held_out_agreement:.3f}" for e in record.epochs)
-    print(f"  fine-tuned on {source}: best epoch {record.best_epoch} (held-out loss/agreement {epochs}); "
-          f"{seconds:.0f} s; int8 parity min cosine {parity.min_cosine:.4f}", flush=True)
-    return Encoder(EncoderFiles(model=path, tokenizer=tokenizer)).encode(items.texts), seconds, path
 
 
 def serve_cost(texts: list[str], files: dict[str, Path], rounds: int = 3) -> dict[str, float]:
@@ -90,13 +75,8 @@ def serve_cost(texts: list[str], files: dict[str, Path], rounds: int = 3) -> dic
     tokenizer = default_encoder_files().tokenizer
     encoders = {name: Encoder(EncoderFiles(model=path, tokenizer=tokenizer), threads=1)
                 for name, path in files.items()}
-    spent = {name: 0.0 for name in files}
-    for _ in range(rounds):
-        for name, encoder in encoders.items():
-            started = time.process_time()
-            encoder.encode(texts)
-            spent[name] += time.process_time() - started
-    return {name: 1000 * seconds / rounds / len(texts) for name, seconds in spent.items()}
+    spent = in_rounds({name: partial(encoder.encode, texts) for name, encoder in encoders.items()}, rounds)
+    return {name: 1000 * sum(seconds["cpu"]) / rounds / len(texts) for name, seconds in spent.items()}
 
 
 def requantized_shipped(work: Path) -> Path:
@@ -110,18 +90,14 @@ def requantized_shipped(work: Path) -> Path:
 
 
 def row(name: str, outcomes: list[Outcome]) -> list[str]:
-    def cell(values: list[float], fmt: str) -> str:
-        return f"{statistics.mean(values):{fmt}} (worst {min(values):{fmt}})"
-
     return [name, cell([o.accuracy for o in outcomes], ".1%"), cell([o.kept for o in outcomes], ".1%"),
             cell([o.agreement for o in outcomes], ".4f")]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--labels", type=Path, required=True, metavar="EXPORT.jsonl")
-    parser.add_argument("--task", choices=[task.name for task in TASKS], required=True)
+    parser.add_argument("--task", choices=TASK_NAMES, required=True)
     parser.add_argument("--resplits", type=int, default=3)
     parser.add_argument("--sources", nargs="+", choices=sorted(SOURCES), default=sorted(SOURCES))
     parser.add_argument("--epochs", type=int, default=FinetuneConfig().epochs)
@@ -129,7 +105,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads while fine-tuning (default 1)")
     parser.add_argument("--cost-items", type=int, default=300)
     args = parser.parse_args()
-    task = next(task for task in TASKS if task.name == args.task)
+    task = task_named(args.task)
     items = load_items(args.labels, task, EmbeddingCache(CACHE_DIR, Encoder()))
     config = FinetuneConfig(epochs=args.epochs, seed=args.seed, threads=args.threads)
     rng = np.random.default_rng(args.seed)

@@ -16,7 +16,6 @@ sequence. Gemma vectors are cached in ~/.cache/cascade-bench (about 270 tokens/s
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import sqlite3
 import tempfile
@@ -39,15 +38,20 @@ from bench.cascade_goals import (
     fit_head,
     library_probs,
     load_parts,
-    markdown,
     one_threshold,
     per_class_path,
     run_library,
-    sample,
     variant_rows,
 )
-from bench.common import placed_llama_defaults
-from bench.encoder_quality import CACHE_DIR, TASKS
+from bench.common import (
+    CACHE_DIR,
+    TASK_NAMES,
+    TASKS,
+    argument_parser,
+    markdown,
+    placed_llama_defaults,
+    sample,
+)
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.ngrams import NgramFeatures, beside
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
@@ -117,10 +121,9 @@ def top_error_rates(task: str, outcome: Outcome) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--tasks", nargs="+", default=["ag_news", "zomato"],
-                        choices=[t.name for t in TASKS])
+                        choices=TASK_NAMES)
     parser.add_argument("--items", type=int, default=4000)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     args = parser.parse_args()

@@ -38,130 +38,49 @@ middle + share escalated x teacher, over the teacher alone.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import itertools
-import shutil
 import statistics
-import tempfile
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import numpy as np
 
-from bench.encoder_quality import CACHE_DIR, TASKS, Task
-from bench.finetune import finetuned_vectors
-from bench.teacher_goals import GOAL_COST, GOAL_KEPT, Items, hindsight, load_items, markdown, read_export
-from cascade.encoder.ngrams import NgramFeatures, beside
+from bench.common import (
+    CACHE_DIR,
+    DELTA,
+    FINETUNED_DIR,
+    GOAL_COST,
+    GOAL_KEPT,
+    SOURCES,
+    TARGET,
+    TASK_NAMES,
+    TEACHER,
+    CascadeOutcome,
+    Items,
+    Task,
+    argument_parser,
+    cascade_outcome,
+    cell,
+    finetuned,
+    head_probabilities,
+    interleaved,
+    labels_digest,
+    load_items,
+    markdown,
+    parts_of,
+    read_export,
+    task_named,
+)
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
-from cascade.heads import SoftmaxHead
 from cascade.questions import parse_request
 from cascade.readout.scorer import Scorer
-from cascade.thresholds import CERTIFIED_SCORE, ThresholdScore, threshold_score
-from distill.calibration.maths import threshold_for_agreement
+from cascade.thresholds import CERTIFIED_SCORE, ThresholdScore
 from distill.finetune import FinetuneConfig
 from distill.teachers import teacher_path
 
-TARGET, DELTA = 0.98, 0.05
-TEACHER, MIDDLE = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-SOURCES = {"teacher": "teacher, soft", "gold": "gold"}
-FINETUNED_DIR = CACHE_DIR / "finetuned"
-
-
-@dataclass(frozen=True)
-class Parts:
-    train: np.ndarray
-    calibration: np.ndarray
-    evaluation: np.ndarray
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One cascade on one split's evaluation part."""
-
-    encoder: float  # share the encoder keeps
-    middle: float  # share the middle tier keeps (0 without one)
-    agreement: float  # realised agreement with the source
-    reach_middle: float  # share the middle tier reads
-    hindsight: float  # the most one encoder threshold keeps at the target, chosen on these items
-
-    @property
-    def cheap(self) -> float:
-        return self.encoder + self.middle
-
-
-def parts_of(order: np.ndarray) -> Parts:
-    n = len(order)
-    return Parts(order[: n // 2], order[n // 2: 3 * n // 4], order[3 * n // 4:])
-
-
-def head_probabilities(items: Items, emb: np.ndarray, source: str, parts: Parts
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """The library's head on ``emb`` (+ n-grams), fitted on the train part: calibration and
-    evaluation probabilities."""
-    grams = NgramFeatures().fit([items.texts[i] for i in parts.train])
-
-    def features(rows: np.ndarray) -> np.ndarray:
-        return beside(emb[rows], grams, [items.texts[i] for i in rows])
-
-    head = SoftmaxHead(C=1.0, max_iter=5000).fit(features(parts.train), items.targets[source][parts.train])
-    return head.predict_proba(features(parts.calibration)), head.predict_proba(features(parts.evaluation))
-
-
-def certified(cal: np.ndarray, truth: np.ndarray, target: float, delta: float, score: ThresholdScore
-              ) -> float:
-    """The lowest raw-``score`` threshold certified on the calibration items (inf: none)."""
-    chosen = threshold_for_agreement(threshold_score(cal, score), cal.argmax(axis=1) == truth, target, delta)
-    return chosen.threshold if chosen.threshold is not None else np.inf
-
-
-def cascade_outcome(encoder: tuple[np.ndarray, np.ndarray], middle: tuple[np.ndarray, np.ndarray] | None,
-                    truth: np.ndarray, parts: Parts, score: ThresholdScore, target: float = TARGET
-                    ) -> Outcome:
-    """Thresholds certified as ``cascade calibrate`` sets them, then the cascade on the evaluation
-    part: each cheap tier keeps what clears its threshold among what reaches it."""
-    tiers = [encoder] if middle is None else [encoder, middle]
-    tier_target, tier_delta = 1 - (1 - target) / len(tiers), DELTA / len(tiers)
-    cal_truth, ev_truth = truth[parts.calibration], truth[parts.evaluation]
-    reaching = np.ones(len(parts.evaluation), dtype=bool)
-    kept, wrong = [], 0
-    for cal, ev in tiers:
-        threshold = certified(cal, cal_truth, tier_target, tier_delta, score)
-        keep = reaching & (threshold_score(ev, score) >= threshold)
-        kept.append(float(keep.mean()))
-        wrong += int((keep & (ev.argmax(axis=1) != ev_truth)).sum())
-        reaching &= ~keep
-    reach_middle = 1 - kept[0] if middle is not None else 0.0
-    best = hindsight(threshold_score(encoder[1], score), encoder[1].argmax(axis=1) == ev_truth, target)
-    return Outcome(kept[0], kept[1] if middle is not None else 0.0, 1 - wrong / len(ev_truth), reach_middle,
-                   best)
-
-
-def labels_digest(paths: list[Path]) -> str:
-    """The label exports' digest (one file: its sha256, as the cache of fine-tuned vectors keys it)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def finetuned(items: Items, digest: str, source: str, seed: int, number: int, parts: Parts,
-              config: FinetuneConfig) -> np.ndarray:
-    """All items' vectors from MiniLM fine-tuned on this split's train part (bench.finetune's
-    ``finetuned_vectors``), cached per split by the labels file's ``digest`` and the settings."""
-    key = hashlib.sha256(f"{digest} {source} {seed} {number} {config!r}".encode()).hexdigest()[:20]
-    cached = FINETUNED_DIR / f"{key}.npy"
-    if cached.exists():
-        return np.load(cached)
-    FINETUNED_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as work:
-        emb, _, onnx = finetuned_vectors(items, source, parts.train, Path(work), config)
-        shutil.copyfile(onnx, FINETUNED_DIR / "last.onnx")
-    np.save(cached.with_suffix(".tmp.npy"), emb)
-    cached.with_suffix(".tmp.npy").replace(cached)
-    return emb
+MIDDLE = "qwen2.5-coder-0.5b-instruct"
 
 
 def measured_seconds(items: Items, task: Task, count: int, middle: bool, finetuned_file: Path | None
@@ -176,40 +95,39 @@ def measured_seconds(items: Items, task: Task, count: int, middle: bool, finetun
     models = {"teacher": TEACHER, **({"middle": MIDDLE} if middle else {})}
     scorers = {name: Scorer(teacher_path(model), n_ctx=2048, max_branches=1, n_threads=1)
                for name, model in models.items()}
-    spent: dict[str, list[float]] = {name: [] for name in [*scorers, *encoders]}
+    contenders: dict[str, Callable[[str], object]] = {
+        **{name: partial(_score, scorer, request) for name, scorer in scorers.items()},
+        **{name: partial(_encode, encoder) for name, encoder in encoders.items()}}
     try:
-        for text in items.texts[:count]:
-            for name, scorer in scorers.items():
-                started = time.process_time()
-                scorer.score(parse_request(request | {"state": text}))
-                spent[name].append(time.process_time() - started)
-            for name, encoder in encoders.items():
-                started = time.process_time()
-                encoder.encode([text])
-                spent[name].append(time.process_time() - started)
+        spent = interleaved(contenders, items.texts[:count])
     finally:
         for scorer in scorers.values():
             scorer.close()
-    return {name: statistics.mean(values) for name, values in spent.items()}
+    return {name: statistics.mean(values["cpu"]) for name, values in spent.items()}
 
 
-def summary(name: str, runs: list[Outcome], costs: list[float], middle: bool, target: float) -> list[str]:
-    def cell(values: list[float], fmt: str, worst: float) -> str:
-        return f"{statistics.mean(values):{fmt}} (worst {worst:{fmt}})"
+def _score(scorer: Scorer, request: dict[str, Any], text: str) -> object:
+    return scorer.score(parse_request(request | {"state": text}))
 
+
+def _encode(encoder: Encoder, text: str) -> object:
+    return encoder.encode([text])
+
+
+def summary(name: str, runs: list[CascadeOutcome], costs: list[float], middle: bool, target: float
+            ) -> list[str]:
     cheap = [r.cheap for r in runs]
     agreement = [r.agreement for r in runs]
     return [name, f"{statistics.mean(r.encoder for r in runs):.1%}",
             f"{statistics.mean(r.middle for r in runs):.1%}" if middle else "-",
-            cell(cheap, ".1%", min(cheap)), cell(agreement, ".4f", min(agreement)),
+            cell(cheap, ".1%"), cell(agreement, ".4f"),
             f"{sum(a < target for a in agreement)}/{len(runs)}", cell(costs, ".3f", max(costs)),
             f"{statistics.mean(r.hindsight for r in runs):.1%}"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=[task.name for task in TASKS], required=True)
+    parser = argument_parser(__doc__)
+    parser.add_argument("--task", choices=TASK_NAMES, required=True)
     parser.add_argument("--labels", type=Path, nargs="+", required=True, metavar="TEACHER.jsonl",
                         help="the teacher's label exports (several: read one after another)")
     parser.add_argument("--middle", type=Path, metavar="MIDDLE.jsonl",
@@ -226,7 +144,7 @@ def main() -> None:
                         help=f"agreement targets to certify, each in a table of its own (default {TARGET})")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    task = next(task for task in TASKS if task.name == args.task)
+    task = task_named(args.task)
     items = load_items(args.labels, task, EmbeddingCache(CACHE_DIR, Encoder()))
     middle = _middle_probabilities(args.middle, task, items) if args.middle else None
     config = FinetuneConfig(seed=args.seed, threads=args.threads)
@@ -240,7 +158,7 @@ def main() -> None:
         agree = float((middle.argmax(axis=1) == items.truth["teacher, soft"]).mean())
         print(f"middle tier {MIDDLE}: its top answer is the teacher's on {agree:.1%} of the items")
     rng = np.random.default_rng(args.seed)
-    runs: dict[tuple[float, str, str, bool, str], list[Outcome]] = {}
+    runs: dict[tuple[float, str, str, bool, str], list[CascadeOutcome]] = {}
     for number, order in enumerate((rng.permutation(len(items.ids)) for _ in range(args.resplits)), 1):
         parts = parts_of(order)
         for name, source in SOURCES.items():
@@ -274,7 +192,7 @@ def _middle_probabilities(path: Path, task: Task, items: Items) -> np.ndarray:
     return probs[[row[item] for item in items.ids]]
 
 
-def _report(runs: dict[tuple[float, str, str, bool, str], list[Outcome]], seconds: dict[str, float],
+def _report(runs: dict[tuple[float, str, str, bool, str], list[CascadeOutcome]], seconds: dict[str, float],
             count: int, middle: bool, task: Task) -> None:
     teacher = seconds["teacher"]
     print(f"\nmeasured on {count} items, CPU seconds per item, one thread each: "

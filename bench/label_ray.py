@@ -16,7 +16,6 @@ printed says how busy the shared cores were.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,9 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import ray
-
-from bench.common import question_set, read_rows
+from bench.common import argument_parser, question_set, read_rows
 from cascade.questions import Question, parse_request
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.placement import Placement
@@ -71,13 +68,17 @@ def timed(run: Run, corpus: Path, store_path: Path, items: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--items", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()
+    try:
+        import ray
+    except ImportError as error:
+        raise SystemExit(f"bench.label_ray needs the ray extra: pip install 'cascade-router[ray]' "
+                         f"({error})") from error
     questions_json = question_set(args.questions)
     questions = dict(parse_request({"state": "x", "questions": questions_json}).questions)
     rows = read_rows("ag_news_test.jsonl", args.items)

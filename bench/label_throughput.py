@@ -11,14 +11,13 @@ llama.cpp on one thread. Wall time, since the store's fsyncs are part of the cos
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import question_set, read_rows
+from bench.common import argument_parser, question_set, read_rows
 from cascade.questions import parse_request
 from cascade.readout.llama import default_gguf_path
 from distill.label import label_corpus, open_teacher, teacher_of
@@ -26,9 +25,7 @@ from distill.store import LabelStore
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--items", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--questions", type=int, default=4)

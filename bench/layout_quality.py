@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import read_rows
-from bench.encoder_quality import TASKS, Task
+from bench.common import TASK_NAMES, TASKS, Task, argument_parser, read_rows
 from cascade.questions import parse_request
 from cascade.readout.prompts import LAYOUTS, Layout
 from cascade.readout.scorer import Scorer
@@ -40,13 +39,12 @@ class Reading:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--model", required=True, help="GGUF path")
     parser.add_argument("--items", type=int, default=400, help="items per dataset (the first N)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--permutations", type=int, default=1)
-    parser.add_argument("--tasks", nargs="+", default=[t.name for t in TASKS])
+    parser.add_argument("--tasks", nargs="+", default=list(TASK_NAMES))
     args = parser.parse_args()
     scorers = {layout: Scorer(args.model, n_ctx=2048, max_branches=max(4, args.permutations),
                               n_threads=args.threads, layout=layout) for layout in LAYOUTS}

@@ -16,18 +16,17 @@ of a fresh process also pays the hashing, timed apart ("sha256 of pinned files",
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
 from gguf import GGUFReader
 
+from bench.common import WALL, argument_parser, in_rounds
 from cascade.bundle.manifest import Bundle, Manifest, ModelFile
 from cascade.corpus import load_questions
 from cascade.cost.roofline import ModelShape
@@ -36,7 +35,9 @@ from cascade.readout.llama import default_gguf_path
 from cascade.readout.scorer import Scorer, branch_slots
 from cascade.routing.router import Cascade
 from cascade.tiers.gguf import GgufSpec
-from distill.store import LabelStore, Teacher, import_labels
+from distill.label_transfer import import_labels
+from distill.options import CorpusInput, RunOptions
+from distill.store import LabelStore, Teacher
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.train import train_bundle
 
@@ -71,8 +72,8 @@ def gguf_topped_bundle(root: Path, model: Path, items: int, n_ctx: int, threads:
     questions = load_questions(write_questions(root / "questions.json"))
     with LabelStore(root / "labels.sqlite", Teacher(kind="external", model="generator")) as store:
         import_labels(store, write_labels(generated, root / "labels.jsonl"), questions)
-        trained = train_bundle(questions, corpus, store, root / "trained",
-                               encoder=Encoder(threads=threads), progress=False)
+        trained = train_bundle(questions, CorpusInput(corpus), store, root / "trained",
+                               encoder=Encoder(threads=threads), run=RunOptions(progress=False))
     data = trained.manifest.model_dump()
     top = GgufSpec(name=data["tiers"][-1]["name"], model=ModelFile.of(model), n_ctx=n_ctx)
     data["tiers"] = [*data["tiers"][:-1], top.model_dump()]
@@ -80,8 +81,7 @@ def gguf_topped_bundle(root: Path, model: Path, items: int, n_ctx: int, threads:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--items", type=int, default=60, help="generated messages to train on")
     parser.add_argument("--n-ctx", type=int, default=1024)
@@ -111,13 +111,8 @@ def main() -> None:
             "Cascade.load, GGUFReader": load_with_reader,
             "sha256 of pinned files": lambda: sha256(pinned),
         }
-        seconds: dict[str, list[float]] = {name: [] for name in work}
-        names = list(work)
-        for round_ in range(args.rounds):
-            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                started = time.perf_counter()
-                work[name]()
-                seconds[name].append(time.perf_counter() - started)
+        timed = in_rounds(work, args.rounds, WALL, rotate=True)
+        seconds = {name: values["wall"] for name, values in timed.items()}
     print(f"{model.name}, {args.threads} threads, n_ctx {args.n_ctx}, {branches} branches; "
           f"{args.rounds} rounds, load average {os.getloadavg()[0]:.1f}")
     print(f"{'':<25} {'min s':>8} {'median s':>9}")

@@ -12,9 +12,10 @@ Then, on each of ``--resplits`` random 50/25/25 splits (as bench/goals.py):
 - the mid-layer tier alone: the share it keeps under a threshold certified on the calibration part
   at ``--target`` / delta 0.05, as ``cascade calibrate`` certifies;
 - the cascade frozen encoder -> mid-layer -> teacher against encoder -> teacher, thresholds
-  certified as the library does for two cheap tiers (bench/goals.py's ``cascade_outcome``);
-  with ``--finetune``, the same two cascades again with MiniLM fine-tuned on each split's train
-  part in front (bench/goals.py's, cached per split: minutes each).
+  certified as the library does for two cheap tiers (bench.common's ``cascade_outcome``, as
+  bench/goals.py runs it); with ``--finetune``, the same two cascades again with MiniLM fine-tuned
+  on each split's train part in front (bench.common's ``finetuned``, cached per split: minutes
+  each).
 
 Run it with ``OPENBLAS_NUM_THREADS=1`` beside other jobs: numpy's BLAS threads fighting them for
 the cores made each head's fit 20x slower here.
@@ -30,29 +31,38 @@ teacher (an escalation reruns the whole teacher: the tier's work is not reused),
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import statistics
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from bench.encoder_quality import CACHE_DIR, TASKS, Task
-from bench.goals import (
+from bench.common import (
+    CACHE_DIR,
     DELTA,
     FINETUNED_DIR,
-    Outcome,
+    TASK_NAMES,
+    TEACHER,
+    CascadeOutcome,
+    Items,
     Parts,
+    Task,
+    argument_parser,
     cascade_outcome,
+    cell,
     finetuned,
     head_probabilities,
+    interleaved,
     labels_digest,
+    load_items,
+    markdown,
     parts_of,
+    task_named,
 )
-from bench.teacher_goals import Items, load_items, markdown
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout.layer_scorer import LayerScorer, LetterLens, normalized
@@ -62,9 +72,10 @@ from distill.finetune import FinetuneConfig
 from distill.mid_layer import candidate_layers, fit_head
 from distill.teachers import teacher_path
 
-TEACHER = "qwen2.5-coder-1.5b-instruct"
 STATES_DIR = CACHE_DIR / "mid_layer"
 SOURCE = "teacher, soft"
+brief = partial(cell, word="")
+"""``mean (worst)``, the word left out: the table's header says it."""
 
 
 @dataclass(frozen=True)
@@ -73,15 +84,15 @@ class LayerRun:
 
     head_agreement: float
     lens_agreement: float
-    alone: Outcome  # the tier alone, certified (its ``encoder`` field: the share it keeps)
-    cascades: dict[str, Outcome]  # encoder name -> encoder -> tier -> teacher
+    alone: CascadeOutcome  # the tier alone, certified (its ``encoder`` field: the share it keeps)
+    cascades: dict[str, CascadeOutcome]  # encoder name -> encoder -> tier -> teacher
 
 
 @dataclass(frozen=True)
 class Split:
     """One split: per encoder, encoder -> teacher; per layer, the tier's outcomes."""
 
-    baselines: dict[str, Outcome]
+    baselines: dict[str, CascadeOutcome]
     layers: dict[int, LayerRun]
 
 
@@ -192,41 +203,40 @@ def measured_seconds(items: Items, task: Task, layers: list[int], count: int, tu
     if tuned is not None:
         files = EncoderFiles(model=tuned, tokenizer=default_encoder_files().tokenizer)
         encoders["fine-tuned"] = Encoder(files, threads=1)
-    spent: dict[str, list[float]] = {name: [] for name in [*scorers, *encoders]}
+    contenders: dict[str, Callable[[tuple[str, DecisionRequest]], object]] = {
+        **{name: partial(_read, scorer) for name, scorer in scorers.items()},
+        **{name: partial(_encode, encoder) for name, encoder in encoders.items()}}
+    pairs = [(text, request_of(task, text)) for text in items.texts[:count]]
     try:
-        for text in tqdm(items.texts[:count], unit="item", desc="timing"):
-            request = request_of(task, text)
-            for name, scorer in scorers.items():
-                started = time.process_time()
-                scorer.states(request) if isinstance(scorer, LayerScorer) else scorer.score(request)
-                spent[name].append(time.process_time() - started)
-            for name, encoder in encoders.items():
-                started = time.process_time()
-                encoder.encode([text])
-                spent[name].append(time.process_time() - started)
+        spent = interleaved(contenders, tqdm(pairs, unit="item", desc="timing"))
     finally:
         for scorer in scorers.values():
             scorer.close()
-    return {name: statistics.mean(values) for name, values in spent.items()}
+    return {name: statistics.mean(values["cpu"]) for name, values in spent.items()}
 
 
-def cost(outcome: Outcome, seconds: dict[str, float], encoder: str, layer: int | None) -> float:
+def _read(scorer: Scorer | LayerScorer, pair: tuple[str, DecisionRequest]) -> object:
+    return scorer.states(pair[1]) if isinstance(scorer, LayerScorer) else scorer.score(pair[1])
+
+
+def _encode(encoder: Encoder, pair: tuple[str, DecisionRequest]) -> object:
+    return encoder.encode([pair[0]])
+
+
+def cost(outcome: CascadeOutcome, seconds: dict[str, float], encoder: str, layer: int | None) -> float:
     tier = seconds[str(layer)] * outcome.reach_middle if layer is not None else 0.0
     return (seconds[encoder] + tier) / seconds["teacher"] + 1 - outcome.cheap
 
 
 def report(splits: list[Split], seconds: dict[str, float], n_layer: int, target: float) -> str:
-    def cell(values: list[float], fmt: str, worst: float) -> str:
-        return f"{statistics.mean(values):{fmt}} ({worst:{fmt}})"
-
     rows = []
     for encoder in splits[0].baselines:
         baseline = [split.baselines[encoder] for split in splits]
         base_costs = [cost(o, seconds, encoder, None) for o in baseline]
         rows.append([f"{encoder} encoder -> teacher", "-", "-", "-", "-", "-",
-                     cell([o.cheap for o in baseline], ".1%", min(o.cheap for o in baseline)),
-                     cell([o.agreement for o in baseline], ".4f", min(o.agreement for o in baseline)),
-                     cell(base_costs, ".3f", max(base_costs))])
+                     brief([o.cheap for o in baseline], ".1%"),
+                     brief([o.agreement for o in baseline], ".4f"),
+                     brief(base_costs, ".3f", max(base_costs))])
         for layer in splits[0].layers:
             layer_runs = [split.layers[layer] for split in splits]
             outcomes = [run.cascades[encoder] for run in layer_runs]
@@ -239,8 +249,8 @@ def report(splits: list[Split], seconds: dict[str, float], n_layer: int, target:
                          f"{seconds[str(layer)] / seconds['teacher']:.2f}",
                          f"{statistics.mean(r.head_agreement for r in layer_runs):.3f}",
                          f"{statistics.mean(r.lens_agreement for r in layer_runs):.3f}",
-                         cell(kept, ".1%", min(kept)), cell(cheap, ".1%", min(cheap)),
-                         cell(agreement, ".4f", min(agreement)), cell(costs, ".3f", max(costs))])
+                         brief(kept, ".1%"), brief(cheap, ".1%"),
+                         brief(agreement, ".4f"), brief(costs, ".3f", max(costs))])
     header = ["cascade", "blocks run", "tier seconds / teacher (measured)", "head agrees with teacher",
               "lens agrees with teacher", f"tier alone keeps at {target}: mean (worst)",
               "cheap tiers keep: mean (worst)", "realised agreement: mean (worst)",
@@ -249,9 +259,8 @@ def report(splits: list[Split], seconds: dict[str, float], n_layer: int, target:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=[task.name for task in TASKS], required=True)
+    parser = argument_parser(__doc__)
+    parser.add_argument("--task", choices=TASK_NAMES, required=True)
     parser.add_argument("--labels", type=Path, required=True, metavar="TEACHER.jsonl")
     parser.add_argument("--items", type=int, default=800)
     parser.add_argument("--layers", type=int, nargs="+", default=candidate_layers(28))
@@ -265,7 +274,7 @@ def main() -> None:
                              "(cached; minutes each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    task = next(task for task in TASKS if task.name == args.task)
+    task = task_named(args.task)
     layers = sorted(args.layers)
     items = sample(load_items(args.labels, task, EmbeddingCache(CACHE_DIR, Encoder())), args.items, args.seed)
     digest = hashlib.sha256(args.labels.read_bytes()).hexdigest()[:12]

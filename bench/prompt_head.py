@@ -21,7 +21,6 @@ items both hold: how far splitting the prefill moved the numbers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -30,14 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import TOPIC, question_set, read_rows
+from bench.common import TOPIC, argument_parser, question_set, read_rows
 from cascade.questions import parse_request
 from cascade.readout.scorer import Scorer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--model", required=True, help="GGUF path")
     parser.add_argument("--items", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)

@@ -11,11 +11,10 @@ llama.cpp on one thread, timed in process CPU seconds (robust to neighbours on a
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from bench.common import many_questions, read_rows
+from bench.common import argument_parser, many_questions, read_rows
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.prompts import SYSTEM_TEXT, question_block, render_state
@@ -52,9 +51,7 @@ def generate(scorer: Scorer, prompt: str, max_tokens: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--states", type=int, default=6)
     parser.add_argument("--questions", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args()

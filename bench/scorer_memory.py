@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 
+from bench.common import argument_parser
 from cascade.readout.llama import default_gguf_path
 
 SCORER = """
@@ -51,6 +52,7 @@ def peak(script: str, model: str) -> float:
 
 
 def main() -> None:
+    argument_parser(__doc__).parse_args()
     model = default_gguf_path()
     size = model.stat().st_size / 2**20
     scorer, llama = peak(SCORER, str(model)), peak(LLAMA, str(model))

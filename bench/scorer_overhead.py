@@ -11,13 +11,12 @@ llama.cpp on one thread and process CPU time, so that neighbours on a shared mac
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import llama_cpp
 
-from bench.common import many_questions, read_rows
+from bench.common import argument_parser, many_questions, read_rows
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.scorer import Scorer, _shared_prefix
@@ -62,9 +61,7 @@ def raw_decode(scorer: Scorer, prefix: list[int], suffixes: list[list[int]]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--questions", type=int, nargs="+", default=[1, 8, 16])
     args = parser.parse_args()

@@ -13,14 +13,13 @@ cascade.cost.roofline) by its CPU time, as a share of one core's measured float3
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from bench.common import many_questions, peak_rss_mib, read_rows
+from bench.common import argument_parser, many_questions, peak_rss_mib, read_rows
 from cascade.cost.roofline import ModelShape, decision_flops
 from cascade.questions import DecisionRequest, parse_request
 from cascade.readout.llama import default_gguf_path
@@ -65,9 +64,7 @@ def one_core_flops() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--state-tokens", type=int, nargs="+", default=[100, 500])

@@ -1,10 +1,10 @@
 """``cascade serve`` under load, against in-process ``Cascade.route`` on the same items.
 
 Loopback only, bounded (a fixed number of requests per run, a timeout per request) and stops by
-itself. The bundle is trained here on the demo's generated support messages and their generator
-labels, with gemma-3-270m as its live teacher; thresholds fix each question's route so that the
-runs measure the server, not the thresholds: "urgent" is kept by the encoder (easy requests),
-"department" always escalates to the teacher (hard requests).
+itself. The bundle (bench.common's ``support_bundle``) is trained here on the demo's generated support
+messages and their generator labels, with gemma-3-270m as its live teacher; thresholds fix each
+question's route so that the runs measure the server, not the thresholds: "urgent" is kept by the
+encoder (easy requests), "department" always escalates to the teacher (hard requests).
 
 Runs, each its own server process (``cascade serve``, the command users run), the client here:
 1. easy requests at 1, 4 and 16 concurrent clients, server and in-process side by side (the
@@ -20,7 +20,6 @@ Runs, each its own server process (``cascade serve``, the command users run), th
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -36,41 +35,13 @@ from typing import Any
 
 import httpx
 
-from cascade.bundle.manifest import Bundle, Manifest
-from cascade.hashing import file_sha256
-from cascade.questions import parse_request
+from bench.common import EASY, HARD, argument_parser, support_bundle, support_messages
 from cascade.readout.llama import default_gguf_path
-from cascade.readout.prompts import PROMPT_VERSION
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
-from distill.store import LabelStore, Teacher, import_labels
-from distill.synthetic import QUESTIONS_JSON, generate, write_corpus, write_labels
-from distill.train import train_bundle
+from distill.synthetic import QUESTIONS_JSON
 
-EASY, HARD = "urgent", "department"
 TIMEOUT = 120.0
-
-
-def build_bundle(root: Path, teacher: Path, items: int) -> Path:
-    """Train the encoder tier on generated messages, then pin ``teacher`` and fix the routes."""
-    messages = generate(items, seed=7)
-    asked = {q: QUESTIONS_JSON[q] for q in (EASY, HARD)}
-    questions = parse_request({"state": "x", "questions": asked}).questions
-    corpus = write_corpus(messages, root / "corpus.jsonl")
-    with LabelStore(root / "labels.sqlite", Teacher(kind="external", model="generator")) as store:
-        import_labels(store, write_labels(messages, root / "labels.jsonl"), questions, on_error="skip")
-        bundle = train_bundle(questions, corpus, store, root / "trained", progress=False)
-    data = bundle.manifest.model_dump(mode="json")
-    data["name"] = "support"
-    data["teacher"] = {"kind": "gguf", "model": teacher.name, "model_sha256": file_sha256(teacher),
-                       "prompt_version": PROMPT_VERSION}
-    data["thresholds"] = {EASY: {"encoder": 0.0}, HARD: {"encoder": 1.0}}
-    Bundle(Manifest.model_validate(data), bundle.directory).save(root / "support")
-    return root / "support"
-
-
-def states(n: int) -> list[str]:
-    return [message.text for message in generate(n, seed=11)]
 
 
 def body(state: str, question: str) -> dict[str, Any]:
@@ -170,8 +141,7 @@ def saturated(url: str, easy: list[dict[str, Any]], hard: list[dict[str, Any]]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
     parser.add_argument("--items", type=int, default=300, help="generated items to train on")
     parser.add_argument("--port", type=int, default=18431)
@@ -180,9 +150,9 @@ def main() -> None:
     teacher = default_gguf_path()
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        bundle = build_bundle(Path(tmp), teacher, args.items)
-        easy = [body(s, EASY) for s in states(args.requests)]
-        hard = [body(s, HARD) for s in states(args.requests)]
+        bundle = support_bundle(Path(tmp), teacher, args.items)
+        easy = [body(s, EASY) for s in support_messages(args.requests)]
+        hard = [body(s, HARD) for s in support_messages(args.requests)]
         with Cascade.load(bundle, teacher=teacher, threads=args.threads) as cascade:
             call, make = in_process(cascade)
             run_clients(1, easy[:20], call, make)  # warm

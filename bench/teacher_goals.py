@@ -25,41 +25,37 @@ escalated (states' lengths vary; the mean per item is used).
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import statistics
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import read_rows
-from bench.encoder_quality import CACHE_DIR, TASKS, Task
-from cascade.encoder.ngrams import NgramFeatures, beside
+from bench.common import (
+    CACHE_DIR,
+    DELTA,
+    GOAL_COST,
+    GOAL_KEPT,
+    TARGET,
+    TASK_NAMES,
+    TEACHER,
+    Items,
+    Task,
+    argument_parser,
+    cell,
+    certified,
+    head_probabilities,
+    hindsight,
+    interleaved,
+    load_items,
+    markdown,
+    parts_of,
+    task_named,
+)
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
-from cascade.heads import Matrix, SoftmaxHead
 from cascade.questions import parse_request
 from cascade.readout.scorer import Scorer
-from distill.calibration.maths import threshold_for_agreement
 from distill.teachers import teacher_path
-
-TARGET, DELTA = 0.98, 0.05
-TEACHER = "qwen2.5-coder-1.5b-instruct"
-GOAL_KEPT, GOAL_COST = 0.80, 0.25
-
-
-@dataclass(frozen=True)
-class Items:
-    """The labelled items in export order, with their features and each source's targets."""
-
-    ids: list[str]
-    texts: list[str]
-    emb: np.ndarray
-    targets: dict[str, np.ndarray]  # source -> (n, k) rows a head learns from
-    truth: dict[str, np.ndarray]  # source -> (n,) the answer agreement is measured against
 
 
 @dataclass(frozen=True)
@@ -69,63 +65,16 @@ class Split:
     hindsight: float
 
 
-def read_export(paths: Path | Sequence[Path], task: Task) -> tuple[list[str], np.ndarray]:
-    """Ids and teacher probabilities (columns in the question's option order) of one export, or
-    of several read one after another (a labelling run continued into another file)."""
-    (qid, question), = parse_request({"state": "-", "questions": task.questions}).questions.items()
-    keys = question.option_keys()
-    ids, rows = [], []
-    for path in [paths] if isinstance(paths, Path) else paths:
-        for line in path.open(encoding="utf-8"):
-            row = json.loads(line)
-            if row["question"] == qid:
-                ids.append(row["id"])
-                rows.append([row["probabilities"][key] for key in keys])
-    if len(set(ids)) != len(ids):
-        raise SystemExit(f"the exports {paths} label some item twice; give each item's label once")
-    return ids, np.asarray(rows)
-
-
-def load_items(path: Path | Sequence[Path], task: Task, cache: EmbeddingCache) -> Items:
-    ids, probs = read_export(path, task)
-    (question,) = parse_request({"state": "-", "questions": task.questions}).questions.values()
-    keys = question.option_keys()
-    shared = {row["id"]: row for row in read_rows(task.file)}
-    texts = [shared[i]["text"].strip() for i in ids]
-    gold = np.array([keys.index(task.option_key(shared[i]["label"])) for i in ids])
-    eye = np.eye(len(keys))
-    argmax = probs.argmax(axis=1)
-    return Items(ids, texts, cache.encode(texts), {"teacher, soft": probs, "teacher, argmax": eye[argmax],
-                                                   "gold": eye[gold]},
-                 {"teacher, soft": argmax, "teacher, argmax": argmax, "gold": gold})
-
-
-def hindsight(score: np.ndarray, correct: np.ndarray, target: float = TARGET) -> float:
-    """The most one threshold keeps of these items with agreement >= ``target``, chosen on them."""
-    order = np.argsort(-score, kind="stable")
-    wrong = np.cumsum(~correct[order])
-    fine = np.flatnonzero(wrong <= (1 - target) * len(score) + 1e-9)
-    return float(fine[-1] + 1) / len(score) if fine.size else 0.0
-
-
 def one_split(items: Items, order: np.ndarray) -> dict[str, Split]:
-    n = len(order)
-    train, calibration, evaluation = order[: n // 2], order[n // 2: 3 * n // 4], order[3 * n // 4:]
-    grams = NgramFeatures().fit([items.texts[i] for i in train])
-
-    def features(rows: np.ndarray) -> Matrix:
-        return beside(items.emb[rows], grams, [items.texts[i] for i in rows])
-
-    X = {"train": features(train), "calibration": features(calibration), "evaluation": features(evaluation)}
+    """Per label source: the library's head, one threshold on the raw top probability certified on
+    the calibration part, applied to the evaluation part."""
+    parts = parts_of(order)
     out = {}
-    for source, targets in items.targets.items():
-        head = SoftmaxHead(C=1.0, max_iter=5000).fit(X["train"], targets[train])
-        cal, ev = head.predict_proba(X["calibration"]), head.predict_proba(X["evaluation"])
+    for source in items.targets:
+        cal, ev = head_probabilities(items, items.emb, source, parts)
         truth = items.truth[source]
-        chosen = threshold_for_agreement(cal.max(axis=1), cal.argmax(axis=1) == truth[calibration],
-                                         TARGET, DELTA)
-        keep = ev.max(axis=1) >= (chosen.threshold if chosen.threshold is not None else math.inf)
-        correct = ev.argmax(axis=1) == truth[evaluation]
+        keep = ev.max(axis=1) >= certified(cal, truth[parts.calibration], TARGET, DELTA, "top")
+        correct = ev.argmax(axis=1) == truth[parts.evaluation]
         out[source] = Split(float(keep.mean()), 1.0 - float((keep & ~correct).mean()),
                             hindsight(ev.max(axis=1), correct))
     return out
@@ -133,50 +82,38 @@ def one_split(items: Items, order: np.ndarray) -> dict[str, Split]:
 
 def measured_cost(items: Items, task: Task, count: int) -> float:
     """Encoder CPU seconds per item over the teacher's, on the first ``count`` items."""
-    texts = items.texts[:count]
     encoder = Encoder(threads=1)
     scorer = Scorer(teacher_path(TEACHER), n_ctx=2048, max_branches=1, n_threads=1)
     questions = parse_request({"state": "-", "questions": task.questions}).questions
-    teacher, encoded = [], []
-    for text in texts:
-        started = time.process_time()
-        scorer.score(parse_request({"state": text, "questions": task.questions}))
-        teacher.append(time.process_time() - started)
-        started = time.process_time()
-        encoder.encode([text])
-        encoded.append(time.process_time() - started)
+    spent = interleaved({
+        "teacher": lambda text: scorer.score(parse_request({"state": text, "questions": task.questions})),
+        "encoder": lambda text: encoder.encode([text]),
+    }, items.texts[:count])
     scorer.close()
+    teacher, encoded = spent["teacher"]["cpu"], spent["encoder"]["cpu"]
     print(f"measured on {count} items, one thread each: teacher {statistics.mean(teacher):.3f} s/item, "
           f"encoder {statistics.mean(encoded):.4f} s/item ({len(questions)} question)")
     return statistics.mean(encoded) / statistics.mean(teacher)
 
 
 def summarise(source: str, runs: list[Split], encoder_share: float) -> list[str]:
-    kept = np.array([r.kept for r in runs])
-    agreement = np.array([r.agreement for r in runs])
-    cost = encoder_share + 1 - kept
-    return [source, f"{kept.mean():.1%} (worst {kept.min():.1%})",
-            f"{agreement.mean():.4f} (worst {agreement.min():.4f})",
-            f"{int((agreement < TARGET).sum())}/{len(runs)}",
-            f"{cost.mean():.3f} (worst {cost.max():.3f})",
+    kept = [r.kept for r in runs]
+    agreement = [r.agreement for r in runs]
+    cost = [encoder_share + 1 - k for k in kept]
+    return [source, cell(kept, ".1%"), cell(agreement, ".4f"),
+            f"{sum(a < TARGET for a in agreement)}/{len(runs)}", cell(cost, ".3f", max(cost)),
             f"{np.mean([r.hindsight for r in runs]):.1%}"]
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__doc__)
     parser.add_argument("--labels", type=Path, required=True, metavar="EXPORT.jsonl")
-    parser.add_argument("--task", choices=[task.name for task in TASKS], required=True)
+    parser.add_argument("--task", choices=TASK_NAMES, required=True)
     parser.add_argument("--resplits", type=int, default=10)
     parser.add_argument("--cost-items", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    task = next(task for task in TASKS if task.name == args.task)
+    task = task_named(args.task)
     items = load_items(args.labels, task, EmbeddingCache(CACHE_DIR, Encoder()))
     agree = float((items.truth["teacher, soft"] == items.truth["gold"]).mean())
     print(f"{len(items.ids)} {task.name} items labelled by {TEACHER}; it agrees with gold on {agree:.1%}; "

@@ -247,10 +247,22 @@ class Audit(BaseModel):
     precision: str
 
 
+class QuestionError(BaseModel):
+    """Why one question of a request has no answer, while the others do: ``input_too_long``
+    (no tier that may answer it could read the state, and the input policy cuts none)."""
+
+    code: str
+    message: str
+
+
 class DecisionResponse(BaseModel):
-    model_config = ConfigDict(protected_namespaces=())
+    """``errors`` (``x_errors`` on the wire, absent when empty) holds the asked questions left
+    without an answer, each with why; every other asked question is in ``answers``."""
+
+    model_config = ConfigDict(protected_namespaces=(), serialize_by_alias=True, validate_by_name=True)
 
     model: str
     answers: dict[str, Answer]
     usage: Usage
     audit: Audit
+    errors: dict[str, QuestionError] | None = _x("errors")

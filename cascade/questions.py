@@ -1,24 +1,11 @@
 """System One requests: the state, the typed questions, and how each question types its answer.
 
-A request carries one ``state`` (text, or a JSON object or array) and named ``questions``::
-
-    {"state": "Help! My payouts have been failing for three days.",
-     "questions": {"urgent": {"type": "noul", "instructions": "Does this convey urgency?"}},
-     "model": "optional model name"}
-
-``noul`` asks yes or no; its optional ``criteria`` say what ``true`` and ``false`` mean. ``choice``
-picks one of 2-255 options; its ``criteria`` map option keys (shown to a model as letters A-P, 16
-at a time: ``cascade.readout.prompts.option_groups``) to descriptions. ``score`` picks one of 2-10
-ordered levels; its ``criteria`` list the level legends, level 0 first. Instructions are text or
-JSON; descriptions and legends are text, JSON or null. Answers and responses are typed in
-``cascade.answers``.
-
-Requests are read as leniently as System One clients write them: unknown keys are ignored, score
-levels may be text or ``{"label", "description"}`` objects (or one object mapping labels to
-descriptions), and a question whose criteria say what it asks may leave out its instructions.
-
-``parse_request`` is the one entry point for untrusted input: every malformed request becomes a
-``RequestError`` with one line per problem, each starting with the field path.
+A request carries one ``state`` (text, or a JSON object or array) and named ``questions`` of three
+types: ``noul`` (yes or no), ``choice`` (2-255 options, shown to a model as letters A-P, 16 at a
+time) and ``score`` (2-10 ordered levels). Requests are read as leniently as System One clients
+write them. ``parse_request`` is the one entry point for untrusted input: every malformed request
+becomes a ``RequestError`` with one line per problem, each starting with the field path. Answers
+are typed in ``cascade.answers``; the wire format in full: docs/wire-format.md.
 """
 
 import json

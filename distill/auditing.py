@@ -78,6 +78,30 @@ def auditor_for(cascade: Cascade, store: Path | None, share: float, seed: str,
     return auditor, sink
 
 
+class StoreAudits:
+    """``auditor_for`` as the hook ``cascade.serve.lifecycle.serve`` calls with the cascade it
+    loaded; closing it (or leaving its ``with`` block) closes the store it wrote to."""
+
+    def __init__(self, store: Path | None, share: float, seed: str, on_drift: OnDrift) -> None:
+        self.store, self.share, self.seed, self.on_drift = store, share, seed, on_drift
+        self._sinks: list[StoreSink] = []
+
+    def __call__(self, cascade: Cascade) -> Auditor | None:
+        auditor, sink = auditor_for(cascade, self.store, self.share, self.seed, self.on_drift)
+        self._sinks.extend([sink] if sink is not None else [])
+        return auditor
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+
+    def __enter__(self) -> StoreAudits:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
 @dataclass(frozen=True)
 class QuestionAudit:
     """One question's audit under the bundle's calibration, and its monitor replayed in order."""
@@ -94,7 +118,11 @@ def audit_report(manifest: Manifest, calibration_version: str, path: Path) -> li
     if target is None or delta is None:
         raise StoreError(f"bundle {manifest.name!r} has no calibration target to audit against; "
                          "run cascade calibrate first")
-    records = [r for r in stored_audits(path) if r.calibration_version == calibration_version]
+    records, seen = [], set()
+    for record in stored_audits(path):  # each state once, as the live watch counts it
+        if record.calibration_version == calibration_version and record.state_sha256 not in seen:
+            seen.add(record.state_sha256)
+            records.append(record)
     out = []
     for qid in manifest.questions:
         monitor = AgreementMonitor(target, delta)
@@ -111,8 +139,11 @@ def audit_report(manifest: Manifest, calibration_version: str, path: Path) -> li
 def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:
     """Agreement and its anytime lower bound over the audited items, per question, the target, and
     where an alarm rose. (matplotlib is imported here: routing commands audit without plotting.)"""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise StoreError("the audit plot needs matplotlib: pip install 'cascade-router[report]'") from None
 
     figure = Figure(figsize=(7, 4), dpi=110)
     FigureCanvasAgg(figure)

@@ -1,19 +1,10 @@
 """The whole offline flow on embedded defaults, end to end and for real: ``cascade demo``.
 
-A user who has just installed the project should see the cascade do its job without a data set,
-a GPU or hours of a 4B teacher: a generated corpus (``distill.synthetic``) with the generator's
-labels imported as an external teacher, the encoder tier trained on them, the real small GGUF
-(gemma-3-270m) added as a readout tier between the encoder and the teacher, thresholds
-calibrated for a target agreement, a calibration report, and the evaluation items routed
-through the cascade. Every figure printed is measured; what is a stand-in (the teacher) is said
-so in the output, because a demo that hides it would teach the wrong numbers.
-
-The slow step is gemma: it scores every calibration item, and then every question the encoder
-escalates at evaluation unless calibration found it costs more than it saves the teacher and
-took it out (on the default corpus it does, and says so). The counts are set by the split
-(``gemma_items``, ``eval_items``), which is how the demo stays within minutes on two cores. A
-re-run reuses the label store, the embedding cache and, when nothing it depends on changed, the
-calibrated bundle.
+A generated corpus (``distill.synthetic``) with a teacher's labels, the encoder tier trained on
+them, gemma-3-270m as a readout tier between the encoder and the teacher, thresholds calibrated,
+a report, and the evaluation items routed through the cascade: every figure printed is measured,
+and what is a stand-in is said so. A re-run reuses what did not change. See
+docs/getting-started.md.
 """
 
 from __future__ import annotations
@@ -55,9 +46,11 @@ from distill.demo_teacher import (
     teacher_note,
 )
 from distill.evaluate import Evaluation, evaluate_bundle, format_evaluation
-from distill.report import write_report
+from distill.label_transfer import import_labels
+from distill.options import CorpusInput, RunOptions
+from distill.report import figures_note, write_report
 from distill.split import check_fractions
-from distill.store import LabelStore, Teacher, import_labels
+from distill.store import LabelStore, Teacher
 from distill.synthetic import GENERATOR_VERSION, generate, write_corpus, write_labels, write_questions
 from distill.train import middle_tier, train_bundle
 
@@ -162,6 +155,8 @@ def run_demo(config: DemoConfig, say: Say = print) -> DemoResult:
         with run.timed("report"):
             report = _report(result, run.bundle_dir, workdir / "report", config.progress)
         say(f"[6/7] calibration report: {report.resolve()}")
+        if note := figures_note():
+            say(f"      {note}")
         with run.timed("evaluate"):
             evaluation = _evaluate(run)
     (workdir / EVALUATION_NAME).write_text(evaluation.model_dump_json(indent=2) + "\n", encoding="utf-8")
@@ -180,6 +175,10 @@ class _Run:
     say: Say
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: set[str] = field(default_factory=set)
+
+    def corpus(self) -> CorpusInput:
+        """The corpus every step reads, its skipped lines said once (``skip``)."""
+        return CorpusInput(self.inputs.corpus, on_error=self.config.on_error, on_bad=self.skip)
 
     def skip(self, bad: BadLine) -> None:
         """Say each skipped corpus line once, though training, calibration and evaluation all read it."""
@@ -219,10 +218,10 @@ def _train(run: _Run, encoder: Encoder, middle: GgufSpec) -> Bundle:
     run.say("[3/7] training the encoder tier on the teacher's labels of the train part")
     questions = load_questions(run.inputs.questions)
     with run.timed("train"):
-        bundle = train_bundle(questions, run.inputs.corpus, run.store, run.bundle_dir, encoder=encoder,
-                              fractions=run.fractions, cache_dir=Path(run.config.workdir) / "cache",
-                              progress=run.config.progress, on_error=run.config.on_error,
-                              on_bad=run.skip, middle=[middle])
+        bundle = train_bundle(questions, run.corpus(), run.store, run.bundle_dir, encoder=encoder,
+                              fractions=run.fractions, middle=[middle],
+                              run=RunOptions(progress=run.config.progress,
+                                             cache_dir=Path(run.config.workdir) / "cache"))
     tier = bundle.manifest.encoder_tier
     for qid, info in (tier.heads if tier is not None else {}).items():
         agreement = "no head: " + str(info.skipped) if info.held_out_agreement is None else (
@@ -241,11 +240,10 @@ def _calibrate(run: _Run, bundle: Bundle, encoder: Encoder, tier: str, gguf: Pat
                     extra_buffers=config.extra_buffers)
     try:
         with run.timed("calibrate"):
-            return calibrate_bundle(bundle, run.inputs.corpus, run.store, target=config.target,
+            return calibrate_bundle(bundle, run.corpus(), run.store, target=config.target,
                                     delta=config.delta, family_wise=config.family_wise,
-                                    progress=config.progress, encoder=encoder,
-                                    scorers={tier: scorer}, on_error=config.on_error,
-                                    on_bad=run.skip)
+                                    run=RunOptions(progress=config.progress), encoder=encoder,
+                                    scorers={tier: scorer})
     finally:
         scorer.close()
 
@@ -280,9 +278,8 @@ def _evaluate(run: _Run) -> Evaluation:
     config = run.config
     place = Placement(gpu_layers=config.gpu_layers, threads=config.threads,
                       extra_buffers=config.extra_buffers)
-    return evaluate_bundle(run.bundle_dir, run.inputs.corpus, run.store, progress=config.progress,
-                           on_error=config.on_error, on_bad=run.skip,
-                           placement=place)
+    return evaluate_bundle(run.bundle_dir, run.corpus(), run.store,
+                           run=RunOptions(progress=config.progress, placement=place))
 
 
 def _check_config(config: DemoConfig) -> None:

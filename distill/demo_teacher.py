@@ -25,7 +25,8 @@ from cascade.questions import DecisionRequest, Question
 from cascade.readout.prompts import PROMPT_VERSION
 from cascade.readout.scorer import Scorer
 from distill.label import label_corpus, open_teacher, teacher_of
-from distill.store import LabelStore, Teacher, export_labels
+from distill.label_transfer import export_labels
+from distill.store import LabelStore, Teacher
 from distill.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, SyntheticItem
 from distill.teachers import teacher_path
 

@@ -10,7 +10,7 @@ answers), so a replay runs no teacher and agrees with it on every escalated ques
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,13 @@ from tqdm import tqdm
 
 from cascade.answers import Answer, DecisionResponse, Routing
 from cascade.bundle.manifest import Bundle, Manifest
-from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
-from cascade.encoder.onnx_encoder import Device
+from cascade.checks import is_int
+from cascade.corpus import CorpusItem
 from cascade.errors import CascadeError
-from cascade.readout.placement import Placements
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
+from distill.options import CorpusInput, RunOptions, option, refuse
 from distill.store import LabelStore
 
 EVALUATION = "evaluation"
@@ -82,41 +82,40 @@ class Evaluation(BaseModel):
 
 def evaluate_bundle(
     bundle_dir: Path,
-    corpus_path: Path,
+    corpus: CorpusInput,
     store: LabelStore,
     budget: Budget | None = None,
-    text_field: str | None = None,
-    device: Device = "cpu",
-    flops_per_second: float | None = None,
     batch_items: int = BATCH_ITEMS,
-    progress: bool = True,
-    cache_dir: Path | None = None,
-    placement: Placements = None,
-    on_error: OnError = "stop",
-    on_bad: Callable[[BadLine], None] | None = None,
+    *,
+    run: RunOptions | None = None,
 ) -> Evaluation:
-    """Route every evaluation item of the corpus through the bundle, asking the questions the
+    """Route every evaluation item of the ``corpus`` through the bundle, asking the questions the
     store has a teacher label for; the budget applies to each batch of ``batch_items``.
 
-    ``text_field`` defaults to the one the bundle was trained with. ``cache_dir``: the embedding
-    cache training filled (it embedded these items already), so the encoder tier looks them up.
-    ``placement``: where GGUF middle tiers run (cascade.readout.placement). A bad corpus line stops
-    the run, or with ``on_error="skip"`` goes to ``on_bad``, as ``read_corpus`` does.
+    The corpus is read by the text field the bundle was trained with unless it names one.
+    ``run``: progress bars, the encoder's device, the embedding cache training filled (it
+    embedded these items already, so the encoder tier looks them up; None: none), where GGUF
+    middle tiers run (cascade.readout.placement), and the throughput that prices tiers without
+    a measured cost.
     """
+    corpus = option("evaluate_bundle", "corpus", corpus, CorpusInput)
+    run = option("evaluate_bundle", "run", run, RunOptions, RunOptions())
+    if not is_int(batch_items) or batch_items < 1:
+        refuse("evaluate_bundle", "batch_items", batch_items, "a whole number >= 1")
     bundle = Bundle.load(Path(bundle_dir))
     manifest = bundle.manifest
     _check_teacher(manifest, store)
     labels = {qid: store.labels(qid) for qid in manifest.questions}
-    field = text_field or manifest.training.text_field or "text"
-    lines = read_corpus(Path(corpus_path), field, on_error, on_bad)
-    items, asked = _evaluation_items(bundle, lines, Path(corpus_path), labels)
+    lines = corpus.read(manifest.training.text_field)
+    items, asked = _evaluation_items(bundle, lines, corpus.path, labels)
     budget = budget if budget is not None else Budget()
-    cascade = Cascade.load(bundle.directory, labels=labels, device=device,
-                           flops_per_second=flops_per_second, cache_dir=cache_dir, placement=placement)
+    cascade = Cascade.load(bundle.directory, labels=labels, device=run.device,
+                           flops_per_second=run.flops_per_second, cache_dir=run.cache_dir,
+                           placement=run.placement)
     top = manifest.tiers[-1].name
     responses: list[DecisionResponse] = []
     teacher_seconds = 0.0
-    with cascade, tqdm(total=len(items), unit="item", disable=not progress) as bar:
+    with cascade, tqdm(total=len(items), unit="item", disable=not run.progress) as bar:
         for chunk, chunk_asked in _batches(items, asked, batch_items):
             responses += cascade.route(chunk, chunk_asked, budget)
             costs = cascade.costs.batch(chunk)

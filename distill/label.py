@@ -11,7 +11,7 @@ labels just that question, and never meets a stored label it would contradict.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,20 +26,24 @@ from cascade.questions import DecisionRequest, Question
 from cascade.readout.placement import ExtraBuffers
 from cascade.readout.prompts import Layout, prompt_version
 from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
+from distill.stopping import StopRequest
 from distill.store import LabelStore, StoreMismatchError, Teacher
 
 
 @dataclass(frozen=True)
 class ItemLabels:
-    """One item's teacher labels and the sha256 of each question's prompt, not yet stored."""
+    """One item's teacher labels, the sha256 of each question's prompt and the letter mass of each
+    readout, not yet stored."""
 
     labels: dict[str, dict[str, float]]
     hashes: dict[str, str]
+    masses: dict[str, float]
 
 
 class LabelSummary(BaseModel):
-    """What a run did. ``items`` counts valid corpus items; bad lines and over-long items (skip
-    mode) are in ``bad_lines``; ``interrupted`` is True when Ctrl-C stopped the run."""
+    """What a run did. ``items`` counts the valid corpus items it took; bad lines and over-long
+    items (skip mode) are in ``bad_lines``; ``left`` the items it took that are still to label;
+    ``interrupted`` is True when Ctrl-C or SIGTERM stopped the run."""
 
     items: int = 0
     labelled: int = 0
@@ -47,6 +51,7 @@ class LabelSummary(BaseModel):
     bad_lines: list[BadLine] = []
     seconds: float = 0.0
     interrupted: bool = False
+    left: int = 0
 
 
 def open_teacher(
@@ -93,41 +98,60 @@ def label_corpus(
     permutations: int = 1,
     progress: bool = True,
     excerpt: HeadTailExcerpt | None = None,
+    only: Collection[str] | None = None,
+    stop: StopRequest | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> LabelSummary:
     """Label every item of the corpus not yet in ``store``, all its questions in one transaction.
 
     ``store`` must belong to ``teacher_of(scorer)``. Over-long items are scored as an excerpt when
     ``excerpt`` is given, else they are bad items (raised in stop mode, reported in skip mode).
-    Ctrl-C ends the run cleanly: what was labelled is committed and the summary says
-    ``interrupted``; the same call again resumes.
+    ``only``: the ids to take (``distill.selection``), every item when None. Ctrl-C or a
+    ``stop`` request ends the run cleanly: what was labelled is committed and the summary says
+    ``interrupted``; the same call again resumes. ``say`` hears, once the first item is labelled,
+    what the run will take.
     """
     _check_arguments(scorer, questions, store, on_error, permutations)
     summary, started = LabelSummary(), time.perf_counter()
     done = {qid: store.done_items([qid]) for qid in questions}
-    total = count_items(corpus_path)
-    bar = tqdm(total=total, initial=min(len(store.done_items(list(questions))), total),
-               unit="item", desc="labelling", disable=not progress, dynamic_ncols=True)
+    wanted = set(only) if only is not None else None
+    total = len(wanted) if wanted is not None else count_items(corpus_path)
+    finished = store.done_items(list(questions))
+    already = len(finished & wanted) if wanted is not None else min(len(finished), total)
+    summary.left = total - already
+    bar = tqdm(total=total, initial=already, unit="item", desc="labelling", disable=not progress,
+               dynamic_ncols=True)
 
     def bad(line: BadLine) -> None:
         summary.bad_lines.append(line)
+        summary.left -= 1
         bar.update()
 
     items = read_corpus(corpus_path, text_field, on_error, bad)
     try:
         for item in items:
+            if wanted is not None and item.id not in wanted:
+                continue
             summary.items += 1
             todo = {qid: q for qid, q in questions.items() if item.id not in done[qid]}
             if not todo:
                 summary.skipped_done += 1
                 continue
+            item_started = time.perf_counter()
             failed = _label_item(scorer, store, item, todo, permutations, excerpt, corpus_path)
             if failed is None:
                 summary.labelled += 1
+                summary.left -= 1
                 bar.update()
+                if summary.labelled == 1 and say is not None:
+                    say(estimate(summary.left, len(questions), time.perf_counter() - item_started))
             elif on_error == "stop":
                 raise too_long_error(failed)
             else:
                 bad(failed)
+            if stop is not None and stop.requested:
+                summary.interrupted = True
+                break
     except KeyboardInterrupt:
         summary.interrupted = True
     finally:
@@ -135,6 +159,16 @@ def label_corpus(
         bar.close()
         summary.seconds = time.perf_counter() - started
     return summary
+
+
+def estimate(left: int, questions: int, seconds: float) -> str:
+    """What the rest of a run will take, from the first item's time: items, teacher calls, time."""
+    rest = left * seconds
+    hours, minutes = divmod(round(rest / 60), 60)
+    took = f"{hours} h {minutes} min" if hours else f"{minutes} min" if minutes else f"{rest:.0f} s"
+    return (f"{left} items left, {left} teacher calls ({left * questions} readouts); the first took "
+            f"{seconds:.1f} s: about {took} more at that pace (stop any time with Ctrl-C, resume by "
+            "running the same command)")
 
 
 def _check_arguments(
@@ -176,7 +210,7 @@ def _label_item(
     scored = score_item(scorer, item, questions, permutations, excerpt, corpus_path)
     if isinstance(scored, BadLine):
         return scored
-    store.put_item(item.id, scored.labels, scored.hashes)
+    store.put_item(item.id, scored.labels, scored.hashes, scored.masses)
     return None
 
 
@@ -201,7 +235,8 @@ def score_item(
                        message=f"item {item.id!r} is too long: {exc}")
     labels = {qid: answer.probabilities for qid, answer in response.answers.items()}
     hashes = {qid: a.readout.prompt_hash for qid, a in response.answers.items() if a.readout}
-    return ItemLabels(labels=labels, hashes=hashes)
+    masses = {qid: a.readout.letter_mass for qid, a in response.answers.items() if a.readout}
+    return ItemLabels(labels=labels, hashes=hashes, masses=masses)
 
 
 def too_long_error(failed: BadLine) -> InputTooLongError:

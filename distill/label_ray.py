@@ -1,17 +1,9 @@
 """Teacher labelling on a Ray cluster: the labels of ``distill.label``, from many model copies.
 
-A 4B teacher labels about one item a second per GPU, so hundreds of thousands of items want
-several GPU machines. Ray Data spreads the items over a pool of actors (``map_batches`` with an
-``ActorPoolStrategy``), each holding one teacher Scorer (on its own GPU when layers are
-offloaded), and every actor scores an item with ``distill.label.score_item``, as the
-single-process loop does.
-
-The driver stays the label store's only writer: it reads and checks the corpus, leaves out what
-the store already holds, and commits each item as its batch comes back. So SQLite never crosses
-a network, the store keeps its guarantees (one transaction per item, one teacher per store),
-and it is the run's checkpoint: a killed driver loses only labels not yet committed, and a rerun
-skips every id the store has; a killed actor's batches are retried by Ray on a new actor. Ray's
-own checkpointing is not used.
+Ray Data spreads the items over a pool of actors, each holding one teacher Scorer and scoring an
+item with ``distill.label.score_item`` as the single-process loop does. The driver stays the
+label store's only writer and the store is the run's checkpoint: a rerun skips every id it holds,
+and Ray retries a killed actor's batches. See docs/ray.md.
 """
 
 from __future__ import annotations
@@ -141,7 +133,7 @@ class TeacherActor:
                             self.spec.excerpt, self.corpus_path)
         if isinstance(scored, BadLine):
             return json.dumps({"bad": scored.model_dump()})
-        return json.dumps({"labels": scored.labels, "hashes": scored.hashes})
+        return json.dumps({"labels": scored.labels, "hashes": scored.hashes, "masses": scored.masses})
 
 
 def label_on_ray(
@@ -296,7 +288,7 @@ def _commit(
             raise too_long_error(failed)
         summary.bad_lines.append(failed)
     else:
-        store.put_item(item_id, result["labels"], result["hashes"])
+        store.put_item(item_id, result["labels"], result["hashes"], result.get("masses"))
         summary.labelled += 1
     bar.update()
 

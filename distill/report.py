@@ -18,7 +18,7 @@ from typing import Any
 from cascade.bundle.manifest import Bundle
 from cascade.tiers.kinds import kind_of
 from distill.calibration.results import CalibrationResult, QuestionTier
-from distill.report_figures import ReportFigure, draw_figures, tier_seconds
+from distill.report_figures import FIGURES_NEED, ReportFigure, draw_figures, matplotlib_missing, tier_seconds
 
 HTML_NAME, JSON_NAME = "report.html", "report.json"
 
@@ -33,8 +33,17 @@ class _TeacherCost:
     assumption: str
 
 
+def figures_note() -> str | None:
+    """What a report written now says about its figures: None where they are drawn, else how to
+    install what draws them."""
+    return FIGURES_NEED if matplotlib_missing() else None
+
+
 def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) -> Path:
-    """Write ``report.html`` and ``report.json`` into ``report_dir``; returns the HTML's path."""
+    """Write ``report.html`` and ``report.json`` into ``report_dir``; returns the HTML's path.
+
+    Without matplotlib (the ``report`` extra) both are written without figures and say so.
+    """
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     teacher = _teacher_cost(result, bundle)
@@ -55,6 +64,7 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
         "cascades": {qid: c.model_dump() for qid, c in result.cascades.items()},
         "skipped": [s.model_dump() for s in result.skipped],
         "figures": [figure.as_json() for figure in figures],
+        **({"figures_note": note} if (note := figures_note()) else {}),
     }
     (report_dir / JSON_NAME).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     path = report_dir / HTML_NAME
@@ -288,8 +298,9 @@ def _cost_rows(result: CalibrationResult, teacher: _TeacherCost) -> list[dict[st
 def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
           figures: list[ReportFigure]) -> str:
     questions = bundle.manifest.parsed_questions()
+    shown = {fit.question for fit in result.calibrations} | set(result.cascades)
     sections = [_question_section(qid, questions[qid].type, questions[qid].instructions, result, figures)
-                for qid in questions if any(f.question == qid for f in figures)]
+                for qid in questions if qid in shown]
     scope = "for all questions at once" if result.family_wise else "per question"
     mode = (f"target agreement {result.target:.4g}, delta {result.delta:.3g} {scope}"
             if result.escalation_fraction is None
@@ -305,6 +316,8 @@ def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
         payoffs="".join(f'<p class="message {"ok" if p.kept else "warn"}"><b>tier {_e(tier)}:</b> '
                         f'{_e(p.reason)}</p>' for tier, p in result.payoffs.items()),
         cost_assumption=_e(data["cost_assumption"]), sections="\n".join(sections),
+        figures_note=(f'\n<p class="message warn">{_e(data["figures_note"])}</p>'
+                      if "figures_note" in data else ""),
     )
 
 
@@ -324,7 +337,7 @@ def _question_section(
             parts.append(f'<p class="note">tier {_e(fit.tier)} temperature: '
                          f'{_e(fit.temperature_note)}</p>')
     imgs = "".join(_img(f) for f in figures if f.question == qid)
-    parts.append(f'<div class="grid">{imgs}</div></section>')
+    parts.append(f'<div class="grid">{imgs}</div></section>' if imgs else "</section>")
     return "\n".join(parts)
 
 
@@ -416,7 +429,7 @@ on the other {rest}).</p>
 <h2>Costs</h2>
 {costs}
 {payoffs}
-<p class="note">{cost_assumption}</p>
+<p class="note">{cost_assumption}</p>{figures_note}
 {sections}
 </body></html>
 """

@@ -2,7 +2,9 @@
 
 Each figure keeps the numbers it was drawn from, which ``report.json`` holds beside it, so a
 plot can be checked or redrawn without the page. Drawn with the Agg renderer on a ``Figure``
-of its own: no display, no pyplot state shared between calls.
+of its own: no display, no pyplot state shared between calls. matplotlib comes with the
+``report`` extra and is imported only to draw: without it there are no figures, and
+``FIGURES_NEED`` says how to get them.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ import base64
 import io
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from distill.calibration.results import CalibrationResult, QuestionTier
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+FIGURES_NEED = "figures need matplotlib: pip install 'cascade-router[report]'"
 _DPI = 110
 _SIZE = (5.2, 3.7)
 
@@ -46,10 +50,22 @@ def tier_seconds(result: CalibrationResult, tier: str) -> float:
     return cost.seconds_per_state + cost.tokens / max(cost.states, 1) * cost.seconds_per_token
 
 
+def matplotlib_missing() -> bool:
+    """True where matplotlib cannot be imported (the ``report`` extra is not installed)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
 def draw_figures(
     result: CalibrationResult, keys: Mapping[str, list[str]], teacher_seconds: float
 ) -> list[ReportFigure]:
-    """Three figures per calibrated (question, tier), then one cost figure per question."""
+    """Three figures per calibrated (question, tier), then one cost figure per question; none
+    without matplotlib."""
+    if matplotlib_missing():
+        return []
     figures: list[ReportFigure] = []
     for fit in result.calibrations:
         for kind, draw in _TIER_FIGURES.items():
@@ -68,6 +84,8 @@ def _figure(question: str, tier: str | None, kind: str, fig: Figure, data: dict[
 
 
 def _png(fig: Figure) -> str:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     buffer = io.BytesIO()
     FigureCanvasAgg(fig)
     fig.savefig(buffer, format="png", dpi=_DPI)
@@ -193,5 +211,7 @@ _TIER_FIGURES: dict[str, Callable[[QuestionTier, list[str]], tuple[dict[str, Any
 
 
 def _axes() -> tuple[Figure, Any]:
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=_SIZE, layout="constrained")
     return fig, fig.add_subplot()

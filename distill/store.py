@@ -3,8 +3,10 @@
 Teacher labels are the most expensive data the project makes (most of a second of GPU per
 item), so the store must never lose a committed label, never hold half an item, and let a
 killed labelling run resume where it stopped. Each item's labels go in one transaction, rows
-are keyed (item_id, question_id), and a store is bound to the one teacher that made it, so
-labels from two models can never be mixed by pointing a run at the wrong file.
+are keyed (item_id, question_id), and a store is bound to the one teacher that made it and to
+the input policy it read with (context size, excerpt), so labels from two models or two cuts of
+the inputs can never be mixed by pointing a run at the wrong file. Each label keeps the letter
+mass of its readout, which the teacher check (``distill.teacher_check``) reads.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.checks import is_finite
 from cascade.errors import CascadeError
-from cascade.questions import Question
 
-SCHEMA_VERSION = 1
-IMPORT_BATCH_ITEMS = 500
+SCHEMA_VERSION = 2
+"""2 added each label's letter mass and the recorded input policy; a schema-1 store is upgraded
+in place when opened for writing (its labels' letter mass and policy stay unknown)."""
 SUM_TOLERANCE = 1e-3
 TEACHER_FIELDS = ("kind", "model", "model_sha256", "prompt_version")
 
@@ -38,6 +40,7 @@ CREATE TABLE IF NOT EXISTS labels (
     probabilities TEXT NOT NULL,
     prompt_hash TEXT,
     created_at REAL NOT NULL,
+    letter_mass REAL,
     PRIMARY KEY (item_id, question_id)
 ) WITHOUT ROWID;
 -- audited live items (their teacher labels are in labels), added within schema 1: a store
@@ -50,10 +53,6 @@ CREATE TABLE IF NOT EXISTS audits (
     created_at REAL NOT NULL
 );
 """
-
-_Pending = dict[str, dict[str, tuple[list[int], dict[str, float]]]]
-"""An import's rows: item -> question -> (line numbers of identical rows, probabilities)."""
-
 
 class StoreError(CascadeError, ValueError):
     """A label store cannot be opened or written, or labels given to it are invalid."""
@@ -84,6 +83,20 @@ class Teacher(BaseModel):
         return self
 
 
+class InputPolicy(BaseModel):
+    """How the teacher read each state: its context size and the excerpt of an over-long state
+    (``head_tail:N``; None: whole states only, an over-long one is not labelled). Every path that
+    reads a state for the bundle (calibration, routing, serving) must read it the same way."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n_ctx: int
+    excerpt: str | None = None
+
+    def __str__(self) -> str:
+        return f"n_ctx {self.n_ctx}, " + (f"excerpt {self.excerpt}" if self.excerpt else "no excerpt")
+
+
 class Label(BaseModel):
     """One stored row: the teacher's distribution for one question about one item."""
 
@@ -94,22 +107,6 @@ class Label(BaseModel):
     created_at: float
 
 
-class ImportSummary(BaseModel):
-    """What an import did; ``errors`` holds (line number, message) for every skipped row."""
-
-    rows: int = 0
-    imported: int = 0
-    skipped: int = 0
-    errors: list[tuple[int, str]] = []
-
-    def _fail(self, path: Path, line: int, message: str, on_error: str, rows: int = 1) -> None:
-        """Raise with file and line in stop mode; count and remember the row in skip mode."""
-        if on_error == "stop":
-            raise StoreError(f"{path}:{line}: {message} (or import with on_error='skip')")
-        self.skipped += rows
-        self.errors.append((line, message))
-
-
 class LabelStore:
     """Labels of one teacher in a SQLite file (WAL), written one item per transaction.
 
@@ -118,9 +115,12 @@ class LabelStore:
     nothing next to the teacher's cost per item, and imports amortise it over a batch.
     """
 
-    def __init__(self, path: Path, teacher: Teacher, any_thread: bool = False) -> None:
+    def __init__(self, path: Path, teacher: Teacher, any_thread: bool = False,
+                 policy: InputPolicy | None = None) -> None:
         """``any_thread``: the connection may be used (and closed) from another thread than the
-        one that opened it, for a caller that serialises its use (``distill.auditing.StoreSink``)."""
+        one that opened it, for a caller that serialises its use (``distill.auditing.StoreSink``).
+        ``policy``: how this run reads states (a labelling run); refused where the store's labels
+        were read another way, recorded where the store has none yet."""
         self.path, self.teacher, self._read_only = Path(path), teacher, False
         self._conn = _connect(self.path, read_only=False, any_thread=any_thread)
         with _closed_on_error(self._conn, self.path):
@@ -128,7 +128,9 @@ class LabelStore:
             self._conn.execute("PRAGMA synchronous=FULL")
             with self._transaction():
                 self._create_schema()
-            self._check_teacher(_read_meta(self._conn, self.path))
+                meta = _read_meta(self._conn, self.path)
+                self._check_teacher(meta)
+                self.policy = self._bind_policy(meta, policy)
 
     @classmethod
     def open_existing(cls, path: Path) -> LabelStore:
@@ -142,6 +144,7 @@ class LabelStore:
         with _closed_on_error(store._conn, path):
             meta = _read_meta(store._conn, path)
         store.teacher = Teacher.model_validate({f: meta[f"teacher_{f}"] for f in TEACHER_FIELDS})
+        store.policy = _policy_of(meta)
         return store
 
     def _create_schema(self) -> None:
@@ -150,6 +153,10 @@ class LabelStore:
         if tables and "meta" not in tables:
             raise StoreError(f"{self.path} is an SQLite file but not a label store (tables "
                              f"{tables}); give --store a new path")
+        if "labels" in tables and not _has_letter_mass(self._conn):  # schema 1: upgraded in place
+            self._conn.execute("ALTER TABLE labels ADD COLUMN letter_mass REAL")
+            self._conn.execute("UPDATE meta SET value=? WHERE key='schema_version' AND value='1'",
+                               (str(SCHEMA_VERSION),))
         for statement in _SCHEMA.split(";")[:-1]:
             self._conn.execute(statement)
         rows = [("schema_version", str(SCHEMA_VERSION))]
@@ -167,6 +174,20 @@ class LabelStore:
                 f"label store {self.path} was made by another teacher; differs in "
                 f"{', '.join(differ)}. Use a new --store path for this teacher's labels."
             )
+
+    def _bind_policy(self, meta: Mapping[str, str | None], policy: InputPolicy | None) -> InputPolicy | None:
+        """The store's input policy: ``policy`` recorded on first use; another one refused."""
+        stored = _policy_of(meta)
+        if policy is None or stored == policy:
+            return stored
+        if stored is not None:
+            raise StoreMismatchError(
+                f"label store {self.path} holds labels read with {stored}; this run reads with "
+                f"{policy}. Labels of two input policies never mix in one store: label with the "
+                "store's (--n-ctx, --excerpt), or use a new --store path.")
+        self._conn.execute("INSERT OR REPLACE INTO meta VALUES ('input_policy', ?)",
+                           (policy.model_dump_json(),))
+        return policy
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -199,26 +220,31 @@ class LabelStore:
         item_id: str,
         labels: Mapping[str, Mapping[str, float]],
         prompt_hash: Mapping[str, str] | None = None,
+        letter_mass: Mapping[str, float] | None = None,
     ) -> None:
         """Store all of one item's labels atomically, so a kill never leaves half an item.
 
         Re-putting a label equal to the stored one does nothing; a different one raises,
-        because a store never silently changes a teacher's answer.
+        because a store never silently changes a teacher's answer. ``letter_mass``: per question,
+        the share of the readout's probability on the option letters (None where unknown).
         """
         with self._transaction():
-            conflicts = self._insert(item_id, labels, prompt_hash or {})
+            conflicts = self._insert(item_id, labels, prompt_hash or {}, letter_mass or {})
             if conflicts:
-                raise StoreError(_conflict_message(item_id, conflicts))
+                raise StoreError(conflict_message(item_id, conflicts))
 
     def _insert(
-        self, item_id: str, labels: Mapping[str, Mapping[str, float]], hashes: Mapping[str, str]
+        self, item_id: str, labels: Mapping[str, Mapping[str, float]], hashes: Mapping[str, str],
+        masses: Mapping[str, float] | None = None,
     ) -> list[str]:
         """Insert inside the caller's transaction; return question ids whose stored row differs."""
         now, conflicts = time.time(), []
         for qid, probs in labels.items():
-            text = json.dumps(_check_probabilities(probs, f"labels[{qid!r}]"))
-            row = (item_id, qid, text, hashes.get(qid), now)
-            if self._conn.execute("INSERT OR IGNORE INTO labels VALUES (?,?,?,?,?)", row).rowcount:
+            text = json.dumps(check_probabilities(probs, f"labels[{qid!r}]"))
+            row = (item_id, qid, text, hashes.get(qid), now, (masses or {}).get(qid))
+            sql = ("INSERT OR IGNORE INTO labels (item_id, question_id, probabilities, prompt_hash, "
+                   "created_at, letter_mass) VALUES (?,?,?,?,?,?)")
+            if self._conn.execute(sql, row).rowcount:
                 continue
             old = self._conn.execute(
                 "SELECT probabilities, prompt_hash FROM labels WHERE item_id=? AND question_id=?",
@@ -228,6 +254,13 @@ class LabelStore:
                 conflicts.append(qid)
         return conflicts
 
+    def put_many(self, items: Mapping[str, Mapping[str, Mapping[str, float]]]) -> dict[str, list[str]]:
+        """Store several items' labels in ONE transaction (an import's batch); per item, the
+        question ids whose stored label differs and was left as it was."""
+        with self._transaction():
+            found = {item: self._insert(item, labels, {}) for item, labels in items.items()}
+        return {item: qids for item, qids in found.items() if qids}
+
     def put_audit(self, record: AuditRecord) -> None:
         """Store an audited item in one transaction: the teacher's labels (in ``labels``, as every
         teacher label) and the audit row tagging them, with the state and what the system
@@ -235,7 +268,7 @@ class LabelStore:
         with self._transaction():
             conflicts = self._insert(record.item_id, record.teacher, record.prompt_hashes)
             if conflicts:
-                raise StoreError(_conflict_message(record.item_id, conflicts))
+                raise StoreError(conflict_message(record.item_id, conflicts))
             system = json.dumps({q: a.model_dump() for q, a in record.system.items()})
             self._conn.execute("INSERT OR IGNORE INTO audits VALUES (?,?,?,?,?)",
                                (record.item_id, json.dumps(record.state), record.calibration_version,
@@ -264,9 +297,17 @@ class LabelStore:
         sql = "SELECT item_id, probabilities FROM labels WHERE question_id=? ORDER BY item_id"
         return {item: json.loads(text) for item, text in self._conn.execute(sql, (question_id,))}
 
+    def letter_masses(self, question_id: str) -> dict[str, float]:
+        """item_id -> the letter mass of its readout for one question, where it was recorded."""
+        if not _has_letter_mass(self._conn):
+            return {}
+        sql = "SELECT item_id, letter_mass FROM labels WHERE question_id=? AND letter_mass IS NOT NULL"
+        return dict(self._conn.execute(sql, (question_id,)).fetchall())
+
     def iter_labels(self) -> Iterator[Label]:
         """Every row, ordered by item then question."""
-        rows = self._conn.execute("SELECT * FROM labels ORDER BY item_id, question_id")
+        rows = self._conn.execute("SELECT item_id, question_id, probabilities, prompt_hash, created_at "
+                                  "FROM labels ORDER BY item_id, question_id")
         for item, qid, text, phash, created in rows:
             yield Label(item_id=item, question_id=qid, probabilities=json.loads(text),
                         prompt_hash=phash, created_at=created)
@@ -326,18 +367,30 @@ def _closed_on_error(conn: sqlite3.Connection, path: Path) -> Iterator[None]:
         raise
 
 
+def _has_letter_mass(conn: sqlite3.Connection) -> bool:
+    return any(row[1] == "letter_mass" for row in conn.execute("PRAGMA table_info(labels)"))
+
+
+def _policy_of(meta: Mapping[str, str | None]) -> InputPolicy | None:
+    text = meta.get("input_policy")
+    return InputPolicy.model_validate_json(text) if text else None
+
+
 def _read_meta(conn: sqlite3.Connection, path: Path) -> dict[str, str | None]:
-    """The metadata table; a store of another schema version is refused, not guessed at."""
+    """The metadata table; a store of another schema version is refused, not guessed at (a
+    schema-1 store opened read-only is read as it is)."""
     meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-    if meta.get("schema_version") != str(SCHEMA_VERSION):
+    version = meta.get("schema_version")
+    if version not in (str(SCHEMA_VERSION), "1"):
+        newer = version is not None and version.isdigit() and int(version) > SCHEMA_VERSION
         raise StoreError(
-            f"label store {path} has schema version {meta.get('schema_version')!r}; "
-            f"this code reads version {SCHEMA_VERSION}. Relabel into a new --store path."
-        )
+            f"label store {path} has schema version {version!r}; this code reads version "
+            f"{SCHEMA_VERSION}" + (": it was made by a newer cascade, upgrade this one." if newer
+                                   else ". Relabel into a new --store path."))
     return meta
 
 
-def _check_probabilities(probs: Any, where: str) -> dict[str, float]:
+def check_probabilities(probs: Any, where: str) -> dict[str, float]:
     """Finite, non-negative, summing to 1 within SUM_TOLERANCE; returned renormalised."""
     if not isinstance(probs, Mapping) or not probs:
         raise StoreError(f"{where} must be a non-empty object of option -> probability")
@@ -350,148 +403,6 @@ def _check_probabilities(probs: Any, where: str) -> dict[str, float]:
     return {str(k): float(p) / total for k, p in probs.items()}
 
 
-def _conflict_message(item_id: str, question_ids: list[str]) -> str:
+def conflict_message(item_id: str, question_ids: list[str]) -> str:
     return (f"item {item_id!r} already has different labels for {question_ids}; stored labels "
             "are never overwritten. Use a new --store path to relabel.")
-
-
-def import_labels(
-    store: LabelStore,
-    path: Path,
-    questions: Mapping[str, Question],
-    on_error: Literal["stop", "skip"] = "stop",
-) -> ImportSummary:
-    """Load labels made elsewhere (gold labels, another machine's run) from JSONL.
-
-    Rows are ``{"id", "question", "answer"}`` (one-hot) or ``{"id", "question",
-    "probabilities"}``; with both (as exported), the answer must be a most probable key. Every
-    row is checked before anything is written; items then go in batches of IMPORT_BATCH_ITEMS.
-    A row contradicting a stored label is only found while writing, so in stop mode earlier
-    batches stay committed; re-running after a fix is safe, as identical rows are no-ops.
-    """
-    if on_error not in ("stop", "skip"):
-        raise StoreError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
-    try:
-        lines = Path(path).read_bytes().splitlines()
-    except OSError as exc:
-        raise StoreError(f"cannot read labels to import: {exc}") from exc
-    summary = ImportSummary()
-    pending: _Pending = {}
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            summary.rows += 1
-            try:
-                _add_pending(pending, number, *_parse_row(line, questions))
-            except StoreError as exc:
-                summary._fail(path, number, str(exc), on_error)
-    _write_pending(store, path, pending, summary, on_error)
-    summary.errors.sort()
-    return summary
-
-
-def _parse_row(line: bytes, questions: Mapping[str, Question]) -> tuple[str, str, dict[str, float]]:
-    try:
-        row = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise StoreError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise StoreError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    allowed = ("id", "question", "answer", "probabilities")
-    if not isinstance(row, dict) or set(row) - set(allowed):
-        raise StoreError(f"a row must be a JSON object with only the fields {allowed}")
-    item, qid = row.get("id"), row.get("question")
-    if not isinstance(item, str) or not item:
-        raise StoreError(f"'id' must be a non-empty string, got {item!r}")
-    if not isinstance(qid, str) or qid not in questions:
-        raise StoreError(f"unknown question {qid!r}; known: {sorted(questions)}")
-    question = questions[qid]
-    if "probabilities" in row:
-        probs = _soft_labels(row["probabilities"], question)
-        if "answer" in row and probs.get(_as_key(row["answer"])) != max(probs.values()):
-            raise StoreError(f"'answer' {row['answer']!r} is not a most probable option")
-        return item, qid, probs
-    if "answer" in row:
-        key = _answer_key(row["answer"], question)
-        return item, qid, {k: float(k == key) for k in question.option_keys()}
-    raise StoreError("a row needs 'answer' or 'probabilities'")
-
-
-def _soft_labels(probs: Any, question: Question) -> dict[str, float]:
-    keys = question.option_keys()
-    if not isinstance(probs, dict) or sorted(probs) != sorted(keys):
-        shown = sorted(probs) if isinstance(probs, dict) else probs
-        raise StoreError(f"'probabilities' keys must be exactly {keys}, got {shown!r}")
-    checked = _check_probabilities(probs, "'probabilities'")
-    return {k: checked[k] for k in keys}
-
-
-def _answer_key(answer: Any, question: Question) -> str:
-    """The option a hard label names, strictly typed: noul bool, choice key, score level int."""
-    keys = question.option_keys()
-    if question.type == "noul" and isinstance(answer, bool):
-        return _as_key(answer)
-    if question.type == "choice" and answer in keys:
-        return str(answer)
-    if question.type == "score" and type(answer) is int and 0 <= answer < len(keys):
-        return str(answer)
-    allowed = {"noul": "true or false", "choice": f"one of {keys}",
-               "score": f"an integer level 0..{len(keys) - 1}"}[question.type]
-    raise StoreError(f"'answer' for a {question.type} question must be {allowed}, got {answer!r}")
-
-
-def _as_key(answer: Any) -> str:
-    """Option key of an exported answer, whichever type export inferred for it."""
-    return ("true" if answer else "false") if isinstance(answer, bool) else str(answer)
-
-
-def _add_pending(pending: _Pending, number: int, item: str, qid: str, probs: dict[str, float]) -> None:
-    """Group rows by item; a repeated identical row is fine, a contradicting one is not."""
-    lines, first = pending.setdefault(item, {}).setdefault(qid, ([], probs))
-    if first != probs:
-        raise StoreError(f"contradicts line {lines[0]} for item {item!r}, question {qid!r}")
-    lines.append(number)
-
-
-def _write_pending(
-    store: LabelStore, path: Path, pending: _Pending, summary: ImportSummary, on_error: str
-) -> None:
-    items = list(pending)
-    for start in range(0, len(items), IMPORT_BATCH_ITEMS):
-        with store._transaction():
-            for item in items[start : start + IMPORT_BATCH_ITEMS]:
-                rows = pending[item]
-                conflicts = store._insert(item, {q: probs for q, (_, probs) in rows.items()}, {})
-                for qid, (lines, _) in rows.items():
-                    if qid in conflicts:
-                        message = _conflict_message(item, [qid])
-                        summary._fail(path, lines[0], message, on_error, len(lines))
-                    else:
-                        summary.imported += len(lines)
-
-
-def export_labels(store: LabelStore, path: Path) -> int:
-    """Write every label in the import format; returns the number of rows.
-
-    The file is written beside ``path`` and renamed, so a killed export never leaves half a file.
-    """
-    tmp, count = Path(f"{path}.partial"), 0
-    with open(tmp, "w", encoding="utf-8") as out:
-        for label in store.iter_labels():
-            probs = label.probabilities
-            row = {"id": label.item_id, "question": label.question_id,
-                   "answer": _answer_value(probs), "probabilities": probs}
-            out.write(json.dumps(row) + "\n")
-            count += 1
-    tmp.replace(path)
-    return count
-
-
-def _answer_value(probs: dict[str, float]) -> bool | int | str:
-    """The argmax key (first on ties), typed by its keys: "true"/"false" noul, "0".."N-1" score.
-
-    The store does not keep question types; import maps any of these back to its key.
-    """
-    key, keys = max(probs, key=probs.__getitem__), set(probs)
-    if keys == {"true", "false"}:
-        return key == "true"
-    return int(key) if keys == {str(i) for i in range(len(keys))} else key

@@ -1,17 +1,9 @@
 """A seeded corpus of short support messages whose answers the generator knows: the demo's data.
 
-The demo must run end to end on a fresh machine with nothing but the project installed, so it
-cannot rely on a labelled data set or on hours of a 4B teacher. This module composes support
-messages from parts (subject, greeting, a problem per department and severity, urgency and
-severity cues, closing, name, typos) and knows, for each, its latent answers to three questions:
-is it urgent, which department should handle it, how severe is it.
-
-The answers it hands out as a stand-in teacher are NOT the latent ones verbatim. A real teacher
-is unsure on ambiguous messages and sometimes wrong, and a demo where the fast tier agrees with
-it 100% of the time would show nothing; so the labels are soft (probabilities), split between
-two departments where a message mixes them, uncertain where urgency is only implied, and flipped
-for a small share of items (``LABEL_NOISE``). Item ``i`` of a seed is the same whatever ``n`` is,
-so a small corpus is a prefix of a large one and a label store filled by one serves the other.
+Messages are composed from parts, and each knows its latent answers to three questions (urgent,
+department, severity). The labels it hands out as a stand-in teacher are soft, sometimes split or
+uncertain, and flipped for a share of items (``LABEL_NOISE``), as a real teacher's would be. Item
+``i`` of a seed is the same whatever ``n`` is. See docs/getting-started.md.
 """
 
 from __future__ import annotations
@@ -256,7 +248,7 @@ def write_corpus(items: Iterable[SyntheticItem], path: Path) -> Path:
 
 
 def write_labels(items: Iterable[SyntheticItem], path: Path) -> Path:
-    """The teacher labels as ``distill.store.import_labels`` rows ``{"id", "question",
+    """The teacher labels as ``distill.label_transfer.import_labels`` rows ``{"id", "question",
     "probabilities"}``."""
     rows = ({"id": item.id, "question": qid, "probabilities": probs}
             for item in items for qid, probs in item.labels.items())

@@ -34,7 +34,7 @@ from cascade.bundle.manifest import (
 )
 from cascade.bundle.sections import FinetuneSection, LayerCandidate, TrainingSection
 from cascade.checks import is_finite
-from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
+from cascade.corpus import CorpusItem
 from cascade.encoder.familiar import GATE_NAME, QUANTILE, FamiliarityGate
 from cascade.encoder.ngrams import NgramFeatures, beside
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles
@@ -54,6 +54,7 @@ from distill.finetune import FinetuneConfig
 from distill.finetune_base import check_installed
 from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
 from distill.mid_layer import MidLayerConfig, layers_of, train_mid_layer
+from distill.options import CorpusInput, RunOptions, default_cache_dir, option
 from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
 from distill.store import LabelStore, Teacher
 
@@ -69,47 +70,43 @@ class TrainError(CascadeError, ValueError):
     """Training cannot start: no labelled items, labels that do not fit a question, bad C."""
 
 
-def default_cache_dir() -> Path:
-    """Where embeddings are kept between runs: $XDG_CACHE_HOME/cascade, else ~/.cache/cascade."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cascade"
-
-
 def train_bundle(
     questions: Mapping[str, Question],
-    corpus_path: Path,
+    corpus: CorpusInput,
     store: LabelStore,
     bundle_dir: Path,
     encoder: Encoder | None = None,
-    text_field: str = "text",
     fractions: Mapping[str, float] = DEFAULT_FRACTIONS,
     C: float = 1.0,
-    cache_dir: Path | None = None,
-    progress: bool = True,
+    *,
+    run: RunOptions | None = None,
     teacher_model: Path | None = None,
     teacher_placement: Placement | None = None,
     ngrams: bool = True,
-    on_error: OnError = "stop",
-    on_bad: Callable[[BadLine], None] | None = None,
     finetune: FinetuneConfig | None = None,
     middle: Sequence[GgufSpec] = (),
     mid_layer: MidLayerConfig | None = None,
 ) -> Bundle:
-    """Fit the encoder tier on ``store``'s labels of the corpus items and save a bundle.
+    """Fit the encoder tier on ``store``'s labels of the ``corpus`` items and save a bundle.
 
     A question with fewer than MIN_TRAIN_LABELS train labels, or only one answer among them,
     gets no head; the manifest says why, and the router starts it at the next tier. A GGUF
     teacher must be given as ``teacher_model`` (the store knows only its name and sha256) so
     that the bundle can pin the file its top tier runs; ``teacher_placement`` is recorded as that
-    tier's default placement (GPU layers, threads), which a router may override. A bad corpus
-    line stops training, or with ``on_error="skip"`` goes to ``on_bad`` and its item is left out,
-    as ``read_corpus`` does. With ``finetune``, the encoder itself is first fine-tuned on the
-    train part's labels (distill.finetune, needs the ``finetune`` extra) and served from the
-    bundle as int8 ONNX; the heads are then fitted on its vectors as on the frozen encoder's.
-    ``middle`` (``middle_tier``) are GGUF readout tiers to stand, in order, between the encoder
-    and the teacher; like the heads they keep nothing until ``cascade calibrate`` certifies them.
+    tier's default placement (GPU layers, threads), which a router may override. A corpus line
+    ``corpus`` skips leaves its item out. ``run``: progress bars, the device of the encoder opened
+    when none is given, and the embedding cache (default ``default_cache_dir()``); it opens no GGUF
+    tier to place. With ``finetune``, the encoder itself is first fine-tuned on the train part's
+    labels (distill.finetune, needs the ``finetune`` extra) and served from the bundle as int8
+    ONNX; the heads are then fitted on its vectors as on the frozen encoder's. ``middle``
+    (``middle_tier``) are GGUF readout tiers to stand, in order, between the encoder and the
+    teacher; like the heads they keep nothing until ``cascade calibrate`` certifies them.
     ``mid_layer`` adds the teacher's own first blocks as a tier just below it (distill.mid_layer):
     it needs the teacher's GGUF, and its states of the train items are collected here.
     """
+    corpus = option("train_bundle", "corpus", corpus, CorpusInput)
+    run = option("train_bundle", "run", run, RunOptions, RunOptions())
+    run.unused("train_bundle", "placement", "flops_per_second")
     fractions = check_fractions(fractions)
     _check_arguments(questions, C)
     _check_middle(middle)
@@ -123,17 +120,17 @@ def train_bundle(
                              f"teacher is external ({store.teacher.model!r}); label with a GGUF teacher")
         layers_of(mid_layer, Path(top.model.path))
     labels = {qid: store.labels(qid) for qid in questions}
-    lines = read_corpus(Path(corpus_path), text_field, on_error, on_bad)
-    texts = _labelled_texts(lines, Path(corpus_path), labels, store.path)
+    texts = _labelled_texts(corpus.read(), corpus.path, labels, store.path)
     parts = split_ids(texts, fractions, DEFAULT_SALT)
-    encoder = encoder if encoder is not None else Encoder()
+    encoder = encoder if encoder is not None else Encoder(device=run.device)
     bundle_dir = Path(bundle_dir)
     with staged(bundle_dir) as stage:
         tuned = None
         if finetune is not None:
-            encoder, tuned = _finetuned(encoder, finetune, questions, labels, texts, parts, stage, progress)
-        cache = EmbeddingCache(Path(cache_dir) if cache_dir else default_cache_dir(), encoder)
-        vectors = dict(zip(texts, cache.encode(list(texts.values()), progress=progress), strict=True))
+            encoder, tuned = _finetuned(encoder, finetune, questions, labels, texts, parts, stage,
+                                        run.progress)
+        cache = EmbeddingCache(run.cache_dir or default_cache_dir(), encoder)
+        vectors = dict(zip(texts, cache.encode(list(texts.values()), progress=run.progress), strict=True))
         grams = NgramFeatures().fit([texts[i] for i in parts["train"]]) if ngrams and parts["train"] else None
 
         def features(items: list[str]) -> Matrix:
@@ -145,13 +142,13 @@ def train_bundle(
         infos = {q: info for q, (_, info) in fitted.items()}
         first = _encoder_tier(encoder, stage, infos, _save_ngrams(grams, stage), tuned is not None)
         first.gate = _save_gate([vectors[i] for i in parts["train"]], stage)
-        mids, sweep = _mid_layer(mid_layer, top, questions, labels, texts, parts, stage, C, progress)
+        mids, sweep = _mid_layer(mid_layer, top, questions, labels, texts, parts, stage, C, run.progress)
         tiers = [first, *middle, *mids, top]
         split = SplitInfo(fractions=fractions, salt=DEFAULT_SALT,
                           file=write_json_file(stage, SPLIT_NAME, parts))
         training = TrainingSection(C=C, ngrams=ngrams, min_train_labels=MIN_TRAIN_LABELS,
                                    labelled_items=len(texts), new_embeddings=cache.misses,
-                                   embedding_cache=str(cache.path), text_field=text_field, finetune=tuned,
+                                   embedding_cache=str(cache.path), text_field=corpus.field(), finetune=tuned,
                                    **({"mid_layer": sweep} if sweep else {}))
         manifest = _manifest(questions, bundle_dir.resolve().name, tiers, store.teacher, split, training)
         Bundle(manifest, stage, heads).save()

@@ -19,8 +19,10 @@ from typing import Any
 from cascade.bundle.manifest import Bundle, Manifest
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.questions import parse_request
+from distill.label_transfer import import_labels
+from distill.options import CorpusInput, RunOptions
 from distill.split import part_of
-from distill.store import LabelStore, Teacher, import_labels
+from distill.store import LabelStore, Teacher
 from distill.synthetic import QUESTIONS_JSON as DEMO_QUESTIONS
 from distill.synthetic import SyntheticItem, generate, write_corpus
 from distill.train import middle_tier, train_bundle
@@ -90,8 +92,8 @@ def write_training_inputs(root: Path, teacher: Teacher = TEACHER, flip: Collecti
 def train(corpus: Path, store_path: Path, bundle_dir: Path, encoder: Encoder, cache: Path,
           **kwargs: object) -> Bundle:
     with LabelStore.open_existing(store_path) as store:
-        return train_bundle(QUESTIONS, corpus, store, bundle_dir, encoder=encoder, cache_dir=cache,
-                            progress=False, **kwargs)  # type: ignore[arg-type]
+        return train_bundle(QUESTIONS, CorpusInput(corpus), store, bundle_dir, encoder=encoder,
+                            run=RunOptions(progress=False, cache_dir=cache), **kwargs)  # type: ignore[arg-type]
 
 
 def copy_bundle(bundle: Bundle, directory: Path) -> Bundle:

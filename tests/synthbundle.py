@@ -15,7 +15,9 @@ from pathlib import Path
 from cascade.bundle.manifest import Bundle
 from cascade.corpus import load_questions
 from cascade.encoder.onnx_encoder import Encoder
-from distill.store import LabelStore, Teacher, import_labels
+from distill.label_transfer import import_labels
+from distill.options import CorpusInput, RunOptions
+from distill.store import LabelStore, Teacher
 from distill.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.train import train_bundle
 
@@ -49,8 +51,8 @@ def write_inputs(root: Path, n: int, unlabelled: Collection[int] = (), rare: boo
 def train(corpus: Path, questions: Path, store_path: Path, directory: Path, encoder: Encoder,
           cache: Path) -> Bundle:
     with LabelStore.open_existing(store_path) as store:
-        return train_bundle(load_questions(questions), corpus, store, directory, encoder=encoder,
-                            cache_dir=cache, progress=False)
+        return train_bundle(load_questions(questions), CorpusInput(corpus), store, directory, encoder=encoder,
+                            run=RunOptions(progress=False, cache_dir=cache))
 
 
 def copy_bundle(bundle: Bundle, directory: Path) -> Bundle:

@@ -167,7 +167,8 @@ def test_decide_audits_its_sample_and_cascade_audit_reports_it(
     assert main(args) == 0
     assert "audited 12 by the teacher" in capsys.readouterr().out
     audits = stored_audits(store)
-    assert [a.item_id for a in audits] == [f"audit:{i.id}" for i in items(12)]
+    run = audits[0].item_id.split(":")[1]  # ids are unique per run: audit:<run>:<corpus id>
+    assert [a.item_id for a in audits] == [f"audit:{run}:{i.id}" for i in items(12)]
     assert all(set(a.teacher) == set(QUESTIONS_JSON) for a in audits)
     decided = [json.loads(line) for line in (tmp_path / "d.jsonl").open()]
     # the alarm rose at the 10th audit: the last batch (items 11 and 12) went to the teacher
@@ -175,8 +176,15 @@ def test_decide_audits_its_sample_and_cascade_audit_reports_it(
     assert main(["audit", "--bundle", str(bundle_dir), "--store", str(store)]) == 0
     out = capsys.readouterr().out
     line = next(row for row in out.splitlines() if row.startswith(KEPT))
-    assert "raised at audited item" in line and line.split()[1] == "12"
+    assert "raised at audited item" in line and "wealth reached 20" in line and line.split()[1] == "12"
     assert (tmp_path / "labels.audit.png").stat().st_size > 1000
+    # a second audited run of the same corpus ids into the same store: no crash, each item counted once
+    assert main([*args[:6], str(tmp_path / "d2.jsonl"), *args[7:]]) == 0
+    again = stored_audits(store)
+    assert len(again) == 24 and len({a.item_id for a in again}) == 24
+    assert main(["audit", "--bundle", str(bundle_dir), "--store", str(store)]) == 0
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith(KEPT))
+    assert line.split()[1] == "12"
 
 
 def test_the_server_audits_at_the_lowest_priority_and_counts_what_it_drops(

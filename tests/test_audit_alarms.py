@@ -113,3 +113,15 @@ def test_bad_settings_are_named(kwargs: dict[str, float], message: str) -> None:
 def test_an_outcome_that_is_not_a_boolean_is_refused() -> None:
     with pytest.raises(TypeError, match="True or False; got 1"):
         AgreementMonitor(0.9).update([1])  # type: ignore[list-item]
+
+
+def test_the_alarm_names_its_wealth_against_one_over_delta_and_the_bounds_as_bounds() -> None:
+    monitor = AgreementMonitor(0.9, 0.05)
+    monitor.update([True] * 30)
+    assert not monitor.alarm and monitor.wealth < monitor.threshold == pytest.approx(20)
+    assert "is below its alarm level" in monitor.explain()
+    monitor.update([False] * 40)
+    assert monitor.alarm and monitor.wealth >= monitor.threshold
+    text = monitor.explain()
+    assert "rose past its alarm level" in text and "against 1/delta = 20" in text
+    assert f"[{monitor.lower:.3f}, {monitor.upper:.3f}], which alone do not raise it" in text

@@ -22,6 +22,7 @@ from distill.calibration.maths import CalibrationError
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
+from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
 
 TARGET = 0.85
@@ -53,8 +54,9 @@ def audited_store(trained_bundle: Bundle, labelled: tuple[Path, Path],
 def calibrate(bundle: Bundle, corpus: Path | None, store_path: Path, encoder: Encoder,
               **kwargs: object) -> CalibrationResult:
     with LabelStore.open_existing(store_path) as store:
-        return calibrate_bundle(bundle, corpus, store, target=TARGET, progress=False, encoder=encoder,
-                                flops_per_second=FLOPS, teacher_items=0, **kwargs)  # type: ignore[arg-type]
+        return calibrate_bundle(bundle, None if corpus is None else CorpusInput(corpus), store, target=TARGET,
+                                encoder=encoder, run=RunOptions(progress=False, flops_per_second=FLOPS),
+                                teacher_items=0, **kwargs)  # type: ignore[arg-type]
 
 
 def test_the_audits_certify_what_the_same_items_certify_from_the_corpus(

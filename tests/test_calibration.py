@@ -25,7 +25,6 @@ from tinymodels import silence_llama_logs, tiny_llama_path
 
 from cascade.bundle.manifest import SCHEMA_VERSION, Bundle, Manifest, ModelFile
 from cascade.encoder.onnx_encoder import Encoder
-from cascade.errors import InputTooLongError
 from cascade.readout.scorer import Scorer
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
@@ -36,6 +35,7 @@ from distill.calibration.results import FACTS, CalibrationResult, QuestionTier
 from distill.calibration.run import calibrate_bundle
 from distill.calibration.scoring import score_tier
 from distill.cli import main
+from distill.options import CorpusInput, RunOptions
 from distill.report import write_report
 from distill.store import LabelStore, Teacher
 
@@ -47,8 +47,8 @@ FLOPS = 1e11
 def calibrate(bundle: Bundle, corpus: Path, store_path: Path, encoder: Encoder, **kwargs: object
               ) -> CalibrationResult:
     with LabelStore.open_existing(store_path) as store:
-        return calibrate_bundle(bundle, corpus, store, progress=False, encoder=encoder,
-                                flops_per_second=FLOPS, **kwargs)  # type: ignore[arg-type]
+        return calibrate_bundle(bundle, CorpusInput(corpus), store, encoder=encoder,
+                                run=RunOptions(progress=False, flops_per_second=FLOPS), **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -223,13 +223,15 @@ def test_a_middle_tier_leaves_states_longer_than_its_context_out_and_says_so(
     scorer = Scorer(tiny_llama, n_ctx=256, n_threads=1)
     try:
         with caplog.at_level("WARNING", logger="cascade"):
-            probs, cost = score_tier(GgufTier("small", scorer, owned=False, passes_long=True), "gguf",
+            probs, cost = score_tier(GgufTier("small", scorer, owned=False), "gguf",
                                      items, labels, questions, progress=False)
-        with pytest.raises(InputTooLongError, match="holds 256"):  # the top tier: nothing above
-            GgufTier("teacher", scorer, owned=False).reply(items, [["urgent"]] * 3, questions)
+        # any GGUF tier, the top too, leaves the long state out of its reply and reads the others
+        reply = GgufTier("teacher", scorer, owned=False).reply(items, [["urgent"]] * 3, questions)
     finally:
         scorer.close()
     assert set(probs["urgent"]) == {"a", "c"} and cost.states == 3
+    assert [bool(answers) for answers in reply.answers] == [True, False, True]
+    assert reply.too_long[0] is None and "holds 256" in (reply.too_long[1] or "")
     assert "tier small: 1 of 3 calibration states do not fit its context" in caplog.text
     assert "(first: item 'long': small: the prompt needs" in caplog.text
 
@@ -281,8 +283,9 @@ def test_a_middle_tier_that_costs_more_than_it_saves_is_taken_out(
     scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1, max_branches=len(bundle.manifest.questions))
     try:
         with LabelStore.open_existing(inputs[1]) as store:
-            result = calibrate_bundle(bundle, inputs[0], store, target=TARGET, progress=False,
-                                      encoder=encoder, flops_per_second=1e18, scorers={"small": scorer},
+            result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store, target=TARGET, encoder=encoder,
+                                      run=RunOptions(progress=False, flops_per_second=1e18),
+                                      scorers={"small": scorer},
                                       keep_costly_tiers=keep)
             labels = {qid: store.labels(qid) for qid in bundle.manifest.questions}
     finally:

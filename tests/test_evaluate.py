@@ -17,6 +17,7 @@ from cascade.encoder.onnx_encoder import Encoder
 from cascade.routing.budget import Budget
 from distill.cli import main
 from distill.evaluate import Evaluation, EvaluationError, evaluate_bundle
+from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
 
 __all__ = ["labels", "texts", "trained"]  # module fixtures shared with test_router
@@ -30,7 +31,8 @@ def cache(embedding_cache: Path) -> Path:
 
 def evaluate(directory: Path, trained: tuple, cache: Path, budget: Budget | None = None) -> Evaluation:
     with LabelStore.open_existing(trained[1]) as store:
-        return evaluate_bundle(directory, trained[0], store, budget, progress=False, cache_dir=cache)
+        return evaluate_bundle(directory, CorpusInput(trained[0]), store, budget,
+                               run=RunOptions(progress=False, cache_dir=cache))
 
 
 def labelled_evaluation_ids(bundle: Bundle, labels: Mapping, qid: str) -> list[str]:
@@ -97,7 +99,7 @@ def test_a_corpus_without_evaluation_items_is_refused(trained: tuple, tmp_path: 
                               if json.loads(line)["id"] in train_ids), encoding="utf-8")
     with LabelStore.open_existing(trained[1]) as store, \
             pytest.raises(EvaluationError, match=r"no item of .*train-only.jsonl is both in the evaluation"):
-        evaluate_bundle(trained[2].directory, corpus, store, progress=False)
+        evaluate_bundle(trained[2].directory, CorpusInput(corpus), store, run=RunOptions(progress=False))
 
 
 def test_labels_of_another_teacher_are_refused(trained: tuple, tmp_path: Path) -> None:
@@ -105,7 +107,7 @@ def test_labels_of_another_teacher_are_refused(trained: tuple, tmp_path: Path) -
     assert other != TEACHER
     with LabelStore(tmp_path / "other.sqlite", other) as store, \
             pytest.raises(EvaluationError, match=r"teacher 'someone else'.*'generator labels'"):
-        evaluate_bundle(trained[2].directory, trained[0], store, progress=False)
+        evaluate_bundle(trained[2].directory, CorpusInput(trained[0]), store, run=RunOptions(progress=False))
 
 
 def test_cli_writes_the_report_and_prints_a_table(

@@ -15,6 +15,7 @@ from distill.calibration.maths import CalibrationError
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
+from distill.options import CorpusInput, RunOptions
 from distill.report import write_report
 from distill.split import part_of
 from distill.store import LabelStore
@@ -40,8 +41,9 @@ def calibrate(trained: Bundle, inputs: tuple[Path, Path, Path], encoder: Encoder
               **kwargs: object) -> tuple[Bundle, CalibrationResult]:
     bundle = copy_bundle(trained, directory)
     with LabelStore.open_existing(inputs[2]) as store:
-        result = calibrate_bundle(bundle, inputs[0], store, target=TARGET, delta=DELTA, progress=False,
-                                  encoder=encoder, flops_per_second=FLOPS, **kwargs)  # type: ignore[arg-type]
+        result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store, target=TARGET, delta=DELTA,
+                                  run=RunOptions(progress=False, flops_per_second=FLOPS), encoder=encoder,
+                                  **kwargs)  # type: ignore[arg-type]
     return Bundle.load(directory), result
 
 

@@ -316,3 +316,23 @@ def test_killed_and_interrupted_runs_resume_without_loss_or_duplicates(
     with LabelStore.open_existing(store) as opened:
         after = {(r.item_id, r.question_id): r.probabilities for r in opened.iter_labels()}
     assert {key: after[key] for key in before} == before
+
+
+def test_a_run_takes_only_the_selected_items_says_its_estimate_and_stops_when_asked(
+    teacher: Scorer, tmp_path: Path
+) -> None:
+    from distill.stopping import StopRequest
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    said: list[str] = []
+    stop = StopRequest()
+    stop.requested = "SIGTERM"  # as the handler sets it: the run ends after the item in hand
+    with LabelStore(tmp_path / "labels.sqlite", teacher_of(teacher)) as store:
+        summary = label_corpus(teacher, QUESTIONS, corpus, store, progress=False,
+                               only={"e01", "e03", "e05"}, stop=stop, say=said.append)
+        assert (summary.labelled, summary.left, summary.interrupted) == (1, 2, True)
+        assert store.done_items(list(QUESTIONS)) == {"e01"}
+        again = label_corpus(teacher, QUESTIONS, corpus, store, progress=False, only={"e01", "e03", "e05"})
+        assert (again.labelled, again.skipped_done, again.left, again.interrupted) == (2, 1, 0, False)
+        assert store.done_items(list(QUESTIONS)) == {"e01", "e03", "e05"}
+    assert len(said) == 1 and said[0].startswith("2 items left, 2 teacher calls (4 readouts); the first took")

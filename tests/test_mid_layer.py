@@ -25,6 +25,7 @@ from distill.calibration.run import calibrate_bundle
 from distill.cli import main
 from distill.label import teacher_of_file
 from distill.mid_layer import MidLayerConfig, candidate_layers, fit_head, kept_share, train_mid_layer
+from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
 from distill.train import TrainError, train_bundle
 
@@ -118,9 +119,9 @@ def test_calibration_certifies_and_measures_the_tier(bundle: Bundle, inputs: tup
                                                      encoder: Encoder, tmp_path: Path) -> None:
     copy = copy_bundle(bundle, tmp_path / "c")
     with LabelStore.open_existing(inputs[1]) as store:
-        calibrate_bundle(copy, inputs[0], store, target=0.8, progress=False, encoder=encoder,
-                         flops_per_second=1e11, placement=ONE_THREAD, teacher_items=0,
-                         keep_costly_tiers=True)
+        calibrate_bundle(copy, CorpusInput(inputs[0]), store, target=0.8, encoder=encoder,
+                         run=RunOptions(progress=False, flops_per_second=1e11, placement=ONE_THREAD),
+                         teacher_items=0, keep_costly_tiers=True)
     manifest = Bundle.load(copy.directory).manifest
     cost = manifest.calibration.costs["mid-layer"]
     assert cost.seconds_per_state > 0 or cost.seconds_per_token > 0
@@ -200,7 +201,8 @@ def test_bad_mid_layer_arguments_get_clear_errors(inputs: tuple[Path, Path], gem
     assert "has 18 blocks; --mid-layer runs fewer than all, at most 17" in capsys.readouterr().err
     external = write_training_inputs(tmp_path / "ext")
     with LabelStore.open_existing(external[1]) as store, pytest.raises(TrainError, match="is external"):
-        train_bundle(QUESTIONS, external[0], store, tmp_path / "e", mid_layer=MidLayerConfig(layer=3))
+        train_bundle(QUESTIONS, CorpusInput(external[0]), store, tmp_path / "e",
+                     mid_layer=MidLayerConfig(layer=3))
 
 
 def test_train_prints_the_sweep_auto_measured_and_the_tier_it_kept(

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +130,23 @@ def test_cli_help_has_an_example(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["calibrate", "--help"])
     assert "example:\n  cascade calibrate --bundle" in capsys.readouterr().out
+
+
+def test_without_matplotlib_the_command_writes_the_report_without_figures_and_says_how_to_get_them(
+    trained: Bundle, inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """matplotlib is the report extra's: with it unimportable, ``cascade calibrate`` still writes
+    both files, without figures, and the page, the JSON and the command (once) say what to install."""
+    bundle = copy_bundle(trained, tmp_path / "bundle")
+    argv = ["calibrate", "--bundle", str(bundle.directory), "--corpus", str(inputs[0]), "--store",
+            str(inputs[1]), "--target-agreement", "0.85", "--delta", "0.1", "--report", str(tmp_path / "r")]
+    code = ("import sys\nsys.modules['matplotlib'] = None  # any import of it now fails\n"
+            f"from distill.cli import main\nsys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    install = "figures need matplotlib: pip install 'cascade-router[report]'"
+    assert done.stdout.splitlines().count(install) == 1, done.stdout
+    page, data = read(tmp_path / "r")
+    assert install in html.unescape(page) and IMG not in page
+    assert data["figures"] == [] and data["figures_note"] == install
+    assert all(f'id="q-{qid}"' in page for qid in HEADED)  # each question's outcome is still there

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from cascade.answers import DecisionResponse
 from cascade.bundle.manifest import Bundle, Manifest, ModelFile
 from cascade.cost.pricing import CHARS_PER_TOKEN, TEACHER_PARAMS, TierCost
 from cascade.cost.roofline import ModelShape, decision_flops
-from cascade.errors import InputTooLongError, ModelError, RequestError, RouterError, TemperatureError
+from cascade.errors import ModelError, RequestError, RouterError, TemperatureError
 from cascade.hashing import file_sha256
 from cascade.questions import DecisionRequest
 from cascade.readout.placement import Placement
@@ -501,7 +502,7 @@ def test_a_middle_tier_answers_what_it_is_confident_about_or_what_the_budget_lea
             assert pooled == [("encoder", True, ENCODER_MS)] * 2 + [teacher]
 
 
-def test_a_state_too_long_for_a_middle_tier_goes_past_it_and_too_long_for_the_teacher_raises(
+def test_a_state_too_long_for_a_tier_goes_past_it_and_past_the_teacher_fails_only_itself(
     trained: tuple, urgent_items: list[Item], tmp_path: Path, gemma_path: Path
 ) -> None:
     short, base = urgent_items[:2]
@@ -519,11 +520,37 @@ def test_a_state_too_long_for_a_middle_tier_goes_past_it_and_too_long_for_the_te
         cascade.tiers[-1].scorer.forget_head()  # as the teacher's first state decoded it
         reference = cascade.tiers[-1].scorer.score(DecisionRequest(
             state=longer.state, questions={"urgent": cascade.questions["urgent"]}))
-        with pytest.raises(InputTooLongError, match=r"needs \d+ tokens .* holds 1024"):
-            cascade.decide_batch([short, longest], questions=["urgent"])
+        # past the teacher's context too: the other item of the batch is answered, and this one's
+        # question, which no tier could read, is an error of its own instead of an answer
+        fine, past = cascade.decide_batch([short, longest], questions=["urgent"])
+    assert fine.answers["urgent"].routing is not None and fine.errors is None
+    assert past.answers == {} and past.errors is not None and past.errors["urgent"].code == "input_too_long"
+    assert re.search(r"teacher: the prompt needs \d+ tokens .* holds 1024", past.errors["urgent"].message)
+    wire = json.loads(past.model_dump_json())
+    assert wire["x_errors"]["urgent"]["code"] == "input_too_long" and "errors" not in wire
+    assert "x_errors" not in json.loads(fine.model_dump_json())
     # the teacher's own reading of the state the small tier could not hold
     assert routes[1].raw_confidence == pytest.approx(max(reference.answers["urgent"].probabilities.values()),
                                                      abs=1e-9)
+
+
+def test_a_state_past_the_teachers_context_keeps_a_lower_answer_marked_not_certified(
+    trained: tuple, urgent_items: list[Item], tmp_path: Path, gemma_path: Path
+) -> None:
+    """The encoder answered but below its threshold; the teacher cannot read the state: the
+    encoder's answer stays, uncertified, naming the teacher it went past."""
+    short, base = urgent_items[:2]
+    long = Item("long", " ".join([str(base.state)] * 40))
+    directory = variant(trained[2], tmp_path / "b", thresholds=thresholds(1.0, ("urgent",)),
+                        teacher=pinned(gemma_path))
+    with Cascade.load(directory, teacher=gemma_path, threads=1, accept_other_teacher=True,
+                      placement={"teacher": Placement(n_ctx=512, threads=1)}) as cascade:
+        fine, kept = cascade.decide_batch([short, long], questions=["urgent"])
+    assert kept.errors is None and fine.errors is None
+    routing = kept.answers["urgent"].routing
+    assert routing is not None and (routing.tier, routing.too_long_for) == ("encoder", ["teacher"])
+    assert routing.certified is False
+    assert fine.answers["urgent"].routing is not None and fine.answers["urgent"].routing.tier == "teacher"
 
 
 def test_cli_decide_needs_a_teacher_and_resumes(

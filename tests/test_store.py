@@ -12,14 +12,8 @@ import pytest
 
 from cascade.errors import CascadeError
 from cascade.questions import parse_request
-from distill.store import (
-    LabelStore,
-    StoreError,
-    StoreMismatchError,
-    Teacher,
-    export_labels,
-    import_labels,
-)
+from distill.label_transfer import export_labels, import_labels
+from distill.store import InputPolicy, LabelStore, StoreError, StoreMismatchError, Teacher
 
 GGUF = Teacher(kind="gguf", model="qwen-4b.gguf", model_sha256="a" * 64, prompt_version="v1")
 QUESTIONS = parse_request({
@@ -276,3 +270,54 @@ def test_sigkill_mid_run_loses_nothing_committed_and_resumes(tmp_path: Path) -> 
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     distinct = "SELECT COUNT(*) FROM (SELECT DISTINCT item_id, question_id FROM labels)"
     assert conn.execute(distinct).fetchone()[0] == total * 8
+
+
+def test_the_input_policy_is_recorded_once_and_another_refused(tmp_path: Path) -> None:
+    path = tmp_path / "labels.db"
+    policy = InputPolicy(n_ctx=512, excerpt="head_tail:256")
+    with LabelStore(path, GGUF, policy=policy) as store:
+        store.put_item("e1", {"urgent": {"true": 0.8, "false": 0.2}}, {}, {"urgent": 0.91})
+    with LabelStore(path, GGUF, policy=policy) as store:  # the same policy resumes
+        assert store.policy == policy and store.letter_masses("urgent") == {"e1": 0.91}
+    for other in (InputPolicy(n_ctx=4096, excerpt="head_tail:256"), InputPolicy(n_ctx=512)):
+        with pytest.raises(StoreMismatchError, match=r"read with n_ctx 512, excerpt head_tail:256; "
+                           rf"this run reads with {other}"):
+            LabelStore(path, GGUF, policy=other)
+    with LabelStore(path, GGUF) as store:  # a reader that names no policy gets the store's
+        assert store.policy == policy
+    with LabelStore.open_existing(path) as store:
+        assert store.policy == policy
+
+
+def test_a_schema_1_store_is_read_as_it_is_and_upgraded_when_written(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:  # the schema-1 layout, as an earlier cascade wrote it
+        db.executescript("""
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
+            CREATE TABLE labels (item_id TEXT NOT NULL, question_id TEXT NOT NULL,
+                probabilities TEXT NOT NULL, prompt_hash TEXT, created_at REAL NOT NULL,
+                PRIMARY KEY (item_id, question_id)) WITHOUT ROWID;""")
+        db.executemany("INSERT INTO meta VALUES (?, ?)", [
+            ("schema_version", "1"), ("teacher_kind", "gguf"), ("teacher_model", GGUF.model),
+            ("teacher_model_sha256", GGUF.model_sha256), ("teacher_prompt_version", "v1")])
+        db.execute("INSERT INTO labels VALUES ('e1', 'urgent', '{\"true\": 1.0, \"false\": 0.0}', NULL, 1.0)")
+    db.close()
+    with LabelStore.open_existing(path) as store:
+        assert store.labels("urgent") == {"e1": {"true": 1.0, "false": 0.0}}
+        assert store.letter_masses("urgent") == {} and store.policy is None
+    with LabelStore(path, GGUF, policy=InputPolicy(n_ctx=4096)) as store:
+        store.put_item("e2", {"urgent": {"true": 0.0, "false": 1.0}}, {}, {"urgent": 0.5})
+        assert store.letter_masses("urgent") == {"e2": 0.5} and len(store) == 2
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
+    db.close()
+
+
+def test_a_store_from_a_newer_cascade_says_to_upgrade(tmp_path: Path) -> None:
+    path = tmp_path / "labels.db"
+    LabelStore(path, GGUF).close()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    db.close()
+    with pytest.raises(StoreError, match="made by a newer cascade, upgrade this one"):
+        LabelStore.open_existing(path)

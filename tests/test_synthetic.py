@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from cascade.corpus import load_questions, read_corpus
-from distill.store import LabelStore, Teacher, import_labels
+from distill.label_transfer import import_labels
+from distill.store import LabelStore, Teacher
 from distill.synthetic import (
     DEPARTMENTS,
     SEVERITY_LEVELS,

@@ -20,6 +20,7 @@ from cascade.answers import ChoiceAnswer, NoulAnswer
 from cascade.bundle.manifest import Bundle
 from cascade.cost.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens
 from cascade.errors import RouterError
+from cascade.pins import ModelFile
 from cascade.questions import Question
 from cascade.routing.router import Cascade
 from cascade.tiers.base import KINDS, Answers, Asked, Build, Item, Tier, TierKind, register
@@ -103,3 +104,17 @@ def test_a_kind_nobody_registered_is_refused_by_name(tmp_path: Path, monkeypatch
     monkeypatch.delitem(KINDS, "gguf")
     with pytest.raises(RouterError, match="tier 'small' is of kind 'gguf', which no TierKind registers"):
         Cascade.load(write_bundle(tmp_path / "bundle"), labels=LABELS, flops_per_second=FLOPS)
+
+
+def test_a_pinned_top_tier_takes_its_own_file_as_the_teacher_and_refuses_another(
+    gemma_path: Path, tmp_path: Path
+) -> None:
+    """The README builds a bundle with --teacher-model (a pinned top tier) and then serves it with
+    --teacher naming the same model: that is no conflict. Another model is, before any load."""
+    spec = GgufSpec(name="teacher", model=ModelFile.of(gemma_path))
+    GgufKind().check_top(spec, "b", Build(teacher=gemma_path))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF not the pinned model")
+    with pytest.raises(RouterError, match=r"runs its pinned GGUF .* the teacher given, .*other.gguf "
+                       r"\(sha256 [0-9a-f]{12}\.\.\.\), is another model: drop --teacher"):
+        GgufKind().check_top(spec, "b", Build(teacher=other))

@@ -1,38 +1,12 @@
 """Anytime-valid alarms: is a question's agreement with the teacher still at least its target?
 
-Calibration certifies that a question's answers agree with the teacher on at least ``target`` of
-new items from the calibration distribution. Audited live items arrive one by one, each with
-``agreed`` True or False, and the question is asked again after every one. A fixed-window test
-re-run at each look loses its stated confidence (every look is another chance of a false alarm).
-A test by betting does not (Waudby-Smith and Ramdas, "Estimating means of bounded random
-variables by betting", JRSS B 2024):
-
-To test "agreement >= g", a gambler starts with wealth 1 and before each item stakes a fraction
-``lam`` (chosen from the earlier items only) on "this item disagrees more than g allows": the
-wealth is multiplied by ``1 + lam * (g - x)``, with ``x`` 1 for agreement, 0 for disagreement.
-Where agreement really is at least g, no such strategy gains in expectation: the wealth is a
-nonnegative supermartingale, and by Ville's inequality it ever reaches ``1 / alpha`` with
-probability at most ``alpha``, however long the stream and however often it is looked at. So an
-alarm raised the first time the wealth for g = target reaches ``1 / alpha`` is false with
-probability at most ``alpha`` over the whole stream. Betting the other way, ``1 + lam * (x - g)``,
-tests "agreement <= g". Run on a grid of g, the values of g never rejected form confidence
-sequences: ``upper`` (from the first bets) and ``lower`` (from the second) each hold at every
-time at once with probability at least ``1 - alpha``.
-
-The bounds' stakes are the paper's predictable plug-in: ``lam_t = sqrt(2 log(1/alpha) / (v_{t-1} t
-log(1 + t)))``, with ``v`` a running variance of the earlier outcomes, truncated so that a bet
-never stakes more than half of the wealth (``1 + lam * (g - x) >= 1/2``). Those stakes shrink with
-t whatever the data say, which suits an estimate from the start, but an alarm must catch a drop
-that comes after a long quiet stretch: by then plug-in stakes are small, and each agreement before
-the drop cost the wealth a little. So the alarm's own bet on the target is sized by online Newton
-steps (ONS; Cutkosky and Orabona 2018, as Shekhar and Ramdas test by betting): the stake follows
-the gradient of the log wealth, so while agreement holds it stays near 0 (little staked, little
-lost) and after a drop it grows towards the growth-optimal bet. Any stake chosen from earlier
-items keeps the wealth a supermartingale, so the level is the same. Measured on real AG News
-streams after 400 quiet audits (bench/drift_streams.py), the ONS alarm caught the drops in a
-median 173 and 825 audited items where the plug-in stakes needed 682 and 2,199, both under the
-level on streams without a shift (BENCHMARKS.md). ``stake="plug-in"`` alarms on the plug-in bet,
-for that comparison.
+A test by betting (Waudby-Smith and Ramdas, JRSS B 2024): before each audited item a gambler
+stakes, from the earlier items only, on "this item disagrees more than the target allows". While
+agreement holds the wealth is a nonnegative supermartingale, so by Ville's inequality it ever
+reaches ``1 / alpha`` with probability at most ``alpha``, however often it is read. The alarm's
+stake is sized by online Newton steps (the default); the confidence sequences use the paper's
+predictable plug-in stakes (``stake="plug-in"`` alarms on those, for comparison). How it works and
+what it measured: docs/auditing.md.
 """
 
 from __future__ import annotations
@@ -111,6 +85,27 @@ class AgreementMonitor:
     def alarm(self) -> bool:
         """True once the audit rejected "agreement >= target" (false with probability <= alpha)."""
         return self.alarm_at is not None
+
+    @property
+    def wealth(self) -> float:
+        """The alarm's own bet against "agreement >= target": it rises to ``threshold`` (1/alpha)
+        exactly when the alarm does, and is what an alarm message names as its cause."""
+        log_wealth = self._alarm_wealth if self.stake == "ons" else float(self._below[-1])
+        return math.exp(min(log_wealth, 700.0))
+
+    @property
+    def threshold(self) -> float:
+        """The wealth at which the alarm rises: 1 / alpha."""
+        return 1 / self.alpha
+
+    def explain(self) -> str:
+        """What raised (or has not yet raised) the alarm, with the bounds as bounds, in one line."""
+        state = "rose past" if self.alarm else "is below"
+        observed = f"{self.agreement:.3f}" if self.agreement is not None else "none yet"
+        return (f"the bet against agreement >= {self.target:.3f} {state} its alarm level: wealth "
+                f"{self.wealth:.3g} against 1/delta = {self.threshold:.3g}, after {self.items} audited "
+                f"items (agreement seen {observed}; anytime bounds [{self.lower:.3f}, {self.upper:.3f}], "
+                "which alone do not raise it)")
 
     @property
     def agreement(self) -> float | None:

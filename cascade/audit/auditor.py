@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 
 from cascade.answers import DecisionResponse
@@ -43,6 +44,8 @@ class Auditor:
                                     cascade.calibration_version, on_drift)
             cascade.demoted = self.watch.demoted
         self.audited = 0
+        self.unreadable = 0
+        self.run_id = uuid.uuid4().hex[:12]
 
     def replay(self, records: list[AuditRecord]) -> None:
         """Count records written before (a restart): a question demoted stays demoted."""
@@ -50,15 +53,24 @@ class Auditor:
             for record in records:
                 self.watch.observe(record)
 
-    def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str]) -> AuditRecord:
+    def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str]
+              ) -> AuditRecord | None:
         """Ask the teacher every bundle question about ``item``; ``response`` is what the system
-        answered, ``bundle_ids`` maps its question ids to the bundle's."""
+        answered, ``bundle_ids`` maps its question ids to the bundle's. None (said once per run,
+        counted in ``unreadable``) when the teacher's context cannot hold the state: nothing to
+        compare with."""
         qids = list(self.cascade.questions)
         reply = self.cascade.tiers[-1].reply([item], [qids], self.cascade.questions)
+        if reply.too_long[0] is not None:
+            if not self.unreadable:
+                log.warning("audit: the teacher cannot read item %r (%s); such items are not audited",
+                            item.id, reply.too_long[0])
+            self.unreadable += 1
+            return None
         teacher = {qid: dict(zip(self.cascade.questions[qid].option_keys(), map(float, reply.answers[0][qid]),
                                  strict=True)) for qid in qids}
         record = AuditRecord(
-            item_id=f"audit:{item.id}", state=item.state,
+            item_id=f"audit:{self.run_id}:{item.id}", state=item.state,
             calibration_version=self.cascade.calibration_version, at=time.time(), teacher=teacher,
             prompt_hashes={qid: r.prompt_hash for qid, r in reply.readouts[0].items()},
             system=certified_answers(response.answers, bundle_ids))
@@ -71,9 +83,6 @@ class Auditor:
 
     @staticmethod
     def _report(watch: DriftWatch, qid: str) -> None:
-        monitor = watch.monitors[qid]
         then = ("its answers now escalate to the teacher until a calibration certifies it again"
                 if watch.on_drift == "demote" else "reported only (--on-drift alarm)")
-        log.warning("drift alarm on question %r after %d audited items: agreement %.3f, anytime lower "
-                    "bound %.3f below the target %.3f; %s", qid, monitor.items, monitor.agreement or 0.0,
-                    monitor.lower, monitor.target, then)
+        log.warning("drift alarm on question %r: %s; %s", qid, watch.monitors[qid].explain(), then)

@@ -11,6 +11,8 @@ Records are written by a sink the caller gives (``cascade`` never writes a label
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel
@@ -25,9 +27,10 @@ class SystemAnswer(BaseModel):
 
 
 class AuditRecord(BaseModel):
-    """``item_id`` (prefixed ``audit:``, so it never meets a corpus id), the state, the
-    calibration the thresholds came from, the time, and per question the teacher's
-    distribution (with the sha256 of the prompt it read) and the system's answer."""
+    """``item_id`` (``audit:<run>:<id>``: unique per auditing run, so it never meets a corpus id
+    nor another run's audit of the same item), the state, the calibration the thresholds came
+    from, the time, and per question the teacher's distribution (with the sha256 of the prompt it
+    read) and the system's answer."""
 
     item_id: str
     state: State
@@ -36,6 +39,11 @@ class AuditRecord(BaseModel):
     teacher: dict[str, dict[str, float]]
     prompt_hashes: dict[str, str] = {}
     system: dict[str, SystemAnswer] = {}
+
+    @property
+    def state_sha256(self) -> str:
+        """The audited state's content hash: the same item audited twice is one observation."""
+        return hashlib.sha256(json.dumps(self.state, sort_keys=True).encode()).hexdigest()
 
     def agreed(self, qid: str) -> bool:
         """Whether the system's answer to ``qid`` is the teacher's most probable one."""

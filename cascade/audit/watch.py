@@ -6,7 +6,9 @@ at most delta of the time while agreement holds, however often it is read. When 
 alarm rises, with ``on_drift="demote"`` (the default) its cheap tiers are taken out of its
 route: every answer to it then comes from the teacher, marked ``demoted`` in ``x_routing``, until
 a calibration certifies it again (a new calibration version starts the watch afresh); with
-``"alarm"`` it is only reported. Records of another calibration version are not counted.
+``"alarm"`` it is only reported. Records of another calibration version are not counted, nor a
+state counted before (an item audited again, by a second run or a replay): each state is one
+observation.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class DriftWatch:
         self.on_drift = on_drift
         self.monitors = {qid: AgreementMonitor(target, delta) for qid in questions}
         self.demoted: set[str] = set()
+        self._seen: set[str] = set()
         self._lock = threading.Lock()
 
     def observe(self, record: AuditRecord) -> list[str]:
@@ -38,6 +41,9 @@ class DriftWatch:
             return []
         raised = []
         with self._lock:
+            if record.state_sha256 in self._seen:
+                return []
+            self._seen.add(record.state_sha256)
             for qid, monitor in self.monitors.items():
                 if qid not in record.system or qid not in record.teacher:
                     continue

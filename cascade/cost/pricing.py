@@ -2,19 +2,9 @@
 
 Each runtime tier prices itself (``Tier.pricing``), from a cost measured at calibration or
 estimated on the roofline (``Tier.flops_per_token``); the cost model (``cascade.routing.forecast``)
-adds the prices up for the states and questions of a call.
-
-A tier charges ``seconds_per_state`` for each state it reads and ``seconds_per_token`` for each
-token it runs. The encoder tier runs a state's tokens once for all its questions. A readout tier
-prefills a state once and fans its questions out, so the first question of a state escalated to
-it pays the prompt (template + state) and its own suffix, and every further question of that
-state only its suffix (the question block, once per option order). The template's head, the text
-before the state, is not charged: a scorer prefills it once per run and copies it
-(``cascade.readout.prompt_head``), and the seconds per token calibration measures count the tokens it
-decoded, without the head. With the options first (one branch: ``cascade.readout.prompts.plan_layout``)
-the question's block is part of that head too, so a state costs its tokens, the template around
-it and its answer line (a run that forces options first on several branches is priced as if each
-read only that: their state is read once per branch, which this leaves out).
+adds the prices up for the states and questions of a call. A readout tier pays its prompt once per
+state and each escalated question's block on top; the prompt head, copied rather than prefilled,
+is not charged. The rules in full: docs/budgets.md.
 """
 
 from __future__ import annotations

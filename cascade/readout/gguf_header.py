@@ -1,17 +1,10 @@
 """Read a GGUF file's header (metadata and tensor table) without building its tokenizer arrays.
 
-``gguf.GGUFReader`` makes numpy views for every element of every metadata array: on gemma-3-270m
-(a 262,144-token vocabulary) it takes ~10 s of a 2-core machine, ~94% of ``Cascade.load``.
-Pricing a tier (``cascade.cost.roofline``) needs the hyperparameters and the tensor table only, so this
-reader steps over the values of ``tokenizer.*`` keys: a scalar array in one seek, a string array
-by walking its lengths in the mapped file. Gemma's whole header then reads in ~25 ms
-(bench/load_time.py).
-
-Layout (GGUF v2 and v3, little-endian): magic ``GGUF``, version u32, tensor count u64, kv count
-u64; each kv pair a key string, a value type u32 and the value (an array: element type u32,
-count u64, elements); each tensor info a name string, n_dims u32, dims u64 x n_dims (ne[0]
-first), ggml type u32, data offset u64; tensor data from the next multiple of
-``general.alignment``. A string is a u64 byte length, then UTF-8.
+Pricing a tier (``cascade.cost.roofline``) needs the hyperparameters and the tensor table only;
+``gguf.GGUFReader`` also builds every element of the tokenizer's arrays (~10 s for gemma-3-270m's
+262,144-token vocabulary on 2 cores). This reader steps over the values of ``tokenizer.*`` keys
+and reads gemma's header in ~25 ms (bench/load_time.py). GGUF v2 and v3, little-endian; the
+layout it reads is in docs/roofline.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The mid-layer tier: the teacher's own prompts, run through its first L blocks only.
 
-A decision often settles before the last layer. This tier reads the teacher's layer-L state at
-each question's answer position (the prompt's last token, where the teacher's letter logits
-would be read) and answers from it, at about L/N of a teacher pass: every decode stops at L
-(``cascade.readout.layer_tap``), so no layer above L is ever computed.
-
-The prompts and the fan-out are the teacher's (``cascade.readout.scorer``): the state is prefilled once
-in sequence 0 (after the prompt head), copied to one branch per question, and each branch's
-suffix decoded; only the suffixes' last tokens are decoded in a batch of their own, one token per
-branch, so the tapped rows are exactly the answer positions, in branch order, whatever the model
-(a hybrid model splits a batch by sequence; one token per sequence keeps it one micro-batch).
-
-Two readers turn a layer-L state into option probabilities:
-- ``head``: per question, a soft-label softmax head (``cascade.heads``) trained on the teacher's
-  own labels of the train items' layer-L states;
-- ``lens``: the logit lens, no training: the model's final norm and its output rows of the
-  option letters applied to the state, softmax over the letters shown.
-
-One option order, one prompt per question: a question of more than 16 options (read by the
-teacher in two rounds) is not asked of this tier.
+It answers from the teacher's layer-L state at each question's answer position (the prompt's last
+token), at about L/N of a teacher pass: every decode stops at L (``cascade.readout.layer_tap``).
+The prompts and the fan-out are the teacher's (``cascade.readout.scorer``); the answer positions
+are decoded one token per branch in a batch of their own. Two readers: ``head`` (a softmax head
+per question, trained on the teacher's labels) and ``lens`` (the logit lens, no training). A
+question of more than 16 options is not asked of this tier. Details: docs/mid-layer.md.
 """
 
 from __future__ import annotations

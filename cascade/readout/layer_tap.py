@@ -1,29 +1,11 @@
 """A tap on llama.cpp's graph: read a layer's output and cancel the layers above it.
 
-llama.cpp has no hidden-state API, but ``llama_context_params.cb_eval`` (llama.h; the scheduler's
-``ggml_backend_sched_eval_callback``) is asked about every node of the graph before it is
-computed and, for the nodes it asked to see, called again once their data is ready; returning
-false from that second call stops the graph there. Each block's output is named ``l_out-{i}``
-(i from 0) by llama.cpp's model graphs (gemma3, llama, qwen2, qwen35 hybrids: tested), so running
-the first ``L`` blocks of a model means reading ``l_out-{L-1}`` and returning false.
-
-What this relies on, and where it is checked:
-- the callback and ``ggml_get_name``/``ggml_nelements``/``ggml_nrows``/``ggml_nbytes``/
-  ``ggml_backend_tensor_get``: public API of llama.h and ggml (libggml-base, bundled with
-  llama-cpp-python; the version is pinned in pyproject.toml);
-- the ``l_out-{i}`` names: a convention of llama.cpp's graphs, not an API. A decode that ends
-  without the tap seeing its layer is refused (:meth:`LayerTap.check_seen`), so a build or an
-  architecture that names them otherwise fails loudly, never reads another tensor.
-- a cancelled decode's logits and its KV cells above ``L`` are garbage: the context refuses to
-  read logits while a tap is on (``cascade.readout.llama.LlamaContext``), and a tapped context only ever
-  decodes to ``L``, so no layer above ``L`` is ever needed.
-
-A decode may run as several micro-batches (a hybrid model splits by sequence); the tap is called
-once per micro-batch and keeps each one's rows in order. Returning false ends the graph split it
-falls in, not the splits after it: a graph over several devices (part of the model on a GPU)
-would still run them, so the mid-layer tier refuses partial offload (``cascade.readout.layer_scorer``).
-On a GPU the tensor is copied to host memory after the scheduler synchronises the device; what
-that costs is not measured here (no GPU).
+``llama_context_params.cb_eval`` is asked about every node of the graph and called again once a
+node's data is ready; returning false there stops the graph. Running a model's first ``L`` blocks
+means reading ``l_out-{L-1}`` (llama.cpp's name for a block's output: a convention, not an API)
+and returning false. A decode that ends without the tap seeing its layer is refused
+(:meth:`LayerTap.check_seen`), and a tapped context refuses to read logits. What this relies on
+and where it is checked: docs/mid-layer.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Where a GGUF model runs: GPU layers, CPU threads, context size and llama.cpp's extra buffers.
 
-Machines differ, and the differences must never be silent. A CPU build of llama.cpp accepts
-``n_gpu_layers`` and ignores it, so asking it for GPU layers is refused here instead. On Intel
-CPUs with AMX, llama-cpp-python 0.3.36's AMX weight buffers (an "extra buffer type") crash the
-first decode with a segfault (ggml-org/llama.cpp issue 20824), so ``extra_buffers="auto"`` loads
-without extra buffer types where llama.cpp reports AMX, and says so once. Where it reports AVX-512
-they are off too, for speed: on an AVX-512 AMD EPYC the repacked Q4_K weights took 1.02-1.39x the
-CPU time of plain ones (bench/extra_buffers.py, BENCHMARKS.md). Elsewhere (AVX2-only x86, ARM),
-where llama.cpp's repacking is meant to pay, they stay on; that case was not measured here.
-
-``CASCADE_EXTRA_BUFTS`` or an explicit setting overrides the choice. ``"off"`` always holds.
-``"on"`` holds except where llama.cpp reports AMX: there it is refused with one line before any
-model loads, since the crash would take the whole process down (a server with every request in
-flight). ``"force"`` loads them even there, at the user's own risk. Every answer's usage records
-the choice and its reason.
+Nothing here is silent: GPU layers on a CPU build of llama.cpp are refused, not ignored.
+``extra_buffers`` (or ``CASCADE_EXTRA_BUFTS``): ``"auto"`` loads without extra buffer types where
+llama.cpp reports AMX (they crash the first decode: llama.cpp issue 20824) or AVX-512 (slower
+there), and with them elsewhere; ``"off"`` always holds; ``"on"`` is refused where AMX is
+reported; ``"force"`` loads them anyway, at the user's risk. Every answer's usage records the
+choice and its reason. Details and figures: docs/placement.md.
 """
 
 from __future__ import annotations

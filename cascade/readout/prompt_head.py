@@ -1,17 +1,10 @@
 """The prompt head: a prompt's tokens before the state, decoded once and copied into each request.
 
-Every prompt of a run starts with the same text before the state: the chat template, the system
-text and the evidence heading, and with the options first (``cascade.readout.prompts``) the question
-block too. A scorer keeps those tokens in a sequence of its own across requests and copies them
-into sequence 0 (``llama_memory_seq_cp``, whole sequences only, so hybrid models work) instead
-of prefilling them again; only the rest of the shared tokens are decoded.
-
-The head is found from the request's own prompts (their text before the state, tokenized, as far
-as the shared tokens start with it), and it is always decoded in a batch of its own, then the rest
-in the next: whether it was decoded now or copied from an earlier request, every number is the
-same to the last bit, so an answer never depends on what the scorer read before. Splitting the
-prefill in two batches moves a quantized model's numbers against one whole prefill, within the
-decode paths' measured tolerance (BENCHMARKS.md).
+A scorer keeps the tokens every prompt of a run starts with (chat template, system text, evidence
+heading; with the options first, the question block too) in a sequence of its own and copies them
+into sequence 0 (``llama_memory_seq_cp``) instead of prefilling them again. The head is always
+decoded in a batch of its own, so an answer is the same to the last bit whether the head was
+decoded now or copied. Details and figures: docs/scorer.md.
 """
 
 from __future__ import annotations

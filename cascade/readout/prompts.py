@@ -1,16 +1,11 @@
 """Versioned prompt templates for the logit readout.
 
-A readout prompt puts the state (the evidence) first and the question last, so that every question
-about one state shares the longest possible token prefix (the fan-out prefills it once), and it
-ends exactly where the answer letter goes. Any change to the text here changes answers, so it must
-come with a new ``PROMPT_VERSION``: label stores and bundles refuse to mix versions.
-
-A second layout, options first, puts the question and its options before the state and the
-answer line after it. Every item of a one-question run then starts with the same template and
-block, which the scorer prefills once per run (its prompt head), so each item costs its state and
-the answer line. It moves answers (a model reads the options before the evidence), so it is a
-prompt version of its own (``OPTIONS_FIRST_VERSION``), a teacher identity like the model's sha256:
-a store and a bundle hold one. ``plan_layout`` says which layout prefills fewer tokens.
+A readout prompt puts the state first and the question last, so that every question about a state
+shares the longest token prefix, and it ends exactly where the answer letter goes. Any change to
+the text here changes answers, so it must come with a new ``PROMPT_VERSION``: label stores and
+bundles refuse to mix versions. The options-first layout is a prompt version of its own
+(``OPTIONS_FIRST_VERSION``); ``plan_layout`` says which layout prefills fewer tokens. See
+docs/scorer.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The logit-readout scorer: one forward pass per question, no generated token.
 
-Every question about a state is rendered as a full prompt (state first, question last) and
-tokenised; the tokens all prompts share form the prefix, the rest are per-branch suffixes. So the
-three decode paths run exactly the tokens of one full prompt per question:
-
-- ``fanout``: prefill the prefix once in sequence 0, copy it to N branches with
-  ``llama_memory_seq_cp`` and decode all N suffixes in ONE ``llama_decode``. Works on hybrid models
-  because it never rewinds a sequence: branches are dropped whole.
-- ``serial``: prefill once, snapshot sequence 0, and restore the snapshot before each question.
-- ``fresh``: one full prompt per question from an empty memory (the reference the others match).
-
-Nothing falls back from one path to another: the caller names the path.
-
-The prompt head (the prompt's text before the state) is decoded once and copied into each
-request's sequence 0 by ``cascade.readout.prompt_head``; ``fresh`` never uses it.
+Every question about a state is rendered as a full prompt and tokenised; the tokens all prompts
+share form the prefix, the rest are per-branch suffixes. Three decode paths run exactly those
+tokens: ``fanout`` (prefill once, ``llama_memory_seq_cp`` to N branches, ONE ``llama_decode``;
+works on hybrid models), ``serial`` (snapshot and restore per question) and ``fresh`` (one full
+prompt per question, the reference). Nothing falls back from one path to another: the caller
+names the path. The prompt head is copied in by ``cascade.readout.prompt_head``. See
+docs/scorer.md.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class Run:
     over_budget: set[tuple[int, str]] = field(default_factory=set)  # (item, question)
     unfamiliar: set[int] = field(default_factory=set)  # items the encoder's gate sent up
     too_long: set[tuple[int, int]] = field(default_factory=set)  # (tier, item): state past its context
+    errors: dict[tuple[int, str], str] = field(default_factory=dict)  # (item, question): no answer, why
     usage: list[Usage] = field(init=False)
     spent: float = 0.0
     top_used: int = 0

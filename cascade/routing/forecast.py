@@ -1,18 +1,10 @@
 """What answering will cost, predicted before any tier runs, so a budget can choose what to pay for.
 
-Each tier prices itself (``Tier.pricing``, ``cascade.cost.pricing``): a readout tier charges the
-prompt once per state and each question's block on top, the encoder tier a state's tokens once.
-Figures come from measurements when calibration stored them in the manifest
-(``calibration.costs[tier]``: seconds per state and per token), else from the roofline: the
-tier's FLOPs per token (``Tier.flops_per_token``) at a throughput (FLOP/s) given by the caller,
-stored in the manifest as ``calibration.flops_per_second``, or measured here once with numpy
-(``cost.measure_cpu_flops``). Predictions serve to rank and to budget; what a call really took
-is in its ``usage``.
-
-Every tier a question reaches is charged in full, whatever the tiers below it computed: no tier
-reuses another's work. That holds for the mid-layer tier too (``cascade.readout.layer_scorer``): it runs
-the teacher's own first blocks, and an escalation from it runs the whole teacher from the start,
-so a state it escalates costs its L/N of a teacher pass plus the teacher's.
+Each tier prices itself (``Tier.pricing``, ``cascade.cost.pricing``), from calibration's
+measurements in the manifest (``calibration.costs[tier]``) or else from the roofline at a stored
+or measured FLOP/s. Every tier a question reaches is charged in full: no tier reuses another's
+work (an escalation from the mid-layer tier runs the whole teacher). What a call really took is in
+its ``usage``. See docs/budgets.md.
 """
 
 from __future__ import annotations

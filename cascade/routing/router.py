@@ -1,21 +1,11 @@
 """The router: each question goes up the tiers, cheapest first, until one is confident enough.
 
-At every tier only the questions still open are answered (a GGUF middle tier reads them within
-the batch of all questions that calibration certified: ``Cascade._shape``). A tier's raw
-distribution is scaled by the (question, tier) temperature, and the answer is kept when its raw
-score (the bundle's ``threshold_on``: the top probability's margin over the runner-up, or the top
-probability itself in a schema-1 bundle) clears the (question, tier) threshold (None: never
-kept); the top tier answers what reaches it, whatever its confidence. A question a tier cannot
-answer (no head) starts one tier up; one whose prompt about a state is longer than a GGUF tier's
-context below the top goes past it (``routing.too_long_for``), and at the top raises.
-
-A budget bounds the predicted cost of a call (``ms_per_call``) or the share of its questions the
-top tier may answer (``max_escalation_fraction``). When it cannot pay for every escalation the
-most doubtful answers (furthest below their thresholds) escalate first, each one the budget can
-still pay for; the others keep their best lower-tier answer marked ``routing.budget_limited``: a
-budget never changes an answer silently. A question with no lower answer to keep goes up
-regardless, marked ``routing.over_budget`` where the budget could not pay. What each tier was
-predicted to cost and took, per state, is in ``usage.tiers``.
+A tier's answer is kept when its raw score (the bundle's ``threshold_on``: the margin over the
+runner-up, or the top probability in a schema-1 bundle) clears the (question, tier) threshold;
+the top tier answers whatever reaches it. A budget bounds the predicted cost of a call or the
+share of questions the top tier may answer; when it cannot pay for every escalation the most
+doubtful answers go first and the others keep their lower answer, marked
+``routing.budget_limited``. The rules in full: docs/budgets.md.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cascade.answers import Answer, Audit, DecisionResponse, Routing, TierUsage, Usage
+from cascade.answers import Answer, Audit, DecisionResponse, QuestionError, Routing, TierUsage, Usage
 from cascade.bundle.manifest import MANIFEST_NAME, VECTORS_ALONE_SCHEMA, Bundle, Manifest
 from cascade.encoder.onnx_encoder import Device, quantizes_per_call
 from cascade.errors import CascadeError, RequestError, RouterError
@@ -285,8 +275,11 @@ class Cascade:
         if reply.unfamiliar[row] and not top:  # unlike the training items: its questions go up
             run.unfamiliar.add(i)
             return
-        if reply.too_long[row] is not None:  # longer than this tier's context: they go up too
+        why = reply.too_long[row]
+        if why is not None:  # longer than this tier's context: they go up too
             run.too_long.add((t, i))
+            if top:  # nothing above: a lower answer is kept (uncertified), or the question fails
+                run.errors.update({(i, qid): why for qid in qids if qid not in run.picks[i]})
             return
         for qid in qids:
             if qid not in reply.answers[row]:
@@ -373,14 +366,20 @@ class Cascade:
             for qid in qids:
                 shares[qid] += 1e3 * predicted / len(qids)
         answers: dict[str, Answer] = {}
+        errors: dict[str, QuestionError] = {}
+        top = len(self.tiers) - 1
         for qid in run.asked[i]:
+            if (i, qid) in run.errors:
+                errors[qid] = QuestionError(code="input_too_long", message=run.errors[i, qid])
+                continue
             pick = run.picks[i][qid]
+            unread_above = (top, i) in run.too_long and qid in run.queued[top][i]
             routing = Routing(tier=self.tiers[pick.tier].name, cost_ms=shares[qid],
                               threshold=pick.threshold, raw_confidence=float(pick.raw.max()),
                               raw_score=pick.score, threshold_on=self.manifest.threshold_on,
                               calibrated=pick.calibrated,
                               budget_limited=pick.budget_limited, input_cut=pick.cut,
-                              certified=self.certified and not pick.overloaded,
+                              certified=self.certified and not pick.overloaded and not unread_above,
                               over_budget=(i, qid) in run.over_budget, overloaded=pick.overloaded,
                               demoted=qid in self.demoted and pick.tier == len(self.tiers) - 1,
                               unfamiliar=i in run.unfamiliar,
@@ -391,12 +390,13 @@ class Cascade:
             answers[qid] = answer.model_copy(update={"routing": routing})
         return DecisionResponse(model=self.manifest.name, answers=answers,
                                 usage=run.usage[i].model_copy(update={"tiers": spend}),
-                                audit=self._audit(run, i))
+                                audit=self._audit(run, i, list(answers)), errors=errors or None)
 
-    def _audit(self, run: Run, i: int) -> Audit:
-        """The facts of item ``i``'s answers: per question, its prompt template, allowed answers
-        and the tokens its tier read; the backends and precisions of the tiers that answered."""
-        qids, picks = list(run.asked[i]), run.picks[i]
+    def _audit(self, run: Run, i: int, qids: list[str]) -> Audit:
+        """The facts of item ``i``'s answers to ``qids``: per question, its prompt template,
+        allowed answers and the tokens its tier read; the backends and precisions of the tiers
+        that answered."""
+        picks = run.picks[i]
         answering = [self.tiers[t] for t in sorted({picks[q].tier for q in qids})]
         return Audit(model_hash=self.manifest_sha256, calibration_version=self.calibration_version,
                      prompt_template_sha256=[self._audit_hashes[q][0] for q in qids],
@@ -433,9 +433,9 @@ def _check_items(items: Sequence[Item], asked: Sequence[Sequence[str]],
 def _check_top(manifest: Manifest, build: Build) -> None:
     """Before loading any model: can the top tier answer what reaches it?"""
     top = manifest.tiers[-1]
-    kind_of(top).check_top(top, manifest.name, build)
     if build.teacher is not None and not build.teacher.is_file():
         raise RouterError(f"teacher model {build.teacher} not found; give the path of a .gguf file")
+    kind_of(top).check_top(top, manifest.name, build)
 
 
 def _check_encoder_vectors(bundle: Bundle) -> None:

@@ -170,7 +170,7 @@ class Engine:
         self.top = len(cascade.tiers) - 1
         self._top_seconds = 1.0  # running mean of a top-tier job, for Retry-After
         self._answered = itertools.count()  # what the audit sample is keyed on
-        self.audit_counts = {"audited": 0, "dropped": 0, "failed": 0}
+        self.audit_counts = {"audited": 0, "dropped": 0, "failed": 0, "unreadable": 0}
         self.workers = [
             _Worker(tier.name, self._serving(t), self._batch_of(t), self._audit)
             for t, tier in enumerate(cascade.tiers)
@@ -257,8 +257,8 @@ class Engine:
     def _audit(self, audit: _Audit) -> None:
         assert self.auditor is not None
         try:
-            self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
-            self.audit_counts["audited"] += 1
+            record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
+            self.audit_counts["audited" if record is not None else "unreadable"] += 1
         except Exception:  # an audit never fails a request; it is logged and counted
             log.exception("audit of request %s failed", audit.item.id)
             self.audit_counts["failed"] += 1

@@ -31,8 +31,11 @@ class ServerMetrics:
         self.answers = Counter("cascade_answers", "Answers given, by the tier that gave them and the "
                                "bundle question", ["tier", "question"], registry=self.registry)
         self.uncertified = Counter("cascade_uncertified_answers", "Answers no certificate covers, by "
-                                   "why: other_teacher, overloaded, budget_limited, not_covered",
+                                   "why: other_teacher, overloaded, budget_limited, not_covered, too_long "
+                                   "(kept below: the teacher could not read the state)",
                                    ["reason"], registry=self.registry)
+        self.errors = Counter("cascade_question_errors", "Asked questions left without an answer (x_errors), "
+                              "by code and bundle question", ["code", "question"], registry=self.registry)
         self.share = Gauge("cascade_escalation_share", "Share of all answers the top tier gave, since "
                            "the server started", registry=self.registry)
         self.request_seconds = Histogram("cascade_request_seconds", "Seconds from a request's body "
@@ -42,7 +45,8 @@ class ServerMetrics:
         self.queue = Gauge("cascade_queue_depth", "Requests waiting for a tier's worker", ["tier"],
                            registry=self.registry)
         self.audits = Gauge("cascade_audits", "Audits since the server started, by outcome: audited, "
-                            "dropped (the audit queue was full), failed", ["outcome"], registry=self.registry)
+                            "dropped (the audit queue was full), failed, unreadable (the state does not "
+                            "fit the teacher's context)", ["outcome"], registry=self.registry)
         self.audited = Gauge("cascade_audited_items", "Audited items counted by a question's drift alarm",
                              ["question"], registry=self.registry)
         self.lower = Gauge("cascade_agreement_lower_bound", "Anytime lower bound on a question's "
@@ -60,12 +64,15 @@ class ServerMetrics:
             if routing is None:
                 continue
             self.answers.labels(routing.tier, bundle_ids.get(qid, "(not in bundle)")).inc()
-            reason = _uncertified(routing.covered, routing.overloaded, routing.budget_limited,
-                                  routing.certified)
+            reason = ("too_long" if self.top_tier in routing.too_long_for else
+                      _uncertified(routing.covered, routing.overloaded, routing.budget_limited,
+                                   routing.certified))
             if reason:
                 self.uncertified.labels(reason).inc()
             self._given += 1
             self._escalated += routing.tier == self.top_tier
+        for qid, error in (response.errors or {}).items():
+            self.errors.labels(error.code, bundle_ids.get(qid, "(not in bundle)")).inc()
         self.share.set(self._escalated / self._given if self._given else 0.0)
         for tier, usage in response.usage.tiers.items():
             self.tier_seconds.labels(tier).observe(usage.seconds)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cascade.answers import Answer, Audit, DecisionResponse, Routing, Usage
+from cascade.answers import Answer, Audit, DecisionResponse, QuestionError, Routing, Usage
 from cascade.questions import Question
 from cascade.readout.prompts import letters_sha256, template_sha256
 from cascade.routing.router import Cascade
@@ -27,15 +27,21 @@ class Foreign:
     answers: dict[str, Answer]
     tokens: dict[str, int]
     usage: Usage
+    errors: dict[str, QuestionError]
 
 
 def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Question]) -> Foreign:
-    """Ask the top tier alone; its raw distribution is the answer (nothing calibrated it)."""
+    """Ask the top tier alone; its raw distribution is the answer (nothing calibrated it). A
+    state it cannot read leaves each of these questions an error of its own."""
     top = cascade.tiers[-1]
     qids = list(questions)
     reply = top.reply([item], [qids], questions)
     answers: dict[str, Answer] = {}
     tokens: dict[str, int] = {}
+    why = reply.too_long[0]
+    if why is not None:
+        errors = {qid: QuestionError(code="input_too_long", message=why) for qid in qids}
+        return Foreign(answers, tokens, reply.usage[0], errors)
     for qid in qids:
         raw = reply.answers[0][qid]
         readout = reply.readouts[0].get(qid)
@@ -47,27 +53,34 @@ def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Questio
         answers[qid] = answer.model_copy(update={"routing": routing})
         tokens[qid] = readout.tokens if readout is not None else 0
     usage = reply.usage[0].model_copy(update={"ran_on": {top.name: top.ran_on}})
-    return Foreign(answers, tokens, usage)
+    return Foreign(answers, tokens, usage, {})
 
 
 def assemble(cascade: Cascade, order: Sequence[str], matched: Matched,
              routed: DecisionResponse | None, foreign: Foreign | None) -> DecisionResponse:
     """The response to a request whose question ids are ``order``."""
     answers: dict[str, Answer] = {}
+    errors: dict[str, QuestionError] = {}
     templates, letters, tokens = [], [], []
     backends, precisions = [], []
-    asked = matched.asked
+    rows = list(routed.answers) if routed is not None else []  # the routed audit's rows
     for qid in order:
         if qid in matched.bundle:
             assert routed is not None
             known = matched.bundle[qid]
+            if known in (routed.errors or {}):
+                errors[qid] = (routed.errors or {})[known]
+                continue
             answers[qid] = routed.answers[known]
-            row = asked.index(known)
+            row = rows.index(known)
             templates.append(routed.audit.prompt_template_sha256[row])
             letters.append(routed.audit.allowed_token_set_hash[row])
             tokens.append(routed.audit.input_tokens[row])
         else:
             assert foreign is not None
+            if qid in foreign.errors:
+                errors[qid] = foreign.errors[qid]
+                continue
             question = matched.foreign[qid]
             answers[qid] = foreign.answers[qid]
             templates.append(template_sha256(question))
@@ -83,7 +96,7 @@ def assemble(cascade: Cascade, order: Sequence[str], matched: Matched,
                   prompt_template_sha256=templates, allowed_token_set_hash=letters, input_tokens=tokens,
                   backend="+".join(dict.fromkeys(backends)), precision="+".join(dict.fromkeys(precisions)))
     return DecisionResponse(model=cascade.manifest.name, answers=answers,
-                            usage=_usage(len(order), routed, foreign), audit=audit)
+                            usage=_usage(len(order), routed, foreign), audit=audit, errors=errors or None)
 
 
 def _usage(questions: int, routed: DecisionResponse | None, foreign: Foreign | None) -> Usage:

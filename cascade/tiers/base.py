@@ -1,17 +1,11 @@
 """The parts every tier kind shares: the runtime interface, the manifest spec, the kind's builder.
 
 A *tier kind* is what a manifest's ``"kind"`` names ("encoder", "gguf", "mid-layer", "external").
-Each kind lives in one module of this room, holding its three parts:
-- ``<Name>Spec``: what the manifest declares (its fields, the model files it pins, the files it
-  reads from the bundle folder, where in the cascade it may stand);
-- ``<Name>Tier``: how it answers at run time (items and questions in, RAW distributions out, in
-  each question's ``option_keys()`` order) and what it costs;
-- ``<Name>Kind``: how a spec becomes a runtime tier for a bundle, registered in ``KINDS``
-  (``cascade.tiers.kinds``).
-
-The router, the cost model, calibration and the report ask these, the way RouteLLM's controller
-looks its routers up in a dict: adding a kind is one module and one registration. Temperatures
-and thresholds belong to the router, which owns the calibration.
+Each kind lives in one module of this room: its ``<Name>Spec`` (what the manifest declares and
+pins), ``<Name>Tier`` (items and questions in, RAW distributions out, and what it costs) and
+``<Name>Kind`` (how a spec becomes a runtime tier, registered in ``KINDS`` by
+``cascade.tiers.kinds``). Adding a kind is one module and its registration. See
+docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cascade.cost.pricing import TierCost, TierPricing, gguf_flops_per_token
 from cascade.errors import InputTooLongError, RouterError
+from cascade.hashing import file_sha256
 from cascade.pins import ModelFile
 from cascade.questions import DecisionRequest, Question
 from cascade.readout.placement import Placement
@@ -35,10 +36,21 @@ class GgufSpec(TierSpec):
     permutations: int = Field(default=1, ge=1)
     template: Literal["auto", "chat", "plain"] = "auto"
     placement: Placement = Placement()  # where it runs by default; Cascade.load may override it
+    excerpt: str | None = None  # the input policy's cut of an over-long state (head_tail:N)
+
+    @field_validator("excerpt")
+    @classmethod
+    def _excerpt(cls, value: str | None) -> str | None:
+        if value is not None:
+            HeadTailExcerpt.parse(value)
+        return value
 
     def default_placement(self) -> Placement:
         """The bundle's placement for this tier, with its certified context size."""
         return self.placement.over(Placement(n_ctx=self.n_ctx))
+
+    def read_excerpt(self) -> HeadTailExcerpt | None:
+        return HeadTailExcerpt.parse(self.excerpt) if self.excerpt else None
 
     def model_files(self) -> Iterator[tuple[str, ModelFile]]:
         yield f"tier {self.name!r} GGUF model", self.model
@@ -47,19 +59,18 @@ class GgufSpec(TierSpec):
 class LlamaTier(Tier):
     """A tier on a llama.cpp scorer: where it runs, its precision and its tokens are the scorer's.
 
-    ``passes_long``: a state whose prompt its context cannot hold is left unanswered, the reason
-    in ``Reply.too_long``, for the router to send up (a tier below the top: the teacher may hold
-    it); False (the top tier, and the default) raises ``InputTooLongError``, as nothing above
-    could answer.
+    A state whose prompt its context cannot hold (and no excerpt policy cuts) is left unanswered,
+    the reason in ``Reply.too_long``: below the top the router sends its questions up; at the top
+    they keep a lower answer, marked uncertified, or get a per-question error. It never fails the
+    other items of a batch.
     """
 
     scorer: Scorer
-    passes_long: bool = False
 
     def _read_each(self, items: Sequence[Item], asked: Asked,
                    read: Callable[[Reply, int, Item, Sequence[str]], None]) -> Reply:
         """``read(reply, i, item, qids)`` for every item asked something; an over-long state
-        recorded (``passes_long``) or raised."""
+        recorded in ``too_long``."""
         out = Reply.empty(len(items))
         for i, (item, qids) in enumerate(zip(items, asked, strict=True)):
             if not qids:
@@ -67,8 +78,6 @@ class LlamaTier(Tier):
             try:
                 read(out, i, item, qids)
             except InputTooLongError as exc:
-                if not self.passes_long:
-                    raise
                 out.too_long[i] = f"{self.name}: {exc}"
         return out
 
@@ -106,15 +115,13 @@ class GgufTier(LlamaTier):
         permutations: int = 1,
         excerpt: HeadTailExcerpt | None = None,
         owned: bool = True,
-        passes_long: bool = False,
     ) -> None:
-        """``passes_long``: True below the top tier (``LlamaTier``)."""
+        """``excerpt``: how a state longer than the context is read (the bundle's input policy)."""
         self.name = name
         self.scorer = scorer
         self.permutations = permutations
         self.excerpt = excerpt
         self.owned = owned
-        self.passes_long = passes_long
 
     def answer(self, items: Sequence[Item], asked: Asked, questions: Mapping[str, Question]) -> Answers:
         return self.reply(items, asked, questions).answers
@@ -151,9 +158,15 @@ class GgufKind(TierKind[GgufSpec]):
     spec = GgufSpec
 
     def check_top(self, spec: GgufSpec, bundle_name: str, build: Build) -> None:
-        if build.teacher is not None:
-            raise RouterError(f"bundle {bundle_name!r} already runs its pinned GGUF {spec.model.path} "
-                              f"as the top tier {spec.name!r}; drop --teacher / teacher=")
+        """A teacher given for a pinned top tier must be the pinned model (the same bytes)."""
+        if build.teacher is None:
+            return
+        given = file_sha256(build.teacher)
+        if given != spec.model.sha256:
+            raise RouterError(f"bundle {bundle_name!r} runs its pinned GGUF {spec.model.path} (sha256 "
+                              f"{spec.model.sha256[:12]}...) as the top tier {spec.name!r}; the teacher "
+                              f"given, {build.teacher} (sha256 {given[:12]}...), is another model: drop "
+                              "--teacher / teacher=, or give the pinned file")
 
     def build(self, spec: GgufSpec, bundle: BundleParts, build: Build, top: bool) -> Tier:
         """A readout on the pinned file, or the recorded labels in its place at the top.
@@ -171,7 +184,7 @@ class GgufKind(TierKind[GgufSpec]):
         if given is None:
             place = build.placement(spec.name, spec.default_placement())
             scorer = Scorer.placed(spec.model.path, place, branches, spec.template, layout)
-            return GgufTier(spec.name, scorer, spec.permutations, passes_long=not top)
+            return GgufTier(spec.name, scorer, spec.permutations, spec.read_excerpt())
         if given.layout != layout:
             raise RouterError(f"scorers[{spec.name!r}] reads its prompts {given.layout}, and tier "
                               f"{spec.name!r} was certified on prompts read {layout}; open it with "
@@ -186,7 +199,7 @@ class GgufKind(TierKind[GgufSpec]):
                               f"branches at once, and the router {branches} of the {needed} a state "
                               "needs: the batches would differ, and so would the numbers; open it "
                               f"with max_branches={branches}")
-        return GgufTier(spec.name, given, spec.permutations, owned=False, passes_long=not top)
+        return GgufTier(spec.name, given, spec.permutations, spec.read_excerpt(), owned=False)
 
     def weights(self, spec: GgufSpec) -> tuple[float, str]:
         from cascade.cost.roofline import ModelShape

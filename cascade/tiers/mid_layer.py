@@ -90,7 +90,6 @@ class MidLayerTier(LlamaTier):
 
     batch_sensitive = True
     meters_tokens = True
-    passes_long = True  # never the top tier
 
     scorer: LayerScorer
 

@@ -11,19 +11,18 @@ says which, in words).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from cascade.bundle.manifest import Manifest, SplitInfo
 from cascade.bundle.sections import AuditSpan
-from cascade.corpus import BadLine, OnError, read_corpus
 from cascade.questions import Question
 from cascade.tiers.base import Item
 from distill.calibration.maths import CalibrationError
+from distill.options import CorpusInput
 from distill.split import part_of
 from distill.store import LabelStore
 
@@ -62,18 +61,18 @@ def calibration_labels(
 
 
 def calibration_items(
-    corpus: Path, text_field: str, labels: Labels, split: SplitInfo,
-    on_error: OnError, on_bad: Callable[[BadLine], None] | None,
+    corpus: CorpusInput, trained_field: str | None, labels: Labels, split: SplitInfo
 ) -> tuple[list[Item], int]:
     """The labelled calibration items' states, in corpus order (every one must be found), and
-    how many corpus items fall in the calibration part with no teacher label at all.
+    how many corpus items fall in the calibration part with no teacher label at all;
+    ``trained_field``: the text field the bundle was trained on (read unless the corpus names one).
 
     The split places an id by its hash alone, so an item the teacher skipped (too long for its
     context, or failed) has a part too: counting those says what calibration never saw.
     """
     wanted = set().union(*(set(rows) for rows in labels.values()))
     items, unlabelled = [], 0
-    for row in read_corpus(corpus, text_field, on_error, on_bad):
+    for row in corpus.read(trained_field):
         if row.id in wanted:
             items.append(Item(row.id, row.state))
         elif part_of(row.id, split.fractions, split.salt) == "calibration":
@@ -81,7 +80,7 @@ def calibration_items(
     missing = wanted - {item.id for item in items}
     if missing:
         raise CalibrationError(f"{len(missing)} of the {len(wanted)} calibration items are not in "
-                               f"corpus {corpus} (for example {min(missing)!r}); give the corpus "
+                               f"corpus {corpus.path} (for example {min(missing)!r}); give the corpus "
                                "the bundle was trained on")
     return items, unlabelled
 

@@ -1,17 +1,9 @@
 """The maths of calibration: temperature scaling, and thresholds with a finite-sample guarantee.
 
-A tier answers a question when its confidence (a score of its raw probabilities: the router's
-``cascade.thresholds.threshold_score``) clears that question's threshold; otherwise the
-question escalates, and the last tier, the teacher, always answers. Only answers a tier *keeps*
-can disagree with the teacher, so for a threshold ``t`` the cascade's disagreement on an item is
-the loss ``1{confidence >= t and the tier is wrong}``, and the cascade agreement is one minus
-its mean. Choosing ``t`` where the empirical agreement on calibration data just meets the target
-would miss the target about half the time on new data; the thresholds here are certified
-instead, so that the agreement on new data from the same distribution is at least the target
-with probability at least ``1 - delta``.
-
-Everything here is pure numpy/scipy on arrays: ``probs`` are (n, k) probability rows, ``teacher``
-is the teacher's argmax label per row (or its (n, k) probability rows where soft labels help).
+A threshold here is certified, not fitted: on new items from the calibration items' distribution,
+the cascade's agreement with the teacher is at least the target with probability at least
+``1 - delta``. Pure numpy/scipy on arrays: ``probs`` are (n, k) probability rows, ``teacher`` the
+teacher's argmax per row (or its (n, k) rows where soft labels help). See docs/guarantee.md.
 """
 
 from __future__ import annotations

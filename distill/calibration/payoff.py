@@ -1,20 +1,9 @@
 """Whether each cheap tier above the first pays its way: its cost against the top tier's work it saves.
 
-A middle tier (a small GGUF between the encoder and the teacher) reads every state that reaches
-it and saves the teacher only what it keeps. On the calibration items (the threshold part, as
-the replay), with the new thresholds: a state reaches tier M when a tier below it escalates one
-of its labelled questions; M then costs its measured seconds per state, and saves the top tier
-the questions it keeps: the question blocks of those, and the whole state (its prompt prefill)
-when it keeps every question that reached it. The top tier is priced as the router prices it
-(measured seconds where calibration timed it, else its weights on the roofline), with tokens
-estimated from the characters (``cascade.tiers.LabelsTier``), so that the figures compare with
-what ``cascade evaluate`` and the demo predict. Savings count the top tier only: a state M
-escalates is answered afresh up there, so its work on that state is lost.
-
-A tier that costs more than it saves is taken out of the cascade (unless the caller keeps it):
-its thresholds become empty and the router does not load it. Taking a tier out only sends more
-answers to the teacher, so the certificate still holds; the other tiers keep the thresholds
-certified at their share of the error budget, which the dropped tier's share no longer spends.
+On the calibration items, with the new thresholds, a middle tier (a small GGUF between the encoder
+and the teacher) costs its measured seconds on every state that reaches it and saves the teacher
+the questions it keeps. One that costs more is taken out of the cascade unless the caller keeps
+it; that only sends more to the teacher, so the certificate still holds. See docs/distilling.md.
 """
 
 from __future__ import annotations

@@ -1,72 +1,26 @@
 """The calibration run: temperatures, acceptance thresholds and tier costs from held-out items.
 
-By default only the bundle's "calibration" part is used: the heads never saw it, so what the
-tiers do on it is what they will do on new items. With ``source="audit"`` the store's audited
-live items certify instead (the heads never saw those either: a seeded uniform sample of the
-traffic, answered by the teacher on every question), and the certificate is then about new items
-from that traffic; ``"both"`` pools them, which certifies the pooled mixture and is the one to
-choose only where the two come from one distribution (``inputs``).
-
-Thresholds are on each tier's RAW probabilities reduced to one score, the top probability's lead
-over the runner-up (``cascade.thresholds``): a score fixed before any calibration item was
-drawn, so every calibration item certifies them: the finite-sample certificate assumes exactly
-that, and a score fitted on the same items would spend part of it. The temperature only rescales
-the probabilities answers report (and orders escalations under a budget); it never moves which
-answers are kept. It is fitted on a part of the calibration items picked by a hash of their id
-(30%), and its reliability diagrams are drawn on the rest.
-
-With several cheap tiers (the encoder tier and GGUF middle tiers), the error budget
-``1 - target`` and ``delta`` are split evenly across them: each tier is certified to disagree
-with the teacher on at most ``(1 - target) / m`` of all items at level ``delta / m``. A tier in
-the cascade sees only what earlier tiers escalated, so its disagreement there is at most its
-disagreement on all items; and by the union bound all m certificates hold together with
-probability at least ``1 - delta``, so the cascade agrees with the teacher on at least
-``target`` of new items with that probability.
-
-That statement is per question: each question spends its own ``delta``, so with Q questions
-all Q statements hold together only with probability at least ``1 - Q x delta``. With
-``family_wise=True`` delta is split over the Q questions too (Bonferroni: each (question, tier)
-certificate at level ``delta / (m x Q)``), and then all Q hold at once with probability at
-least ``1 - delta``, at a cost in coverage that the report shows.
-
-In budget mode each cheap tier escalates the given share F of the calibration items that
-reach it (its threshold is set on those, after the tiers below it have kept theirs), so the
-teacher answers about ``F ** m`` of them; the agreement that follows is reported.
-
-A GGUF middle tier is scored on every question of the bundle at once per state, through a
-scorer that decodes as many branches together as the router's: the router asks it exactly
-that batch (``cascade.routing.router.Cascade._shape``), so the numbers certified are the ones routing
-reads, not those of another batch shape.
-
-A teacher that can run here (a GGUF top tier) is timed on a few calibration items the same way,
-so that the router's cost model and the report price it from seconds measured on this machine
-rather than from its weights on the roofline; a teacher known only by its labels cannot be, and
-the result says why (``teacher_cost_note``).
-
-A middle tier must also pay its way: what it costs on the calibration states that reach it
-against the top tier's work it saves there (``payoff``). One that costs more is taken out of the
-cascade unless the caller keeps it, which only sends more to the teacher.
-
-This module ties the steps together; each lives in its own module of this package: ``inputs``
-(labels and items), ``scoring`` (running and timing a tier), ``fits`` (per question and tier,
-and the replay), ``payoff`` (whether a middle tier pays), ``manifest`` (what is written back),
-``maths`` (the statistics) and ``results`` (what the run returns).
+``calibrate_bundle`` certifies each cheap tier's threshold (on its raw margin, fixed before any
+calibration item is drawn) so that the cascade agrees with the teacher on at least ``target`` of
+new items with probability ``1 - delta`` (per question, or for all at once with
+``family_wise``), on the bundle's calibration part, the store's audits, or both; it times the
+tiers, takes out a middle tier that does not pay, and writes the result into the bundle. The
+steps live in this package's other modules (``inputs``, ``scoring``, ``fits``, ``payoff``,
+``manifest``, ``maths``, ``results``). See docs/guarantee.md for the statistics and
+docs/distilling.md for the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 
 from cascade.bundle.manifest import Bundle
 from cascade.checks import is_finite
-from cascade.corpus import BadLine, OnError
 from cascade.cost.pricing import TierCost as PriceCost
 from cascade.cost.pricing import TierPricing
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import RouterError
-from cascade.readout.placement import Placements
 from cascade.readout.scorer import Scorer
 from cascade.tiers.base import Build, Item, Tier
 from cascade.tiers.kinds import build_tiers, close_tiers, kind_of
@@ -86,6 +40,7 @@ from distill.calibration.maths import CalibrationError
 from distill.calibration.payoff import tier_payoffs
 from distill.calibration.results import CalibrationResult, TierCost
 from distill.calibration.scoring import score_tier
+from distill.options import CorpusInput, RunOptions, option
 from distill.store import LabelStore
 
 TEACHER_ITEMS = 16
@@ -96,21 +51,16 @@ adds about a minute."""
 
 def calibrate_bundle(
     bundle: Bundle,
-    corpus_path: Path | None,
+    corpus: CorpusInput | None,
     store: LabelStore,
     target: float = 0.98,
     delta: float = 0.05,
     escalation_fraction: float | None = None,
-    text_field: str = "text",
-    progress: bool = True,
     *,
+    run: RunOptions | None = None,
     encoder: Encoder | None = None,
     scorers: Mapping[str, Scorer] | None = None,
-    flops_per_second: float | None = None,
-    placement: Placements = None,
     family_wise: bool = False,
-    on_error: OnError = "stop",
-    on_bad: Callable[[BadLine], None] | None = None,
     teacher_items: int = TEACHER_ITEMS,
     keep_costly_tiers: bool = False,
     source: Source = "calibration",
@@ -121,28 +71,29 @@ def calibrate_bundle(
     Thresholds are certified for ``target`` agreement with the teacher at level ``delta``; with
     ``escalation_fraction`` (budget mode) each cheap tier instead escalates that share of what
     it sees and the agreement that follows is reported. A target that cannot be certified
-    leaves the threshold None and the result's message says what is reachable. ``encoder`` and
-    ``scorers`` (tier name -> open Scorer) reuse loaded models; they must be the pinned files.
-    ``placement`` says where the GGUF tiers it opens run (cascade.readout.placement).
-    ``flops_per_second`` is this machine's throughput for roofline costs of tiers without a
-    measurement (an external teacher); measured with numpy when not given. ``family_wise``
-    splits ``delta`` over the questions too, so that every question meets the target at once
-    with probability ``1 - delta`` (by default each does on its own); not with a budget mode,
-    which certifies nothing. A bad corpus line stops the run, or with ``on_error="skip"`` goes
-    to ``on_bad``, as ``read_corpus`` does (a calibration item on it is then reported missing).
-    ``teacher_items`` calibration items time a GGUF teacher (0: price it on the roofline).
-    A middle tier that costs more than it saves the top tier is taken out of the cascade
-    (``distill.calibration.payoff``), unless ``keep_costly_tiers``. ``source`` picks the items that
-    certify: the calibration part (of ``corpus_path``), the store's audits (those audited at or
-    after ``audits_since``, a Unix time, where given; no corpus needed) or both.
+    leaves the threshold None and the result's message says what is reachable. ``corpus`` is the
+    corpus the bundle was trained on (its text field by default); a calibration item on a line it
+    skips is reported missing. ``run``: progress bars, where the GGUF tiers it opens run, the
+    encoder's device and embedding cache, and this machine's throughput for roofline costs of
+    tiers without a measurement (an external teacher; measured with numpy when not given).
+    ``encoder`` and ``scorers`` (tier name -> open Scorer) reuse loaded models; they must be the
+    pinned files. ``family_wise`` splits ``delta`` over the questions too, so that every question
+    meets the target at once with probability ``1 - delta`` (by default each does on its own);
+    not with a budget mode, which certifies nothing. ``teacher_items`` calibration items time a
+    GGUF teacher (0: price it on the roofline). A middle tier that costs more than it saves the
+    top tier is taken out of the cascade (``distill.calibration.payoff``), unless
+    ``keep_costly_tiers``. ``source`` picks the items that certify: the calibration part (of
+    ``corpus``), the store's audits (those audited at or after ``audits_since``, a Unix time,
+    where given; no corpus needed) or both.
     """
+    run = option("calibrate_bundle", "run", run, RunOptions, RunOptions())
+    if corpus is not None:
+        corpus = option("calibrate_bundle", "corpus", corpus, CorpusInput)
     _check_arguments(target, delta, escalation_fraction, family_wise)
     if source not in SOURCES:
         raise CalibrationError(f"source must be one of {', '.join(SOURCES)}; got {source!r}")
     if not isinstance(teacher_items, int) or isinstance(teacher_items, bool) or teacher_items < 0:
         raise CalibrationError(f"teacher_items must be a whole number >= 0; got {teacher_items!r}")
-    if flops_per_second is not None and not (is_finite(flops_per_second) and flops_per_second > 0):
-        raise CalibrationError(f"flops_per_second must be a number > 0; got {flops_per_second!r}")
     manifest = bundle.manifest
     check_teacher(manifest, store)
     bundle.verify()
@@ -151,13 +102,12 @@ def calibrate_bundle(
     items: list[Item] = []
     unlabelled, audits = 0, None
     if source != "audit":
-        if corpus_path is None:
+        if corpus is None:
             raise CalibrationError(f"calibrating on {source!r} reads the calibration part's states from "
                                    "the corpus the bundle was trained on: give it (--corpus), or "
                                    "calibrate on the audits alone (--calibrate-on audit)")
         labels = calibration_labels(store, questions, bundle.split_ids()["calibration"], manifest.name)
-        items, unlabelled = calibration_items(Path(corpus_path), text_field, labels, manifest.split,
-                                              on_error, on_bad)
+        items, unlabelled = calibration_items(corpus, manifest.training.text_field, labels, manifest.split)
     if source != "calibration":
         audited, audit_items, audits = audit_inputs(store, questions, audits_since)
         labels, items = merged(labels, audited), items + audit_items
@@ -168,18 +118,19 @@ def calibrate_bundle(
     family = sum(1 for rows in labels.values() if rows)
     tier_target = 1 - (1 - target) / len(cheap)
     tier_delta = delta / len(cheap) / (family if family_wise else 1)
-    build = Build(placements=placement, encoder=encoder, scorers=scorers or {})
+    build = Build(device=run.device, cache_dir=run.cache_dir, placements=run.placement, encoder=encoder,
+                  scorers=scorers or {})
     tiers = _open(bundle, build)
     try:
-        scored = [score_tier(tier, spec.kind, items, labels, questions, progress)
+        scored = [score_tier(tier, spec.kind, items, labels, questions, run.progress)
                   for tier, spec in zip(tiers, cheap, strict=True)]
     finally:
         close_tiers(tiers)
-    teacher_cost, teacher_note = _time_teacher(bundle, build, items[:teacher_items], labels, progress)
+    teacher_cost, teacher_note = _time_teacher(bundle, build, items[:teacher_items], labels, run.progress)
     names, teacher = [spec.name for spec in cheap], manifest.tiers[-1].name
     fits, skipped = fit_all(names, [probs for probs, _ in scored], labels, list(questions),
                             tier_target, tier_delta, escalation_fraction)
-    flops = flops_per_second if flops_per_second is not None else measure_cpu_flops()
+    flops = run.flops_per_second if run.flops_per_second is not None else measure_cpu_flops()
     costs = {cost.tier: cost for _, cost in scored}
     payoffs = tier_payoffs(names, fits, items, costs, _top_pricing(bundle, teacher_cost, flops),
                            questions, keep_costly_tiers)

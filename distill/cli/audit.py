@@ -9,10 +9,12 @@ DESCRIPTION = """\
 Read the audits `cascade serve` and `cascade decide --audit-store` kept in a label store (a seeded
 share of routed items, each answered by the teacher on every bundle question) and replay, per
 question, the anytime-valid drift alarm on the bundle's certified target: audited items, their
-agreement with the teacher, the anytime lower bound (valid however often it is read, at the
-calibration's delta), the target, and whether the alarm rose. Only audits made under the bundle's
-current calibration count. Writes the agreement and its lower bound over the audited items as a
-PNG."""
+agreement with the teacher, the anytime bounds on it (valid however often they are read, at the
+calibration's delta), the target, and the alarm. The alarm is a bet against "agreement >= target":
+it rises when that bet's wealth reaches 1/delta, not when the lower bound dips below the target
+(on a quiet stream the bound may sit under the target for long without evidence of drift). Only
+audits made under the bundle's current calibration count, each audited state once. Writes the
+agreement and its lower bound over the audited items as a PNG."""
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
@@ -26,12 +28,16 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     assert target is not None  # audit_report refuses an uncalibrated bundle
     print(f"bundle {manifest.name!r}, calibration {version}, target {target}, delta "
           f"{manifest.calibration.delta}")
-    print(f"{'question':<18} {'audited':>8} {'agreement':>10} {'lower bound':>12} {'target':>7}  alarm")
+    print(f"{'question':<18} {'audited':>8} {'agreement':>10} {'bounds':>15} {'target':>7} "
+          f"{'wealth':>9}  alarm (rises when the wealth reaches 1/delta)")
     for row in rows:
         m = row.monitor
         agreement = f"{m.agreement:.3f}" if m.agreement is not None else "-"
-        alarm = f"raised at audited item {m.alarm_at}" if m.alarm else "quiet"
-        print(f"{row.question:<18} {m.items:>8} {agreement:>10} {m.lower:>12.3f} {target:>7}  {alarm}")
+        alarm = (f"raised at audited item {m.alarm_at}: wealth reached {m.threshold:.3g}" if m.alarm
+                 else f"quiet (wealth {m.wealth:.3g} < {m.threshold:.3g})")
+        bounds = f"[{m.lower:.3f}, {m.upper:.3f}]"
+        print(f"{row.question:<18} {m.items:>8} {agreement:>10} {bounds:>15} {target:>7} {m.wealth:>9.3g}  "
+              f"{alarm}")
     if any(row.monitor.alarm for row in rows):
         print(f"to certify on what the audit saw: cascade calibrate --bundle {args.bundle} --store "
               f"{args.store} --calibrate-on audit --report REPORT_DIR (add --audits-since TIME to keep "

@@ -7,10 +7,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distill.cli.common import (
+    add_bundle_argument,
+    add_corpus_argument,
     add_on_error_argument,
     add_placement_arguments,
-    placement_of,
-    report_skipped,
+    add_store_argument,
+    add_text_field_argument,
+    optional_corpus_input,
+    run_options,
     whole_number,
 )
 
@@ -60,21 +64,22 @@ example:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from cascade.bundle.manifest import Bundle
     from distill.calibration.run import calibrate_bundle
-    from distill.report import write_report
+    from distill.report import figures_note, write_report
     from distill.store import LabelStore
 
     bundle = Bundle.load(args.bundle)
     with LabelStore.open_existing(args.store) as store:
         result = calibrate_bundle(
-            bundle, args.corpus, store, source=args.calibrate_on, audits_since=args.audits_since,
-            target=args.target_agreement, delta=args.delta,
-            escalation_fraction=args.escalation_fraction, text_field=args.text_field,
-            placement=placement_of(args), family_wise=args.family_wise, on_error=args.on_error,
-            on_bad=report_skipped, teacher_items=args.teacher_items,
-            keep_costly_tiers=args.keep_costly_tiers,
+            bundle, optional_corpus_input(args), store, target=args.target_agreement, delta=args.delta,
+            escalation_fraction=args.escalation_fraction, run=run_options(args),
+            family_wise=args.family_wise, teacher_items=args.teacher_items,
+            keep_costly_tiers=args.keep_costly_tiers, source=args.calibrate_on,
+            audits_since=args.audits_since,
         )
     path = write_report(result, Bundle.load(args.bundle), args.report)
     _print_table(result)
+    if note := figures_note():
+        print(note)
     print(f"report: {path.resolve()}")
     return 0
 
@@ -131,13 +136,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--bundle", type=Path, required=True, metavar="DIR",
-                   help="bundle folder (from `cascade train`); its manifest is rewritten")
-    p.add_argument("--corpus", type=Path, metavar="C.jsonl",
-                   help="the JSONL corpus the bundle was trained on (needed unless --calibrate-on "
-                   "audit)")
-    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
-                   help="the label store the bundle was trained from (teacher labels)")
+    add_bundle_argument(p, "bundle folder (from `cascade train`); its manifest is rewritten")
+    add_corpus_argument(p, "the JSONL corpus the bundle was trained on (needed unless --calibrate-on "
+                        "audit)", required=False)
+    add_store_argument(p, "the label store the bundle was trained from (teacher labels)")
     p.add_argument("--target-agreement", type=float, default=0.98, metavar="P",
                    help="share of answers that must agree with the teacher, in (0, 1) (default 0.98)")
     p.add_argument("--delta", type=float, default=0.05, metavar="D",
@@ -150,8 +152,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: each question holds on its own at 1 - delta)")
     p.add_argument("--report", type=Path, required=True, metavar="DIR",
                    help="folder for report.html and report.json (created)")
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="corpus field holding each state (default: text)")
+    add_text_field_argument(p, bundle=True)
     p.add_argument("--teacher-items", type=whole_number(0), default=TEACHER_ITEMS, metavar="N",
                    help="calibration items to time the teacher on, where the bundle pins its GGUF, so "
                    "that budgets and the report price it as measured here (default "

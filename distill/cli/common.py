@@ -1,4 +1,10 @@
-"""Helpers every subcommand shares."""
+"""Helpers every subcommand shares: arguments spelled once, and the option objects built from them.
+
+Each ``add_*`` adds flags that several commands take, with one spelling and one help text (a
+command may word the help for its case); each builder (``corpus_input``, ``run_options``,
+``budget_of``, ``placement_of``) turns the parsed flags into what the library takes. Library
+modules are imported inside the builders, so that ``cascade --help`` imports none.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,10 @@ from cascade.readout.placement import EXTRA_BUFFER_SETTINGS, Placement
 
 if TYPE_CHECKING:
     from cascade.questions import DecisionRequest
+    from cascade.routing.budget import Budget
+    from distill.options import CorpusInput, RunOptions
+
+CORPUS_HELP = 'JSONL corpus, one {"id": ..., "text": ...} object per line'
 
 
 def read_request(path: Path) -> DecisionRequest:
@@ -26,6 +36,72 @@ def read_request(path: Path) -> DecisionRequest:
         return parse_request(path.read_bytes())
     except RequestError as exc:
         raise RequestError("\n".join(f"{path}: {line}" for line in str(exc).splitlines())) from None
+
+
+def add_bundle_argument(p: argparse.ArgumentParser, help: str = "model bundle folder") -> None:
+    p.add_argument("--bundle", type=Path, required=True, metavar="DIR", help=help)
+
+
+def add_store_argument(p: argparse.ArgumentParser, help: str, required: bool = True) -> None:
+    p.add_argument("--store", type=Path, required=required, metavar="S.sqlite", help=help)
+
+
+def add_questions_argument(p: argparse.ArgumentParser, required: bool = True,
+                           help: str = 'questions file: {"questions": {id: {type, instructions, criteria}}}'
+                           ) -> None:
+    p.add_argument("--questions", type=Path, required=required, metavar="Q.json", help=help)
+
+
+def add_corpus_argument(p: argparse.ArgumentParser, help: str = CORPUS_HELP, required: bool = True) -> None:
+    p.add_argument("--corpus", type=Path, required=required, metavar="C.jsonl", help=help)
+
+
+def add_text_field_argument(p: argparse.ArgumentParser, bundle: bool = False) -> None:
+    """``--text-field``; ``bundle``: it defaults to the field the bundle was trained on."""
+    if bundle:
+        p.add_argument("--text-field", metavar="NAME",
+                       help="corpus field holding each state (default: the one the bundle was trained on)")
+    else:
+        p.add_argument("--text-field", default="text", metavar="NAME",
+                       help="corpus field holding each state (default: text)")
+
+
+def corpus_input(args: argparse.Namespace) -> CorpusInput:
+    """The corpus --corpus, --text-field and --on-error name, skipped lines named on stderr."""
+    from distill.options import CorpusInput
+
+    return CorpusInput(args.corpus, text_field=args.text_field, on_error=args.on_error,
+                       on_bad=report_skipped)
+
+
+def optional_corpus_input(args: argparse.Namespace) -> CorpusInput | None:
+    """``corpus_input`` where --corpus is given, else None (a command that can do without one)."""
+    return None if args.corpus is None else corpus_input(args)
+
+
+def add_device_argument(p: argparse.ArgumentParser, help: str = "where the encoder runs (default cpu)"
+                        ) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help=help)
+
+
+def add_cache_dir_argument(p: argparse.ArgumentParser,
+                           help: str = "embedding cache folder (default: ~/.cache/cascade)") -> None:
+    p.add_argument("--cache-dir", type=Path, metavar="DIR", help=help)
+
+
+def add_batch_size_argument(p: argparse.ArgumentParser, default: int, help: str) -> None:
+    p.add_argument("--batch-size", type=whole_number(1), default=default, metavar="N", help=help)
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """How the run goes, from the flags the command has: placement (--gpu-layers, --threads,
+    --extra-buffers), --device and --cache-dir (default: ``default_cache_dir()``)."""
+    from distill.options import RunOptions, default_cache_dir
+
+    has = vars(args)
+    return RunOptions(placement=placement_of(args) if "gpu_layers" in has else None,
+                      device=has.get("device", "cpu"),
+                      cache_dir=(args.cache_dir or default_cache_dir()) if "cache_dir" in has else None)
 
 
 def add_on_error_argument(p: argparse.ArgumentParser) -> None:
@@ -47,6 +123,13 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
                    help="predicted milliseconds per item, pooled over each batch (default: no bound)")
     p.add_argument("--max-escalation", type=float, metavar="F",
                    help="most of each batch's questions the top tier may answer, 0..1 (default: no bound)")
+
+
+def budget_of(args: argparse.Namespace) -> Budget:
+    """The budget ``add_budget_arguments``' flags set."""
+    from cascade.routing.budget import Budget
+
+    return Budget(ms_per_call=args.budget_ms, max_escalation_fraction=args.max_escalation)
 
 
 def whole_number(minimum: int) -> Callable[[str], int]:

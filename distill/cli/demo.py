@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from distill.cli.common import add_on_error_argument, add_placement_arguments
+from distill.cli.common import (
+    add_corpus_argument,
+    add_on_error_argument,
+    add_placement_arguments,
+    add_questions_argument,
+)
 
 DESCRIPTION = """\
 Run every step of the cascade, end to end, on embedded defaults:
@@ -90,11 +95,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_on_error_argument(p)
     p.add_argument("--gguf", type=Path, metavar="MODEL.gguf",
                    help="the readout tier's GGUF (default: the embedded gemma-3-270m)")
-    p.add_argument("--corpus", type=Path, metavar="C.jsonl",
-                   help='your own corpus, one {"id": ..., "text": ...} object per line '
-                   "(with --questions and --labels)")
-    p.add_argument("--questions", type=Path, metavar="Q.json",
-                   help='questions file for your corpus: {"questions": {id: question}}')
+    add_corpus_argument(p, 'your own corpus, one {"id": ..., "text": ...} object per line '
+                        "(with --questions and --labels)", required=False)
+    add_questions_argument(p, required=False,
+                           help='questions file for your corpus: {"questions": {id: question}}')
     p.add_argument("--labels", type=Path, metavar="LABELS.jsonl",
                    help="teacher labels of your corpus: {id, question, answer | probabilities} rows")
     p.add_argument("--force", action="store_true",

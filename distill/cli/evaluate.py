@@ -7,11 +7,19 @@ import json
 from pathlib import Path
 
 from distill.cli.common import (
+    add_batch_size_argument,
     add_budget_arguments,
+    add_bundle_argument,
+    add_cache_dir_argument,
+    add_corpus_argument,
+    add_device_argument,
     add_on_error_argument,
     add_placement_arguments,
-    placement_of,
-    report_skipped,
+    add_store_argument,
+    add_text_field_argument,
+    budget_of,
+    corpus_input,
+    run_options,
 )
 
 DESCRIPTION = """\
@@ -27,22 +35,12 @@ example:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from cascade.errors import RequestError
-    from cascade.routing.budget import Budget
     from distill.evaluate import evaluate_bundle, format_evaluation
     from distill.store import LabelStore
-    from distill.train import default_cache_dir
 
-    if args.batch_size < 1:
-        raise RequestError(f"--batch-size must be at least 1; got {args.batch_size}")
-    budget = Budget(ms_per_call=args.budget_ms, max_escalation_fraction=args.max_escalation)
     with LabelStore.open_existing(args.store) as store:
-        evaluation = evaluate_bundle(args.bundle, args.corpus, store, budget,
-                                     text_field=args.text_field, device=args.device,
-                                     batch_items=args.batch_size,
-                                     cache_dir=args.cache_dir or default_cache_dir(),
-                                     placement=placement_of(args), on_error=args.on_error,
-                                     on_bad=report_skipped)
+        evaluation = evaluate_bundle(args.bundle, corpus_input(args), store, budget_of(args),
+                                     batch_items=args.batch_size, run=run_options(args))
     args.json.write_text(json.dumps(evaluation.model_dump(mode="json"), indent=2) + "\n",
                          encoding="utf-8")
     print(format_evaluation(evaluation))
@@ -58,23 +56,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--bundle", type=Path, required=True, metavar="DIR", help="model bundle folder")
-    p.add_argument("--corpus", type=Path, required=True, metavar="C.jsonl",
-                   help="the labelled JSONL corpus the bundle was trained on")
-    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
-                   help="label store of the bundle's teacher")
+    add_bundle_argument(p)
+    add_corpus_argument(p, "the labelled JSONL corpus the bundle was trained on")
+    add_store_argument(p, "label store of the bundle's teacher")
     p.add_argument("--json", type=Path, required=True, metavar="OUT.json",
                    help="where to write the full report")
     add_budget_arguments(p)
-    p.add_argument("--text-field", metavar="NAME",
-                   help="corpus field holding each state (default: the one the bundle was trained on)")
+    add_text_field_argument(p, bundle=True)
     add_on_error_argument(p)
-    p.add_argument("--batch-size", type=int, default=256, metavar="N",
-                   help="items routed together, each batch with its own budget (default 256)")
-    p.add_argument("--cache-dir", type=Path, metavar="DIR",
-                   help="embedding cache training filled, so items are not embedded again "
-                   "(default: ~/.cache/cascade, as cascade train)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                   help="where the encoder runs (default cpu)")
+    add_batch_size_argument(p, 256, "items routed together, each batch with its own budget (default 256)")
+    add_cache_dir_argument(p, "embedding cache training filled, so items are not embedded again "
+                           "(default: ~/.cache/cascade, as cascade train)")
+    add_device_argument(p)
     add_placement_arguments(p)
     p.set_defaults(run=_cmd_evaluate)

@@ -7,13 +7,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distill.cli.common import add_placement_arguments, whole_number
+from distill.cli.common import (
+    add_corpus_argument,
+    add_placement_arguments,
+    add_questions_argument,
+    add_store_argument,
+    add_text_field_argument,
+    whole_number,
+)
 
 if TYPE_CHECKING:
     from cascade.questions import Question
     from cascade.readout.scorer import HeadTailExcerpt
     from distill.label import LabelSummary
-    from distill.store import ImportSummary
+    from distill.label_transfer import ImportSummary
 
 DEFAULT_TEACHER_NAME = "external labels"
 DESCRIPTION = """\
@@ -143,7 +150,8 @@ def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
 
 def _import(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
-    from distill.store import LabelStore, Teacher, import_labels, removed_on_failure
+    from distill.label_transfer import import_labels
+    from distill.store import LabelStore, Teacher, removed_on_failure
 
     questions = load_questions(args.questions)
     teacher = Teacher(kind="external", model=args.teacher_name or DEFAULT_TEACHER_NAME)
@@ -172,7 +180,8 @@ def _check_imported(summary: ImportSummary, path: Path) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from distill.store import LabelStore, export_labels
+    from distill.label_transfer import export_labels
+    from distill.store import LabelStore
 
     with LabelStore.open_existing(args.store) as store:
         count = export_labels(store, args.export_path)
@@ -196,14 +205,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="store these labels ({id, question, answer | probabilities} rows)")
     mode.add_argument("--export", dest="export_path", type=Path, metavar="OUT.jsonl",
                       help="write the store's labels to this JSONL file")
-    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
-                   help="label store (SQLite); created on first use, resumed after")
-    p.add_argument("--questions", type=Path, metavar="Q.json",
-                   help='questions file: {"questions": {id: {type, instructions, criteria}}}')
-    p.add_argument("--corpus", type=Path, metavar="C.jsonl",
-                   help='JSONL corpus, one {"id": ..., "text": ...} object per line')
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="corpus field holding each state (default: text)")
+    add_store_argument(p, "label store (SQLite); created on first use, resumed after")
+    add_questions_argument(p, required=False)
+    add_corpus_argument(p, required=False)
+    add_text_field_argument(p)
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                    help="at a bad line or over-long item: stop with its line number (default), or "
                    "skip it, go on, and list it at the end")

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import signal
-import sys
 from pathlib import Path
 
-from cascade.errors import CascadeError
+from cascade.serve.lifecycle import API_KEY_VARIABLE
 from distill.cli.common import (
     add_accept_other_teacher_argument,
     add_audit_arguments,
+    add_bundle_argument,
+    add_device_argument,
     add_placement_arguments,
     placement_of,
     whole_number,
 )
 
-API_KEY_VARIABLE = "CASCADE_API_KEY"
 DESCRIPTION = f"""\
 Serve a bundle's cascade at POST /v1/systemone, the System One API that existing SDKs call
 (avrik-sdk, jev-style, typesafe-sdk): point the client's base URL here instead of the teacher's
@@ -41,64 +38,16 @@ example:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn
+    from cascade.serve.lifecycle import ServeOptions, serve
+    from distill.auditing import StoreAudits
 
-        from cascade.serve.app import ServeConfig, create_app
-        from cascade.serve.engine import EngineSettings
-    except ImportError as exc:
-        raise CascadeError(f'cascade serve needs the serve extra ({exc}): pip install "cascade-router[serve]"'
-                           ) from None
-    from cascade.audit.auditor import Auditor
-    from cascade.routing.router import Cascade
-    from distill.auditing import StoreSink, auditor_for
-
-    if not (args.bundle / "manifest.json").is_file():
-        raise CascadeError(f"no bundle at {args.bundle} (no manifest.json); give a folder that "
-                           "cascade train wrote")
-    key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
-    settings = EngineSettings(batch=not args.no_batch, max_batch=args.max_batch,
-                              teacher_queue=args.teacher_queue, overload=args.overload,
-                              audit_queue=args.audit_queue)
-    failures: list[BaseException] = []
-
-    def load() -> Cascade:
-        return Cascade.load(args.bundle, teacher=args.teacher, device=args.device, threads=args.threads,
-                            placement=placement_of(args), accept_other_teacher=args.accept_other_teacher)
-
-    sinks: list[StoreSink] = []
-
-    def audit(cascade: Cascade) -> Auditor | None:
-        auditor, sink = auditor_for(cascade, args.audit_store, args.audit_share, args.audit_seed,
-                                    args.on_drift)
-        sinks.extend([sink] if sink is not None else [])
-        return auditor
-
-    server: uvicorn.Server | None = None
-
-    def failed(exc: BaseException) -> None:
-        failures.append(exc)
-        if server is not None:
-            server.should_exit = True
-
-    config = ServeConfig(api_key=key, max_body=args.max_body, engine=settings, audit=audit)
-    app = create_app(load, config, failed)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=args.grace))
-    print(f"serving {args.bundle} at http://{args.host}:{args.port}/v1/systemone "
-          f"(auth {'on' if key else 'off'}; models loading, /health says when ready)", file=sys.stderr)
-    # uvicorn stops gracefully on SIGTERM and then raises the signal again under the handler it
-    # found: this one, so that a requested stop exits 0 instead of dying of the signal
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
-    for sink in sinks:
-        sink.close()
-    if failures:
-        failure = failures[0]
-        if isinstance(failure, CascadeError):
-            raise failure
-        raise CascadeError(f"loading the bundle failed: {type(failure).__name__}: {failure}") from failure
+    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body=args.max_body,
+                           grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
+                           teacher_queue=args.teacher_queue, overload=args.overload,
+                           audit_queue=args.audit_queue)
+    with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift) as audit:
+        serve(args.bundle, options, teacher=args.teacher, device=args.device, threads=args.threads,
+              placement=placement_of(args), accept_other_teacher=args.accept_other_teacher, audit=audit)
     return 0
 
 
@@ -106,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a bundle's cascade as a System One HTTP endpoint",
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", type=Path, required=True, metavar="DIR", help="model bundle folder")
+    add_bundle_argument(p)
     p.add_argument("--teacher", type=Path, metavar="PATH.gguf",
                    help="GGUF to run as the top tier (escalations, and questions the bundle does not "
                    "hold); without one, a bundle whose teacher is external labels answers only its own")
@@ -131,9 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grace", type=whole_number(0), default=30, metavar="S",
                    help="seconds SIGTERM waits for requests in flight (default 30)")
     add_placement_arguments(p)
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                   help="where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "
-                   "has it, and each answer's x_cascade.ran_on says which it got)")
+    add_device_argument(p, "where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "
+                        "has it, and each answer's x_cascade.ran_on says which it got)")
     add_audit_arguments(p)
     p.add_argument("--audit-queue", type=whole_number(1), default=64, metavar="N",
                    help="most audits waiting for the teacher, which takes them only when no live request "

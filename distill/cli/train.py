@@ -6,7 +6,20 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distill.cli.common import add_on_error_argument, report_skipped, whole_number
+from distill.cli.common import (
+    CORPUS_HELP,
+    add_bundle_argument,
+    add_cache_dir_argument,
+    add_corpus_argument,
+    add_device_argument,
+    add_on_error_argument,
+    add_questions_argument,
+    add_store_argument,
+    add_text_field_argument,
+    corpus_input,
+    run_options,
+    whole_number,
+)
 
 if TYPE_CHECKING:
     from cascade.tiers.kinds import AnyTierSpec
@@ -83,21 +96,17 @@ def _tier_text(tier: AnyTierSpec) -> str:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
-    from cascade.encoder.onnx_encoder import Encoder
     from cascade.readout.placement import Placement
     from distill.mid_layer import AUTO_TARGET
     from distill.store import LabelStore
-    from distill.train import default_cache_dir, middle_tier, train_bundle
+    from distill.train import middle_tier, train_bundle
 
     questions = load_questions(args.questions)
     with LabelStore.open_existing(args.store) as store:
         bundle = train_bundle(
-            questions, args.corpus, store, args.bundle,
-            encoder=Encoder(device=args.device), text_field=args.text_field, C=args.C,
-            cache_dir=args.cache_dir or default_cache_dir(), teacher_model=args.teacher_model,
-            teacher_placement=Placement(gpu_layers=args.teacher_gpu_layers),
-            ngrams=args.ngrams, on_error=args.on_error, on_bad=report_skipped,
-            finetune=_finetune_config(args),
+            questions, corpus_input(args), store, args.bundle, C=args.C, run=run_options(args),
+            teacher_model=args.teacher_model, teacher_placement=Placement(gpu_layers=args.teacher_gpu_layers),
+            ngrams=args.ngrams, finetune=_finetune_config(args),
             middle=[middle_tier(path, n_ctx=args.middle_n_ctx) for path in args.middle],
             mid_layer=_mid_layer_config(args),
         )
@@ -128,16 +137,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--questions", type=Path, required=True, metavar="Q.json",
-                   help='questions file: {"questions": {id: {type, instructions, criteria}}}')
-    p.add_argument("--corpus", type=Path, required=True, metavar="C.jsonl",
-                   help='the labelled JSONL corpus, one {"id": ..., "text": ...} object per line')
-    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
-                   help="label store holding the teacher's labels (from `cascade label`)")
-    p.add_argument("--bundle", type=Path, required=True, metavar="DIR",
-                   help="bundle folder to write (created; an existing bundle there is replaced)")
-    p.add_argument("--text-field", default="text", metavar="NAME",
-                   help="corpus field holding each state (default: text)")
+    add_questions_argument(p)
+    add_corpus_argument(p, f"the labelled {CORPUS_HELP}")
+    add_store_argument(p, "label store holding the teacher's labels (from `cascade label`)")
+    add_bundle_argument(p, "bundle folder to write (created; an existing bundle there is replaced)")
+    add_text_field_argument(p)
     add_on_error_argument(p)
     p.add_argument("--C", type=float, default=1.0, metavar="C",
                    help="inverse L2 regularisation strength of the heads (default 1.0)")
@@ -145,8 +149,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="heads read the sentence embedding alone, without the hashed word 1-2 grams "
                    "beside it (by default they read both: on the benchmark sets the fast tier then "
                    "keeps more at the same certified agreement; see BENCHMARKS.md)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                   help="where the encoder runs (default cpu; cuda needs onnxruntime-gpu)")
+    add_device_argument(p, "where the encoder runs (default cpu; cuda needs onnxruntime-gpu)")
     p.add_argument("--teacher-model", type=Path, metavar="MODEL.gguf",
                    help="the teacher's GGUF, pinned as the top tier (needed when the store's "
                    "teacher is a GGUF; its sha256 must match the store's)")
@@ -186,6 +189,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=whole_number(1), metavar="N",
                    help="with --finetune: torch threads (default: all cores; on a shared machine 1 "
                    "runs faster than oversubscribed cores)")
-    p.add_argument("--cache-dir", type=Path, metavar="DIR",
-                   help="embedding cache folder (default: ~/.cache/cascade)")
+    add_cache_dir_argument(p)
     p.set_defaults(run=_cmd_train)
