@@ -1,0 +1,37 @@
+"""Stopping a long run cleanly: the first Ctrl-C or SIGTERM says so at once and ends the run after
+the item in hand (its labels committed), a second Ctrl-C ends it at once."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType, TracebackType
+
+
+class StopRequest:
+    """Installs the handlers for the ``with`` block (main thread only; elsewhere it is inert)."""
+
+    def __init__(self, what: str = "this item") -> None:
+        self.what = what
+        self.requested: str | None = None  # the signal's name, once one came
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = name
+        print(f"\n{name}: stopping after {self.what} (its labels are committed); Ctrl-C again stops now",
+              file=sys.stderr, flush=True)
