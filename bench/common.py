@@ -520,3 +520,43 @@ def placed_llama_defaults() -> Iterator[None]:
         yield
     finally:
         low.llama_model_default_params = real
+
+
+# -- a PostgreSQL server for the store's benchmarks -----------------------------------------------
+
+@contextmanager
+def postgres_databases() -> Iterator[Callable[[], str]]:
+    """``new()`` makes a fresh database and returns its URL: on the server ``$CASCADE_TEST_POSTGRES_URL``
+    names, else on a throwaway cluster started here (tests/pgserver.py: Debian's postgresql, run as a
+    non-root user on loopback). Every database made is dropped, and the cluster stopped, at the end."""
+    import os
+    import sys
+    import uuid
+
+    import psycopg
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import pgserver
+
+    server = None
+    url = os.environ.get(pgserver.URL_VARIABLE)
+    if not url:
+        server = pgserver.start(Path(tempfile.mkdtemp(prefix="cascade-pg-")))
+        url = server.url
+    made: list[str] = []
+
+    def new() -> str:
+        name = f"bench_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        made.append(name)
+        return url.rsplit("/", 1)[0] + f"/{name}"
+
+    try:
+        yield new
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            for name in made:
+                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        if server is not None:
+            server.stop()

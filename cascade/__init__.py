@@ -7,6 +7,7 @@ The rooms behind it, each a package with one job (see docs/architecture.md):
 - ``readout``: llama.cpp: the logit-readout scorer, prompts, placement, the mid-layer reader;
 - ``encoder``: the ONNX sentence encoder, its n-grams and the familiarity gate;
 - ``cost``: the roofline and how each tier is priced;
+- ``teachers``: a System One URL as the teacher: its client, identity, wire checks, admission;
 - ``tiers``: each tier kind's manifest spec, runtime tier and builder, one module per kind;
 - ``bundle``: the manifest and its sections;
 - ``routing``: the router (``Cascade``), budgets and the cost forecast;
@@ -33,13 +34,16 @@ if TYPE_CHECKING:
         ModelError,
         RequestError,
         RouterError,
+        ServiceError,
         TemperatureError,
+        UpstreamError,
     )
     from cascade.questions import DecisionRequest, Question, parse_request
     from cascade.readout.placement import Placement
     from cascade.readout.scorer import Scorer
     from cascade.routing.budget import Budget
     from cascade.routing.router import Cascade
+    from cascade.teachers.settings import UpstreamSettings
     from cascade.tiers.base import Item
 
 _HOMES = {
@@ -52,6 +56,8 @@ _HOMES = {
     "Question": "cascade.questions", "parse_request": "cascade.questions",
     "Placement": "cascade.readout.placement", "Scorer": "cascade.readout.scorer",
     "Budget": "cascade.routing.budget", "Cascade": "cascade.routing.router", "Item": "cascade.tiers.base",
+    "ServiceError": "cascade.errors", "UpstreamError": "cascade.errors",
+    "UpstreamSettings": "cascade.teachers.settings",
 }
 __all__ = [
     "Answer",
@@ -74,7 +80,10 @@ __all__ = [
     "RouterError",
     "Routing",
     "Scorer",
+    "ServiceError",
     "TemperatureError",
+    "UpstreamError",
+    "UpstreamSettings",
     "Usage",
     "parse_request",
 ]

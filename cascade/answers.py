@@ -98,8 +98,9 @@ class Routing(BaseModel):
     teacher alone: no threshold was ever certified for it. ``demoted`` is True when a drift
     alarm on audited traffic took the question's cheap tiers out of its route (``cascade.audit``);
     ``unfamiliar`` when the encoder's gate found the state unlike its training items and sent it
-    up (``cascade.encoder.familiar``). ``too_long_for`` names the GGUF tiers below the top whose context
-    could not hold the question's prompt about this state: it went past them, unread.
+    up (``cascade.encoder.familiar``). ``too_long_for`` names the GGUF tiers whose context could not
+    hold the question's prompt about this state: it went past them, unread. ``uncovered_why``
+    says, for a question not ``covered`` that has a bundle question's instructions, what differs.
     """
 
     tier: str
@@ -118,6 +119,7 @@ class Routing(BaseModel):
     demoted: bool = False
     unfamiliar: bool = False
     too_long_for: list[str] = Field(default_factory=list)
+    uncovered_why: str | None = None
 
 
 def _x(name: str) -> Any:

@@ -11,6 +11,16 @@ Exception
       +-- CorpusError             a corpus or questions file that cannot be read (ValueError)
       +-- TemperatureError        a temperature that is not finite and > 0 (ValueError)
       +-- HttpProblem             cascade.serve: a refused HTTP request, its status and headers
+      +-- ServiceError            a call a client may retry or pass on: its HTTP status, Retry-After
+           +-- QueueFullError     a top tier's expected wait is past its deadline (503)
+           +-- UpstreamError      an upstream System One server failed a call (502-class)
+                +-- UpstreamUnreachable   no connection, or it dropped every time (502)
+                +-- UpstreamTimeout       no answer within the timeout or deadline (504)
+                +-- UpstreamRateLimited   429, with the upstream's Retry-After (429)
+                +-- UpstreamRefused       another 4xx: its status and body, passed back unchanged
+                +-- UpstreamFailed        a 5xx, or a 3xx, that retries did not cure (502 or 503)
+                +-- UpstreamAnswerError   a 200 that is not the answers asked for (502; ValueError)
+                +-- TeacherChangedError   the upstream's identity is not the teacher's (502)
 ```
 Each also inherits the built-in it refines, so callers that only know ``ValueError`` still catch
 it. The offline package's errors (``distill``: StoreError, TrainError, CalibrationError, ...)
@@ -49,3 +59,66 @@ class CorpusError(CascadeError, ValueError):
 
 class TemperatureError(CascadeError, ValueError):
     """A temperature that is not a finite number > 0."""
+
+
+class ServiceError(CascadeError):
+    """A call that failed in a way its client can act on: ``status`` is the HTTP status a server
+    answers it with, ``retry_after`` (whole seconds) when waiting would help, ``body`` and
+    ``content_type`` an upstream's own error body where it is passed back unchanged."""
+
+    status = 502
+
+    def __init__(self, message: str, retry_after: int | None = None, status: int | None = None,
+                 body: bytes | None = None, content_type: str | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.status = status if status is not None else type(self).status
+        self.body, self.content_type = body, content_type
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers its answer carries: ``Retry-After`` where waiting helps."""
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
+
+class QueueFullError(ServiceError):
+    """A top tier's queue would keep this request past its deadline: refused at once (503)."""
+
+    status = 503
+
+
+class UpstreamError(ServiceError):
+    """An upstream System One server (a URL teacher) failed a call."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """The upstream refused or dropped the connection on every try (502)."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream did not answer within the read timeout or the call's deadline (504)."""
+
+    status = 504
+
+
+class UpstreamRateLimited(UpstreamError):
+    """The upstream answered 429; ``retry_after`` is its Retry-After (429)."""
+
+    status = 429
+
+
+class UpstreamRefused(UpstreamError):
+    """The upstream refused the request with a 4xx other than 429: passed back unchanged."""
+
+
+class UpstreamFailed(UpstreamError):
+    """The upstream answered 5xx (or redirected) and retries did not cure it (502, or 503 with
+    the upstream's Retry-After)."""
+
+
+class UpstreamAnswerError(UpstreamError, ValueError):
+    """The upstream answered 200 with something that is not the answers asked for (502)."""
+
+
+class TeacherChangedError(UpstreamError):
+    """The upstream's identity (model, hashes) is not the teacher's this cascade or store holds."""

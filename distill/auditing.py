@@ -2,13 +2,15 @@
 
 The runtime's auditor (``cascade.audit.auditor``) writes through a sink it is given; this module
 gives it one that puts each record in a ``LabelStore`` of the bundle's teacher (so audits from
-another teacher can never mix in), replays the records already there so that a restarted server
-or run keeps a demoted question demoted, and turns a store's audits into the per-question table
-and plot of ``cascade audit``.
+another teacher can never mix in) and reads every writer's records back in the store's order: the
+audit stream (``cascade.audit.stream``) that every replica sharing the store follows, so that all
+of them watch one alarm, and a restarted server or run replays it and keeps a demoted question
+demoted. It also turns a store's audits into the per-question table and plot of ``cascade audit``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from dataclasses import dataclass
@@ -19,9 +21,13 @@ from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord
 from cascade.audit.sample import AuditSampler
 from cascade.audit.watch import OnDrift
-from cascade.bundle.manifest import Manifest
+from cascade.bundle.manifest import Bundle, Manifest
 from cascade.routing.router import Cascade
-from distill.store import LabelStore, StoreError, Teacher
+from distill.store import LabelStore, StoreError, StoreLocation, Teacher, is_url, store_exists, store_location
+
+DEFAULT_POLL_S = 1.0
+"""How often a server reads the audit stream for other replicas' audits: a demotion raised on one
+replica holds on every other within this plus one read of the store (docs/stores.md)."""
 
 
 def bundle_teacher(manifest: Manifest) -> Teacher:
@@ -29,20 +35,48 @@ def bundle_teacher(manifest: Manifest) -> Teacher:
 
 
 class StoreSink:
-    """Writes audit records into the label store at ``path``, opened on first use (no audit, no
-    file), one record at a time whatever the thread (the server's top-tier worker writes, the
-    command closes)."""
+    """Writes audit records into the label store at ``path`` and reads every writer's back, in
+    the store's order (an ``AuditStream``). A SQLite file is made on the first write (no audit, no
+    file); one call at a time whatever the thread (the server's top-tier worker writes, the stream
+    follower reads, the command closes); a call that failed (a PostgreSQL server restarting, say)
+    reconnects on the next."""
 
-    def __init__(self, path: Path, teacher: Teacher) -> None:
-        self.path, self.teacher = Path(path), teacher
+    def __init__(self, path: StoreLocation | str, teacher: Teacher) -> None:
+        self.path, self.teacher = store_location(path), teacher
         self._store: LabelStore | None = None
         self._lock = threading.Lock()
 
     def __call__(self, record: AuditRecord) -> None:
         with self._lock:
-            if self._store is None:
-                self._store = LabelStore(self.path, self.teacher, any_thread=True)
-            self._store.put_audit(record)
+            try:
+                self._opened().put_audit(record)
+            except StoreError:
+                self._drop()
+                raise
+
+    append = __call__
+
+    def read_after(self, position: int) -> list[tuple[int, AuditRecord]]:
+        """The stream's next records past ``position`` (none while there is no store yet)."""
+        with self._lock:
+            if self._store is None and not is_url(self.path) and not store_exists(self.path):
+                return []
+            try:
+                return self._opened().audits_after(position)
+            except StoreError:
+                self._drop()
+                raise
+
+    def _opened(self) -> LabelStore:
+        if self._store is None:
+            self._store = LabelStore(self.path, self.teacher, any_thread=True)
+        return self._store
+
+    def _drop(self) -> None:
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # the connection is already gone
+                self._store.close()
+            self._store = None
 
     def close(self) -> None:
         with self._lock:
@@ -51,18 +85,21 @@ class StoreSink:
                 self._store = None
 
 
-def stored_audits(path: Path) -> list[AuditRecord]:
-    """The audits in the store at ``path``, oldest first (none where there is no store yet)."""
-    if not Path(path).is_file():
+def stored_audits(path: StoreLocation | str) -> list[AuditRecord]:
+    """The audits in the store at ``path``, in the store's order (none where there is no store yet)."""
+    location = store_location(path)
+    if not store_exists(location):
         return []
-    with LabelStore.open_existing(path) as store:
+    with LabelStore.open_existing(location) as store:
         return store.audits()
 
 
-def auditor_for(cascade: Cascade, store: Path | None, share: float, seed: str,
-                on_drift: OnDrift) -> tuple[Auditor | None, StoreSink | None]:
+def auditor_for(cascade: Cascade, store: StoreLocation | str | None, share: float, seed: str,
+                on_drift: OnDrift, poll: float | None = None) -> tuple[Auditor | None, StoreSink | None]:
     """The auditor a command runs with, and its sink to close; (None, None) when audits are off,
-    said on stderr when only the store is missing."""
+    said on stderr when only the store is missing. Its watch follows the store's audit stream
+    (every writer's audits, in the store's order), read through now, and every ``poll`` seconds
+    in a thread where given (a server: other replicas' audits); close it with ``auditor.close()``."""
     if share == 0:
         return None, None
     if store is None:
@@ -70,8 +107,10 @@ def auditor_for(cascade: Cascade, store: Path | None, share: float, seed: str,
               "items with the teacher and watch the certificate", file=sys.stderr)
         return None, None
     sink = StoreSink(store, bundle_teacher(cascade.manifest))
-    auditor = Auditor(cascade, AuditSampler(share, seed), sink, on_drift)
-    auditor.replay(stored_audits(store))
+    auditor = Auditor(cascade, AuditSampler(share, seed), sink, on_drift, stream=sink)
+    auditor.replay()
+    if poll is not None and auditor.follower is not None:
+        auditor.follower.follow(poll)
     if auditor.watch is not None and auditor.watch.demoted:
         print(f"questions demoted by earlier audits: {sorted(auditor.watch.demoted)} (their answers come "
               "from the teacher until a calibration certifies them again)", file=sys.stderr)
@@ -80,22 +119,43 @@ def auditor_for(cascade: Cascade, store: Path | None, share: float, seed: str,
 
 class StoreAudits:
     """``auditor_for`` as the hook ``cascade.serve.lifecycle.serve`` calls with the cascade it
-    loaded; closing it (or leaving its ``with`` block) closes the store it wrote to."""
+    loaded, its watch following the store every ``poll`` seconds (None: only when it audits);
+    closing it (or leaving its ``with`` block) stops that and closes the store it wrote to.
 
-    def __init__(self, store: Path | None, share: float, seed: str, on_drift: OnDrift) -> None:
-        self.store, self.share, self.seed, self.on_drift = store, share, seed, on_drift
-        self._sinks: list[StoreSink] = []
+    Entering it with ``bundle`` given opens the store at once, before any model loads: a URL that
+    cannot be reached, refused credentials, a store of another schema version or another teacher
+    is one line before anything is served or routed."""
+
+    def __init__(self, store: StoreLocation | str | None, share: float, seed: str, on_drift: OnDrift,
+                 poll: float | None = None, bundle: Path | None = None) -> None:
+        self.store = store_location(store) if store is not None else None
+        self.share, self.seed, self.on_drift, self.poll, self.bundle = share, seed, on_drift, poll, bundle
+        self._made: list[tuple[Auditor | None, StoreSink | None]] = []
 
     def __call__(self, cascade: Cascade) -> Auditor | None:
-        auditor, sink = auditor_for(cascade, self.store, self.share, self.seed, self.on_drift)
-        self._sinks.extend([sink] if sink is not None else [])
+        auditor, sink = auditor_for(cascade, self.store, self.share, self.seed, self.on_drift, self.poll)
+        self._made.append((auditor, sink))
         return auditor
 
+    def check(self) -> None:
+        """Open the store of ``bundle``'s teacher now (a SQLite file only where it exists)."""
+        if self.store is None or self.share == 0 or self.bundle is None:
+            return
+        if is_url(self.store) or store_exists(self.store):
+            teacher = bundle_teacher(Bundle.load(self.bundle, verify=False).manifest)
+            LabelStore(self.store, teacher).close()
+        poll = f", read for every replica's audits every {self.poll:g} s" if self.poll else ""
+        print(f"audits: {self.share:.0%} of routed items into {self.store}{poll}", file=sys.stderr)
+
     def close(self) -> None:
-        for sink in self._sinks:
-            sink.close()
+        for auditor, sink in self._made:
+            if auditor is not None:
+                auditor.close()
+            if sink is not None:
+                sink.close()
 
     def __enter__(self) -> StoreAudits:
+        self.check()
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -112,7 +172,8 @@ class QuestionAudit:
     agreements: list[float]
 
 
-def audit_report(manifest: Manifest, calibration_version: str, path: Path) -> list[QuestionAudit]:
+def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocation | str
+                 ) -> list[QuestionAudit]:
     """Each bundle question's audited items of this calibration, replayed through its alarm."""
     target, delta = manifest.calibration.target, manifest.calibration.delta
     if target is None or delta is None:

@@ -28,11 +28,13 @@ from distill.options import CorpusInput, RunOptions, option, refuse
 
 @dataclass
 class Decided:
-    """What a run wrote: items decided now, items found already decided, answers per tier."""
+    """What a run wrote: items decided now, items found already decided, answers per tier, and
+    the questions left without an answer (item id, question id, why: ``x_errors``)."""
 
     written: int = 0
     already: int = 0
     tiers: Counter[str] = field(default_factory=Counter)
+    errors: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def decide_corpus(cascade: Cascade, corpus: CorpusInput, out: Path, budget: Budget | None = None,
@@ -82,6 +84,7 @@ def _write(cascade: Cascade, batch: list[Item], budget: Budget, out: IO[str], de
                 auditor.audit(item, response, every)
     for item, response in zip(batch, responses, strict=True):
         decided.tiers.update(answer.routing.tier for answer in response.answers.values() if answer.routing)
+        decided.errors += [(item.id, qid, error.message) for qid, error in (response.errors or {}).items()]
         out.write(json.dumps({"id": item.id, **response.model_dump(mode="json")}, ensure_ascii=False)
                   + "\n")
     out.flush()

@@ -111,7 +111,7 @@ def evaluate_bundle(
     budget = budget if budget is not None else Budget()
     cascade = Cascade.load(bundle.directory, labels=labels, device=run.device,
                            flops_per_second=run.flops_per_second, cache_dir=run.cache_dir,
-                           placement=run.placement)
+                           placement=run.placement, threads=run.threads)
     top = manifest.tiers[-1].name
     responses: list[DecisionResponse] = []
     teacher_seconds = 0.0

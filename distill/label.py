@@ -134,6 +134,14 @@ def label_corpus(
                 continue
             summary.items += 1
             todo = {qid: q for qid, q in questions.items() if item.id not in done[qid]}
+            if todo:  # claimed before the teacher reads it: another run sharing the store may have it
+                claimed = store.claim(item.id, todo)
+                if claimed is None:
+                    continue  # that run is alive and labelling it: left to it
+                if not claimed:  # labelled by it meanwhile
+                    summary.left -= 1
+                    bar.update()
+                todo = claimed
             if not todo:
                 summary.skipped_done += 1
                 continue

@@ -1,9 +1,12 @@
 """Teacher labelling on a Ray cluster: the labels of ``distill.label``, from many model copies.
 
 Ray Data spreads the items over a pool of actors, each holding one teacher Scorer and scoring an
-item with ``distill.label.score_item`` as the single-process loop does. The driver stays the
-label store's only writer and the store is the run's checkpoint: a rerun skips every id it holds,
-and Ray retries a killed actor's batches. See docs/ray.md.
+item with ``distill.label.score_item`` as the single-process loop does. Into a PostgreSQL store
+every actor writes straight, claiming each item before its teacher reads it (so a second run, or
+a batch Ray retries, never labels it again); into a SQLite file, which lives on the driver's
+machine, the driver writes what the actors return, having claimed the run's items first. The
+store is the run's checkpoint: a rerun skips every id it holds, and Ray retries a killed actor's
+batches. See docs/ray.md.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import json
 import re
 import socket
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,7 @@ from distill.label import (
     teacher_of_file,
     too_long_error,
 )
-from distill.store import LabelStore, StoreMismatchError, Teacher
+from distill.store import LabelStore, StoreLocation, StoreMismatchError, Teacher, removed_on_failure
 
 INSTALL = "pip install 'cascade-router[ray]'"
 LOCAL = "local"
@@ -105,10 +108,14 @@ class TeacherActor:
 
     The model file is hashed on the actor's own node and must be the store's teacher: a node
     holding another file at the same path would otherwise mix two models' labels in one store.
+    ``store``: where the actor writes each item itself (a PostgreSQL store every node reaches);
+    None: it returns the labels for the driver to write.
     """
 
-    def __init__(self, spec: TeacherSpec, teacher: Teacher, corpus_path: str) -> None:
+    def __init__(self, spec: TeacherSpec, teacher: Teacher, corpus_path: str,
+                 store: StoreLocation | None = None) -> None:
         self.spec, self.corpus_path = spec, Path(corpus_path)
+        self.store = LabelStore(store, teacher) if store is not None else None
         place = spec.placement
         self.scorer = open_teacher(spec.model_path, spec.questions, spec.permutations, spec.n_ctx,
                                    place.gpu_layers or 0, spec.threads, place.extra_buffers, spec.layout)
@@ -128,11 +135,20 @@ class TeacherActor:
 
     def _label(self, item_id: str, state: str, line: int, question_ids: list[str]) -> str:
         item = CorpusItem(id=item_id, state=json.loads(state), line=line)
-        questions = {qid: self.spec.questions[qid] for qid in question_ids}
-        scored = score_item(self.scorer, item, questions, self.spec.permutations,
+        questions: dict[str, Question] | None = {qid: self.spec.questions[qid] for qid in question_ids}
+        if self.store is not None:  # claimed first: another run, or a retried batch, may have it
+            questions = self.store.claim(item_id, questions or {})
+            if not questions:
+                return json.dumps({"held": True} if questions is None else {"done": True})
+        scored = score_item(self.scorer, item, questions or {}, self.spec.permutations,
                             self.spec.excerpt, self.corpus_path)
         if isinstance(scored, BadLine):
+            if self.store is not None:
+                self.store.release(item_id)
             return json.dumps({"bad": scored.model_dump()})
+        if self.store is not None:
+            self.store.put_item(item_id, scored.labels, scored.hashes, scored.masses)
+            return json.dumps({"stored": True})
         return json.dumps({"labels": scored.labels, "hashes": scored.hashes, "masses": scored.masses})
 
 
@@ -144,9 +160,10 @@ def label_on_ray(
     text_field: str = "text",
     on_error: OnError = "stop",
     progress: bool = True,
+    only: Collection[str] | None = None,
 ) -> LabelSummary:
-    """Label every item of the corpus not yet in ``store`` on Ray actors; resumable like
-    ``distill.label.label_corpus``, whose summary it returns.
+    """Label every item of the corpus not yet in ``store`` on Ray actors (only the ids in ``only``
+    where given); resumable like ``distill.label.label_corpus``, whose summary it returns.
 
     The corpus is read and checked whole before any actor starts, so a bad line in stop mode
     stops the run before any teacher work. ``store`` must belong to
@@ -156,13 +173,16 @@ def label_on_ray(
     check_label_options(spec.questions, on_error, spec.permutations)
     teacher = _check_store(store, spec.model_path, spec.layout)
     summary, started = LabelSummary(), time.perf_counter()
-    rows = _todo_rows(store, spec.questions, Path(corpus_path), text_field, on_error, summary)
+    rows = _todo_rows(store, spec.questions, Path(corpus_path), text_field, on_error, summary, only,
+                      claim=not store.shared)
+    summary.left = len(rows)
     bar = tqdm(total=len(rows), unit="item", desc="labelling", disable=not progress,
                dynamic_ncols=True)
     try:
         if rows:
             with _connected(ray, ray_options.address), _quiet_progress(ray), _actor_failures(ray):
-                results = _dataset(ray, spec, teacher, str(corpus_path), rows, ray_options)
+                results = _dataset(ray, spec, teacher, str(corpus_path), rows, ray_options,
+                                   store.path if store.shared else None)
                 _commit_all(results, store, on_error, summary, bar)
     except KeyboardInterrupt:
         summary.interrupted = True
@@ -172,28 +192,14 @@ def label_on_ray(
     return summary
 
 
-@contextmanager
-def dropped_if_failed_empty(path: Path) -> Iterator[None]:
+def dropped_if_failed_empty(path: StoreLocation | str) -> AbstractContextManager[None]:
     """Delete the store at ``path`` if the block created it and fails before storing a label.
 
     The driver creates the store before any actor has loaded the model; a first run whose actors
     cannot load it (a damaged file, say) would otherwise leave a store bound to that file, which
     a rerun with the repaired file would be refused. A store with labels is always kept.
     """
-    path = Path(path)
-    created = not path.exists()
-    try:
-        yield
-    except BaseException:
-        if created and path.exists() and not _has_labels(path):
-            for leftover in (path, *(path.with_name(path.name + end) for end in ("-wal", "-shm"))):
-                leftover.unlink(missing_ok=True)
-        raise
-
-
-def _has_labels(path: Path) -> bool:
-    with LabelStore.open_existing(path) as store:
-        return len(store) > 0
+    return removed_on_failure(path, only_if_empty=True)
 
 
 def _check_store(store: LabelStore, model_path: Path, layout: Layout) -> Teacher:
@@ -215,14 +221,26 @@ def _todo_rows(
     text_field: str,
     on_error: OnError,
     summary: LabelSummary,
+    only: Collection[str] | None = None,
+    claim: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per item that lacks a question, with the questions it lacks (in the questions'
-    order, as ``label_corpus`` asks them); items the store has are counted and left out."""
+    order, as ``label_corpus`` asks them); items the store has are counted and left out, and
+    items not in ``only`` (where given) are not taken. ``claim`` (the driver writes): each row's
+    item claimed for this run first, an item another live run holds left to it."""
     done = {qid: store.done_items([qid]) for qid in questions}
+    wanted = set(only) if only is not None else None
     rows = []
     for item in read_corpus(corpus_path, text_field, on_error, summary.bad_lines.append):
+        if wanted is not None and item.id not in wanted:
+            continue
         summary.items += 1
         todo = [qid for qid in questions if item.id not in done[qid]]
+        if todo and claim:
+            held = store.claim(item.id, dict.fromkeys(todo))
+            if held is None:
+                continue
+            todo = list(held)
         if not todo:
             summary.skipped_done += 1
             continue
@@ -253,8 +271,10 @@ def _dataset(
     corpus_path: str,
     rows: list[dict[str, Any]],
     ray_options: RayOptions,
+    store: StoreLocation | None = None,
 ) -> Any:
-    """The items as a Ray Dataset of one block per batch, mapped through a pool of teacher actors.
+    """The items as a Ray Dataset of one block per batch, mapped through a pool of teacher actors
+    (writing to ``store`` themselves where given).
 
     One block per batch, because a map task's output comes back when the task ends: a bigger
     block would leave some actors idle on a short corpus, and hold labels back from the store
@@ -264,7 +284,7 @@ def _dataset(
     blocks = -(-len(rows) // ray_options.batch_size)
     return ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
         TeacherActor,
-        fn_constructor_kwargs={"spec": spec, "teacher": teacher, "corpus_path": corpus_path},
+        fn_constructor_kwargs={"spec": spec, "teacher": teacher, "corpus_path": corpus_path, "store": store},
         compute=ray.data.ActorPoolStrategy(size=min(ray_options.actors, blocks)),
         batch_size=ray_options.batch_size,
         batch_format="numpy",
@@ -281,15 +301,22 @@ def _commit(
     summary: LabelSummary,
     bar: tqdm,
 ) -> None:
-    """Store one item's labels, or handle its bad line as ``label_corpus`` does."""
+    """Store one item's labels (or count those an actor stored), or handle its bad line as
+    ``label_corpus`` does; an item another live run holds stays left, to that run."""
     if "bad" in result:
         failed = BadLine.model_validate(result["bad"])
         if on_error == "stop":
             raise too_long_error(failed)
         summary.bad_lines.append(failed)
+    elif "held" in result:
+        return
+    elif "done" in result:
+        summary.skipped_done += 1
     else:
-        store.put_item(item_id, result["labels"], result["hashes"], result.get("masses"))
+        if "labels" in result:
+            store.put_item(item_id, result["labels"], result["hashes"], result.get("masses"))
         summary.labelled += 1
+    summary.left -= 1
     bar.update()
 
 

@@ -84,8 +84,9 @@ class RunOptions:
     ``cascade.readout.placement``). ``device``: where the encoder runs. ``cache_dir``: an
     embedding cache folder (training's default: ``default_cache_dir()``; elsewhere None: none).
     ``flops_per_second``: this machine's throughput, to price tiers without a measured cost on
-    the roofline (None: measured, or the router's default). An entry point refuses a field it
-    has no use for rather than ignore it.
+    the roofline (None: measured, or the router's default). ``threads``: CPU threads of every
+    model the run opens where ``placement`` does not say (None: all cores). An entry point
+    refuses a field it has no use for rather than ignore it.
     """
 
     progress: bool = True
@@ -93,8 +94,12 @@ class RunOptions:
     device: Device = "cpu"
     cache_dir: Path | None = None
     flops_per_second: float | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            refuse("RunOptions", "threads", self.threads, "a whole number >= 1, or None (all cores)")
         if not isinstance(self.progress, bool):
             refuse("RunOptions", "progress", self.progress, "True or False")
         if not _is_placements(self.placement):

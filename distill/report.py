@@ -63,6 +63,7 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
         "payoffs": {tier: payoff.model_dump() for tier, payoff in result.payoffs.items()},
         "cascades": {qid: c.model_dump() for qid, c in result.cascades.items()},
         "skipped": [s.model_dump() for s in result.skipped],
+        "teacher_checks": [check.model_dump() for check in result.teacher_checks],
         "figures": [figure.as_json() for figure in figures],
         **({"figures_note": note} if (note := figures_note()) else {}),
     }
@@ -236,14 +237,15 @@ def _budget_text(result: CalibrationResult) -> str:
 
 
 def _unlabelled_text(result: CalibrationResult) -> str:
-    """Items the teacher skipped never reach calibration, yet the router answers them."""
+    """Items without a teacher label never reach calibration, yet the router answers them."""
     if not result.unlabelled_items:
         return ""
     n = result.unlabelled_items
     return (f" {n} corpus item{'s' if n > 1 else ''} of the calibration part had no teacher label "
-            "(the teacher skipped them: too long for its context, or failed under --on-error "
-            "skip), so calibration never saw items like them, and nothing here is certified about "
-            "them; the router still answers such items with its cheap tiers.")
+            "(never labelled, say by a run given --limit or --sample, or skipped by the labelling "
+            "run as too long for the teacher's context or failed under --on-error skip), so "
+            "calibration never saw them, and nothing here is certified about items like them; the "
+            "router still answers such items with its cheap tiers.")
 
 
 def _summary_rows(result: CalibrationResult, bundle: Bundle) -> list[dict[str, Any]]:
@@ -318,7 +320,22 @@ def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
         cost_assumption=_e(data["cost_assumption"]), sections="\n".join(sections),
         figures_note=(f'\n<p class="message warn">{_e(data["figures_note"])}</p>'
                       if "figures_note" in data else ""),
+        teacher_check=_teacher_check_box(result),
     )
+
+
+def _teacher_check_box(result: CalibrationResult) -> str:
+    """The teacher check, above the guarantee: a finding there voids what the guarantee says."""
+    if not result.teacher_checks:
+        return ""
+    flagged = [check for check in result.teacher_checks if check.flagged]
+    head = ("<h2>The teacher check: DEGENERATE LABELS</h2><p>These questions were certified only "
+            "because the check was overridden (--accept-degenerate-teacher): agreement with this "
+            "teacher says nothing about them.</p>" if flagged else "<h2>The teacher check</h2>")
+    rows = "".join(f'<p class="message {"warn" if c.flagged else "ok"}">{_e(c.line())}</p>'
+                   for c in result.teacher_checks)
+    return f'<div class="box">{head}{rows}</div>'
+
 
 
 def _question_section(
@@ -334,8 +351,13 @@ def _question_section(
         parts.append(f'<p class="message {status}"><b>tier {_e(fit.tier)}:</b> '
                      f'{_e(fit.message)}{_e(out)}</p>')
         if fit.temperature_note:
-            parts.append(f'<p class="note">tier {_e(fit.tier)} temperature: '
-                         f'{_e(fit.temperature_note)}</p>')
+            parts.append(f'<p class="message warn">tier {_e(fit.tier)}: temperature not fitted: '
+                         f'{_e(fit.temperature_note)}; the confidences answers report are the raw '
+                         f'ones (ECE {fit.ece_after:.3f})</p>')
+    for tier, cost in result.costs.items():
+        counts = cost.inputs.get(qid)
+        if counts is not None and (line := counts.line(tier)):
+            parts.append(f'<p class="message warn">{_e(line)}</p>')
     imgs = "".join(_img(f) for f in figures if f.question == qid)
     parts.append(f'<div class="grid">{imgs}</div></section>' if imgs else "</section>")
     return "\n".join(parts)
@@ -422,6 +444,7 @@ figure {{ margin: 0; }} figure img {{ width: 100%; height: auto; border: 1px sol
 (all of them certify the thresholds, on each tier's raw margin: its top probability's lead over
 the runner-up; {temperature} of them fit the temperatures, whose reliability diagrams are drawn
 on the other {rest}).</p>
+{teacher_check}
 <div class="box"><h2>What the guarantee means</h2><p>{guarantee}</p>
 <p>What it does not promise:</p><ul>{not_promised}</ul></div>
 <h2>Summary</h2>

@@ -78,20 +78,35 @@ class QuestionCheck(BaseModel):
         return text + "".join(f"\n  DEGENERATE TEACHER: {finding}" for finding in self.findings)
 
 
-def check_teacher(store: LabelStore, questions: Mapping[str, Question],
-                  gold: Mapping[str, Any] | None = None, items: Collection[str] | None = None
-                  ) -> list[QuestionCheck]:
-    """Every question's check on its labels in ``store`` (only ``items`` where given)."""
+def judge(labels: Mapping[str, Mapping[str, Mapping[str, float]]], questions: Mapping[str, Question],
+          masses: Mapping[str, Mapping[str, float]] | None = None,
+          gold: Mapping[str, Any] | None = None) -> list[QuestionCheck]:
+    """Every question's check on ``labels`` (question -> item -> probabilities), with the letter
+    masses recorded for those items (question -> item -> mass) and a gold field where given."""
     checks = []
     for qid, question in questions.items():
-        labels = store.labels(qid)
-        if items is not None:
-            wanted = set(items)
-            labels = {item: probs for item, probs in labels.items() if item in wanted}
-        recorded = store.letter_masses(qid)
-        masses = [recorded[item] for item in labels if item in recorded]
-        checks.append(_check(qid, question, labels, masses, gold or {}))
+        rows = labels.get(qid, {})
+        recorded = (masses or {}).get(qid, {})
+        checks.append(_check(qid, question, rows, [recorded[i] for i in rows if i in recorded], gold or {}))
     return checks
+
+
+def judge_store(store: LabelStore, questions: Mapping[str, Question], gold: Mapping[str, Any] | None = None,
+                items: Collection[str] | None = None) -> list[QuestionCheck]:
+    """``judge`` on the labels in ``store`` (only ``items`` where given)."""
+    wanted = set(items) if items is not None else None
+    labels = {qid: {item: probs for item, probs in store.labels(qid).items()
+                    if wanted is None or item in wanted} for qid in questions}
+    return judge(labels, questions, {qid: store.letter_masses(qid) for qid in questions}, gold)
+
+
+def refusal(checks: list[QuestionCheck]) -> str:
+    """Why a certificate is refused for these flagged questions, and how to go on anyway."""
+    found = "; ".join(f"{c.question}: {' / '.join(c.findings)}" for c in checks)
+    return (f"the teacher's labels are degenerate, so a certificate against them would say nothing: "
+            f"{found}. Label with a teacher that reads the inputs (a larger model, --permutations to "
+            f"cancel position bias), or certify anyway with {ACCEPT_FLAG} "
+            "(accept_degenerate_teacher=True): the report then puts this finding above the guarantee")
 
 
 def _check(qid: str, question: Question, labels: Mapping[str, Mapping[str, float]],

@@ -75,8 +75,18 @@ def default_cache() -> Path:
     return base / "cascade-router" / "models"
 
 
+EMBEDDED = "gemma-3-270m-q4_k_m"
+EMBEDDED_NOTE = ("gemma-3-270m Q4_K_M, a core dependency (the demo's and the tests' small real model); "
+                 "as a teacher it answers one option whatever it reads, which the teacher check refuses")
+
+
 def teacher_path(name: str, cache: Path | None = None) -> Path:
-    """The assembled, verified GGUF of packaged model ``name``; assembled on first use."""
+    """The assembled, verified GGUF of packaged model ``name``; assembled on first use. The
+    embedded gemma is assembled by its own package."""
+    if name == EMBEDDED:
+        from cascade.readout.llama import default_gguf_path
+
+        return default_gguf_path()
     model = _model(name)
     target = (cache or default_cache()) / model.filename
     if target.is_file() and target.stat().st_size == model.size:
@@ -95,7 +105,7 @@ def teacher_path(name: str, cache: Path | None = None) -> Path:
 
 def _model(name: str) -> PackagedModel:
     if name not in TEACHERS:
-        raise ModelError(f"no packaged model named {name!r}; choose one of {sorted(TEACHERS)}")
+        raise ModelError(f"no packaged model named {name!r}; choose one of {sorted([*TEACHERS, EMBEDDED])}")
     return TEACHERS[name]
 
 

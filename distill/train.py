@@ -56,7 +56,7 @@ from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
 from distill.mid_layer import MidLayerConfig, layers_of, train_mid_layer
 from distill.options import CorpusInput, RunOptions, default_cache_dir, option
 from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
-from distill.store import LabelStore, Teacher
+from distill.store import InputPolicy, LabelStore, Teacher
 
 FINETUNED_NAME = "encoder.onnx"
 PARITY_TEXTS = 200
@@ -113,7 +113,7 @@ def train_bundle(
     if finetune is not None:
         finetune.check()
         check_installed()
-    top = _top_tier(store.teacher, teacher_model, teacher_placement)
+    top = _top_tier(store.teacher, teacher_model, teacher_placement, store.policy)
     if mid_layer is not None:
         if not isinstance(top, GgufSpec):
             raise TrainError("a mid-layer tier runs the teacher's own first blocks, and this store's "
@@ -122,7 +122,7 @@ def train_bundle(
     labels = {qid: store.labels(qid) for qid in questions}
     texts = _labelled_texts(corpus.read(), corpus.path, labels, store.path)
     parts = split_ids(texts, fractions, DEFAULT_SALT)
-    encoder = encoder if encoder is not None else Encoder(device=run.device)
+    encoder = encoder if encoder is not None else Encoder(device=run.device, threads=run.threads)
     bundle_dir = Path(bundle_dir)
     with staged(bundle_dir) as stage:
         tuned = None
@@ -308,10 +308,14 @@ def _check_arguments(questions: Mapping[str, Question], C: float) -> None:
         raise TrainError(f"C (inverse regularisation strength) must be a number > 0; got {C!r}")
 
 
-def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None) -> AnyTierSpec:
-    """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only."""
+def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None,
+              policy: InputPolicy | None) -> AnyTierSpec:
+    """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only; either
+    reads states with the input policy the store's labels were read with (context, excerpt)."""
+    excerpt = policy.excerpt if policy is not None else None
     if teacher.kind == "external":
-        return ExternalSpec(name=TEACHER_TIER, labels=teacher.model)
+        return ExternalSpec(name=TEACHER_TIER, labels=teacher.model, excerpt=excerpt,
+                            n_ctx=policy.n_ctx if policy is not None else None)
     if layout_of(teacher.prompt_version) is None:
         raise TrainError(f"the store's labels were made with prompt version "
                          f"{teacher.prompt_version!r}; this cascade prompts with {PROMPT_VERSION!r} "
@@ -328,11 +332,13 @@ def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None)
         raise TrainError(f"teacher_model {model} has sha256 {pinned.sha256}, but the store's labels "
                          f"were made by {teacher.model!r} with sha256 {teacher.model_sha256}; "
                          "give that file")
-    return GgufSpec(name=TEACHER_TIER, model=pinned, placement=placement or Placement())
+    n_ctx = policy.n_ctx if policy is not None else GgufSpec.model_fields["n_ctx"].default
+    return GgufSpec(name=TEACHER_TIER, model=pinned, placement=placement or Placement(), n_ctx=n_ctx,
+                    excerpt=excerpt)
 
 
 def _labelled_texts(
-    lines: Iterable[CorpusItem], corpus: Path, labels: Mapping[str, Labels], store_path: Path
+    lines: Iterable[CorpusItem], corpus: Path, labels: Mapping[str, Labels], store_path: object
 ) -> dict[str, str]:
     """item id -> state text, for the corpus items the store has a label of for any question."""
     wanted = set().union(*(set(by_item) for by_item in labels.values()))

@@ -8,7 +8,12 @@ reached, so an encoder answer is there to fall back on): each request's route is
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -86,3 +91,109 @@ def _wait_for(url: str, status: str | None, seconds: float = 120.0) -> None:
 
 def request_json(state: str, questions: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"state": state, "questions": questions, **extra}
+
+
+# --- upstream System One servers in processes of their own, to kill, pause and swap ---
+
+VENV_BIN = Path(sys.executable).parent
+MOCK_MODEL = "mock"
+"""The model name jevcompat's mock takes in a request (it requires one: ../shared/notes/upstreams.md)."""
+
+
+class Upstream:
+    """A System One server in a process of its own on a loopback port: ``url`` is its
+    /v1/systemone. ``pause`` (SIGSTOP) makes it a server that takes connections and never answers;
+    ``kill`` one that is gone; ``stop`` ends it."""
+
+    def __init__(self, command: list[str], port: int, ready: str = "/v1/models",
+                 env: dict[str, str] | None = None) -> None:
+        self.command, self.port, self.ready = command, port, ready
+        self.base = f"http://127.0.0.1:{port}"
+        self.url = f"{self.base}/v1/systemone"
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115  (not a pipe: a full one stalls the server)
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log,
+                                        env={**os.environ, **(env or {})})
+
+    def wait_ready(self, seconds: float = 120.0) -> Upstream:
+        """Until the server answers ``ready`` with any status below 500 (or raise, with its stderr)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                message = f"{self.command[:3]} exited {self.process.returncode}: {self.stderr()}"
+                self.stop()
+                raise RuntimeError(message)
+            try:
+                if httpx.get(f"{self.base}{self.ready}", timeout=5).status_code < 500:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        message = f"{self.command[:3]} was not ready in {seconds} s: {self.stderr()}"
+        self.stop()
+        raise TimeoutError(message)
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        """End the server (SIGTERM, then SIGKILL after 30 s) and close its log."""
+        self._stop()
+        self._log.close()
+
+    def _stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+
+    def stderr(self) -> str:
+        """The last of what the server wrote to stderr so far."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-2000:]
+
+
+def jevcompat_mock(*faults: str, key: str | None = None, port: int | None = None,
+                   busy_every: int = 0) -> Upstream:
+    """jevcompat 0.1.1's reference server (``jevcompat mock``), with ``faults`` injected, on a free
+    port (or ``port``). ``busy_every``: every Nth request gets 429 with ``Retry-After: 0``, a
+    setting of its ``MockConfig`` that its command line does not expose, so the server is then
+    started from its own ``make_server``."""
+    port = port or free_port()
+    if busy_every:
+        code = ("from jevcompat.mock import MockConfig, make_server\n"
+                f"make_server(MockConfig(key={key!r}, faults=frozenset({list(faults)!r}), "
+                f"busy_every={busy_every}), port={port}).serve_forever()")
+        return Upstream([sys.executable, "-c", code], port).wait_ready()
+    command = [str(VENV_BIN / "jevcompat"), "mock", "--port", str(port)]
+    command += [f"--fault={fault}" for fault in faults] + (["--key", key] if key else [])
+    return Upstream(command, port).wait_ready()
+
+
+def teacher_server(model: Path, port: int | None = None, *extra: str) -> Upstream:
+    """The project's own teacher server, ``cascade serve --teacher MODEL`` with no bundle, on one
+    thread (the tests share two cores)."""
+    port = port or free_port()
+    command = [sys.executable, "-m", "distill.cli", "serve", "--teacher", str(model), "--port", str(port),
+               "--threads", "1", *extra]
+    return Upstream(command, port, ready="/health").wait_ready()
+
+
+@contextmanager
+def upstream(server: Upstream) -> Iterator[Upstream]:
+    """``server``, stopped when the block ends however it ends."""
+    try:
+        yield server
+    finally:
+        server.stop()

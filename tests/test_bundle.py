@@ -126,10 +126,10 @@ CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
      r".*manifest.json to the file the bundle was trained with, or re-train the bundle"),
     (lambda d: edit_manifest(d, _move_encoder),
      r"tier 'encoder' encoder model /nowhere/model.onnx not found; re-point its 'path'"),
-    (lambda d: edit_manifest(d, lambda m: m.update(schema_version=6)),
-     r"bundle schema 6 is newer than this cascade \(5\); upgrade cascade"),
+    (lambda d: edit_manifest(d, lambda m: m.update(schema_version=7)),
+     r"bundle schema 7 is newer than this cascade \(6\); upgrade cascade"),
     (lambda d: edit_manifest(d, lambda m: m.update(schema_version="1")),
-     r"schema_version '1' is not a bundle schema version \(this cascade reads 5\)"),
+     r"schema_version '1' is not a bundle schema version \(this cascade reads 6\)"),
     (lambda d: edit_manifest(d, lambda m: m.update(schema_version=1)),
      r"a schema-1 manifest's thresholds are on the top probability; threshold_on 'margin' needs "
      r"schema_version 2"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -174,9 +175,15 @@ def test_cli_labels_then_resumes(gemma_path: Path, tmp_path: Path, capsys) -> No
             str(tmp_path / "s.sqlite"), "--teacher", str(gemma_path), "--n-ctx", "1024",
             "--threads", "1"]
     assert main(argv) == 0
-    assert capsys.readouterr().out.startswith("labelled 3 items, 0 already done, 0 bad, in ")
+    first = capsys.readouterr()
+    assert first.out.startswith("labelled 3 items, 0 already done, 0 bad, 0 left, in ")
+    assert "2 items left, 2 teacher calls (4 readouts); the first took" in first.err
+    assert "teacher check urgent: 3 items" in first.err  # too few to judge: reported, not flagged
     assert main(argv) == 0
-    assert capsys.readouterr().out.startswith("labelled 0 items, 3 already done, 0 bad, in ")
+    assert capsys.readouterr().out.startswith("labelled 0 items, 3 already done, 0 bad, 0 left, in ")
+    # the store recorded the input policy: a resume under another one is refused
+    assert main([*argv[:-4], "--n-ctx", "512", "--threads", "1"]) == 2
+    assert "read with n_ctx 1024, no excerpt; this run reads with n_ctx 512" in capsys.readouterr().err
 
 
 def test_cli_layout_auto_puts_one_question_options_first_and_the_store_keeps_that_teacher(
@@ -303,7 +310,16 @@ def test_killed_and_interrupted_runs_resume_without_loss_or_duplicates(
     interrupted.send_signal(signal.SIGINT)
     out, err = interrupted.communicate()
     assert interrupted.returncode == 130
-    assert "run the same command again to resume" in err
+    assert "SIGINT: stopping after this item" in err
+    assert re.search(r"interrupted: \d+ items labelled by this run are committed, \d+ left; run the "
+                     "same command again to resume", err)
+
+    terminated = start_cli(argv)  # a job scheduler's SIGTERM: the same clean stop and summary
+    wait_for_rows(terminated, store, len(before) + 4 * len(QUESTIONS))
+    terminated.send_signal(signal.SIGTERM)
+    out, err = terminated.communicate()
+    assert terminated.returncode == 130 and "SIGTERM: stopping after this item" in err
+    assert "left; run the same command again to resume" in err
 
     finished = start_cli(argv)
     out, err = finished.communicate()

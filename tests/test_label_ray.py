@@ -10,6 +10,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,7 @@ PATH_TOLERANCE = 0.15  # BENCHMARKS.md, "Decode paths: measured tolerance": max 
 CLEAR_MARGIN = 0.3  # the argmax must agree wherever the top two are further apart than this
 LONG_ITEM = json.dumps({"id": "long", "text": "The refund is late again. " * 300})
 ACTOR_TITLE = "MapBatches(TeacherActor)"
+pytest_plugins = ("pgfixtures",)  # postgres_url: a fresh database on a real server
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +233,42 @@ def test_a_killed_actor_loses_and_duplicates_nothing(
     assert run.wait(timeout=600) == 0, (tmp_path / "err.txt").read_text()
     assert f"labelled {n} items, 0 already done, 0 bad" in (tmp_path / "out.txt").read_text()
     assert rows_per_item(store) == {f"e{i:02d}": len(QUESTIONS) for i in range(n)}
+
+
+def test_into_postgresql_actors_write_straight_and_a_killed_one_loses_and_duplicates_nothing(
+    cluster: str, gemma_path: Path, tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver's own writes are refused here (its actors are other processes, not patched): the
+    labels can only have come from the actors. An actor killed mid-run leaves its item to the
+    retry (its claim dies with its connection), and a second run labels nothing."""
+    import psycopg
+
+    def rows() -> int:
+        with psycopg.connect(postgres_url) as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM labels").fetchone()[0])
+
+    killed: list[int] = []
+
+    def kill_an_actor() -> None:
+        while rows() < 2 * len(QUESTIONS):
+            time.sleep(0.05)
+        killed.append(actor_processes()[0])
+        os.kill(killed[0], signal.SIGKILL)
+
+    n = 12
+    corpus = write_corpus(tmp_path / "c.jsonl", n=n)
+    LabelStore(postgres_url, teacher_of_file(gemma_path)).close()
+    monkeypatch.setattr(LabelStore, "put_item", lambda *_: pytest.fail("the driver wrote a label"))
+    killer = threading.Thread(target=kill_an_actor, daemon=True)
+    killer.start()
+    first = label_ray(gemma_path, corpus, postgres_url)
+    killer.join(timeout=1)
+    assert killed, "an actor was killed while the run went on"
+    assert (first.items, first.labelled + first.skipped_done, first.left) == (n, n, 0)
+    with LabelStore.open_existing(postgres_url) as store:
+        labels = {qid: store.labels(qid) for qid in QUESTIONS}
+        assert len(store) == n * len(QUESTIONS), "no label twice"
+    per_item = {item: sum(item in labels[q] for q in QUESTIONS) for item in set().union(*labels.values())}
+    assert per_item == {f"e{i:02d}": len(QUESTIONS) for i in range(n)}
+    again = label_ray(gemma_path, corpus, postgres_url)
+    assert (again.labelled, again.skipped_done) == (0, n)

@@ -30,6 +30,7 @@ from cascade.hashing import file_sha256
 from cascade.questions import DecisionRequest
 from cascade.readout.placement import Placement
 from cascade.readout.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, PromptTemplate
+from cascade.readout.scorer import HeadTailExcerpt
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.thresholds import apply_temperature, threshold_score
@@ -551,6 +552,30 @@ def test_a_state_past_the_teachers_context_keeps_a_lower_answer_marked_not_certi
     assert routing is not None and (routing.tier, routing.too_long_for) == ("encoder", ["teacher"])
     assert routing.certified is False
     assert fine.answers["urgent"].routing is not None and fine.answers["urgent"].routing.tier == "teacher"
+
+
+def test_the_teacher_reads_an_over_long_state_by_the_bundles_input_policy(
+    trained: tuple, urgent_items: list[Item], tmp_path: Path, gemma_path: Path
+) -> None:
+    """The labels were read with an excerpt: the teacher answers a long state from the same excerpt
+    (its reading equals the scorer's own with that excerpt), and says so in readout.excerpt."""
+    base = urgent_items[1]
+    long = Item("long", " ".join([str(base.state)] * 40))
+    encoder, _ = trained[2].manifest.model_dump(mode="json")["tiers"]
+    teacher = {"kind": "gguf", "name": "teacher", "model": ModelFile.of(gemma_path).model_dump(),
+               "n_ctx": 512, "excerpt": "head_tail:128"}
+    directory = variant(trained[2], tmp_path / "b", tiers=[encoder, teacher], teacher=pinned(gemma_path),
+                        thresholds=thresholds(None))
+    with Cascade.load(directory, threads=1) as cascade:
+        (response,) = cascade.decide_batch([long], questions=["urgent"])
+        scorer = cascade.tiers[-1].scorer
+        scorer.forget_head()
+        request = DecisionRequest(state=long.state, questions={"urgent": cascade.questions["urgent"]})
+        alone = scorer.score(request, excerpt=HeadTailExcerpt.parse("head_tail:128"))
+    answer = response.answers["urgent"]
+    assert response.errors is None and answer.routing is not None and answer.routing.tier == "teacher"
+    assert answer.readout is not None and answer.readout.excerpt == "head_tail:128"
+    assert answer.probabilities == pytest.approx(alone.answers["urgent"].probabilities, abs=1e-9)
 
 
 def test_cli_decide_needs_a_teacher_and_resumes(

@@ -151,6 +151,14 @@ def test_a_question_the_bundle_does_not_hold_is_answered_by_the_teacher_alone(ur
     for qid in (KEPT, "s"):
         routing = body["answers"][qid]["x_routing"]
         assert (routing["tier"], routing["covered"], routing["certified"]) == ("teacher", False, False)
+        assert routing["uncovered_why"] is None
+    # the bundle's question with its options named but not described (as an SDK helper builds it
+    # from a list of keys): not the question the thresholds certify, and the answer says why
+    bare = {**QUESTIONS_JSON[ESCALATED], "criteria": dict.fromkeys(QUESTIONS_JSON[ESCALATED]["criteria"])}
+    routing = post(url, {"state": STATE, "questions": {"d": bare}}).json()["answers"]["d"]["x_routing"]
+    assert (routing["tier"], routing["covered"]) == ("teacher", False)
+    assert routing["uncovered_why"].startswith(f"the bundle's question {ESCALATED!r} has these instructions "
+                                               "but other option descriptions (criteria)")
 
 
 def test_request_ids_are_echoed_and_made(url: str) -> None:
@@ -335,11 +343,12 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(bundle_dir: Path, ge
                 time.sleep(0.01)
             time.sleep(0.2)  # the request is read and routed: now it waits for the teacher
             server.send_signal(signal.SIGTERM)
-            assert flight.result().status_code == 200
-        assert server.wait(timeout=60) == 0
+            reply = flight.result()
+        code = server.wait(timeout=60)
     finally:
         server.kill()
         stderr = server.stderr.read() if server.stderr else ""
+    assert (reply.status_code, code) == (200, 0), f"{reply.text[:500]}\n{stderr[-3000:]}"
     assert '"status": 200' in stderr  # the request's log line
 
 
@@ -391,3 +400,51 @@ def test_without_the_serve_extra_routing_works_and_serve_says_how_to_install_it(
     serve = BLOCK_SERVE_EXTRA + f"from distill.cli import main\nsys.exit(main({argv!r}))"
     done = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True)
     assert done.returncode == 2 and 'pip install "cascade-router[serve]"' in done.stderr, done.stderr
+
+
+def test_a_state_longer_than_the_teachers_context_never_fails_the_request(
+    bundle_dir: Path, gemma_path: Path
+) -> None:
+    """The encoder answers what it may keep; an escalated bundle question keeps the encoder's
+    answer, marked not certified; a question only the teacher could answer gets its own error in
+    x_errors, counted in /metrics. A client (jev-style's own code) gets a 200."""
+    from jev_style import JevStyle, choice, noul, score
+
+    from cascade.readout.placement import Placement
+
+    short_context = {"teacher": Placement(n_ctx=256, threads=2)}
+    load = lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2, placement=short_context)  # noqa: E731
+    with running(load) as base, JevStyle(base_url=base) as jev:
+        out = jev.decide(" ".join([STATE] * 12), {
+            "u": noul(QUESTIONS_JSON[KEPT]["instructions"]),
+            "d": choice(QUESTIONS_JSON[ESCALATED]["instructions"], QUESTIONS_JSON[ESCALATED]["criteria"]),
+            "s": score(SCORE["instructions"], SCORE["criteria"])})
+        metrics = httpx.get(f"{base}/metrics").text
+    answers = out["answers"]
+    assert answers["u"]["x_routing"]["tier"] == "encoder" and answers["u"]["x_routing"]["certified"]
+    kept = answers["d"]["x_routing"]
+    assert (kept["tier"], kept["certified"], kept["too_long_for"]) == ("encoder", False, ["teacher"])
+    assert "s" not in answers and out["x_errors"]["s"]["code"] == "input_too_long"
+    assert "the context holds 256" in out["x_errors"]["s"]["message"]
+    assert 'cascade_question_errors_total{code="input_too_long",question="(not in bundle)"} 1.0' in metrics
+    assert 'cascade_uncertified_answers_total{reason="too_long"} 1.0' in metrics
+
+
+def test_serve_refuses_another_teacher_before_it_opens_its_port(bundle_dir: Path, tmp_path: Path) -> None:
+    """What can be refused without loading a model is refused first: nothing ever listens."""
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF not the teacher the bundle was certified against")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "distill.cli", "serve", "--bundle", str(bundle_dir),
+                               "--teacher", str(other), "--port", str(port)],
+                              stderr=subprocess.PIPE, text=True)
+    listened = False
+    while server.poll() is None:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+            listened = True
+        except httpx.TransportError:
+            time.sleep(0.05)
+    stderr = server.stderr.read() if server.stderr else ""
+    assert (server.returncode, listened) == (2, False), stderr
+    assert "RouterError: bundle 'support' cannot escalate to" in stderr and "Traceback" not in stderr

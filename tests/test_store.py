@@ -1,4 +1,5 @@
-"""Teacher label store: binding to one teacher, idempotent writes, import/export, kill safety."""
+"""Teacher label store: binding to one teacher, idempotent writes, import/export, kill safety, on
+both backends (a SQLite file; a PostgreSQL database on a real server, ``pgfixtures``)."""
 
 import json
 import os
@@ -6,6 +7,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from cascade.errors import CascadeError
 from cascade.questions import parse_request
 from distill.label_transfer import export_labels, import_labels
-from distill.store import InputPolicy, LabelStore, StoreError, StoreMismatchError, Teacher
+from distill.store import InputPolicy, LabelStore, StoreError, StoreMismatchError, Teacher, is_url
 
 GGUF = Teacher(kind="gguf", model="qwen-4b.gguf", model_sha256="a" * 64, prompt_version="v1")
 QUESTIONS = parse_request({
@@ -28,12 +30,29 @@ QUESTIONS = parse_request({
     },
 }).questions
 ROOT = Path(__file__).resolve().parents[1]
+Place = Callable[[str], str]
+pytest_plugins = ("pgfixtures",)  # place, postgres_url: each test on both backends
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    with LabelStore(tmp_path / "labels.db", GGUF) as opened:
+def store(place: Place):
+    with LabelStore(place("labels.db"), GGUF) as opened:
         yield opened
+
+
+def sql(location: str, statement: str, params: tuple = ()) -> list[tuple]:
+    """Run one statement on a store behind its back (as another program, or an older cascade)."""
+    if location.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(location, autocommit=True) as conn:
+            cursor = conn.execute(statement.replace("?", "%s"), params)  # type: ignore[arg-type]
+            return cursor.fetchall() if cursor.description else []
+    conn = sqlite3.connect(location, isolation_level=None)
+    try:
+        return conn.execute(statement, params).fetchall()
+    finally:
+        conn.close()
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -41,8 +60,8 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def test_create_then_reopen_keeps_labels_and_teacher(tmp_path: Path) -> None:
-    path = tmp_path / "labels.db"
+def test_create_then_reopen_keeps_labels_and_teacher(place: Place) -> None:
+    path = place("labels.db")
     with LabelStore(path, GGUF) as store:
         store.put_item("e1", {"urgent": {"true": 0.8, "false": 0.2}}, {"urgent": "h1"})
     with LabelStore(path, GGUF) as store:
@@ -52,18 +71,19 @@ def test_create_then_reopen_keeps_labels_and_teacher(tmp_path: Path) -> None:
     with LabelStore.open_existing(path) as store:
         assert store.teacher == GGUF
         assert len(store) == 1
-        assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    if not is_url(store.path):
+        assert sql(path, "PRAGMA journal_mode") == [("wal",)]
 
 
 @pytest.mark.parametrize("field, value", [
     ("kind", "external"), ("model", "other.gguf"), ("model_sha256", "b" * 64),
     ("prompt_version", "v2"),
 ])
-def test_store_of_another_teacher_is_refused(tmp_path: Path, field: str, value: str) -> None:
-    LabelStore(tmp_path / "labels.db", GGUF).close()
+def test_store_of_another_teacher_is_refused(place: Place, field: str, value: str) -> None:
+    LabelStore(place("labels.db"), GGUF).close()
     other = Teacher.model_validate({**GGUF.model_dump(), field: value})
     with pytest.raises(StoreMismatchError, match=f"{field}.*new --store path") as caught:
-        LabelStore(tmp_path / "labels.db", other)
+        LabelStore(place("labels.db"), other)
     assert isinstance(caught.value, CascadeError) and isinstance(caught.value, ValueError)
 
 
@@ -87,9 +107,9 @@ def test_missing_and_foreign_files_are_refused(tmp_path: Path) -> None:
         "SELECT name FROM sqlite_master").fetchall() == [("t",)], "foreign file left untouched"
 
 
-def test_read_only_store_refuses_writes(tmp_path: Path) -> None:
-    LabelStore(tmp_path / "labels.db", GGUF).close()
-    with LabelStore.open_existing(tmp_path / "labels.db") as store, \
+def test_read_only_store_refuses_writes(place: Place) -> None:
+    LabelStore(place("labels.db"), GGUF).close()
+    with LabelStore.open_existing(place("labels.db")) as store, \
             pytest.raises(StoreError, match="read-only"):
         store.put_item("e1", {"urgent": {"true": 1.0, "false": 0.0}})
 
@@ -187,8 +207,8 @@ def test_skip_mode_counts_and_reports_bad_rows(store: LabelStore, tmp_path: Path
     assert len(store) == 3
 
 
-def test_export_then_import_round_trips(tmp_path: Path) -> None:
-    with LabelStore(tmp_path / "a.db", GGUF) as source:
+def test_export_then_import_round_trips(place: Place, tmp_path: Path) -> None:
+    with LabelStore(place("a.db"), GGUF) as source:
         source.put_item("e1", {"urgent": {"true": 0.1, "false": 0.9},
                                "team": {"billing": 0.2, "technical": 0.5, "sales": 0.3},
                                "severity": {"0": 0.1, "1": 0.2, "2": 0.7}})
@@ -200,7 +220,7 @@ def test_export_then_import_round_trips(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert {(r["question"], r["answer"]) for r in rows if r["id"] == "e1"} == {
         ("urgent", False), ("team", "technical"), ("severity", 2)}
-    with LabelStore(tmp_path / "b.db", Teacher(kind="external", model="copy")) as copy:
+    with LabelStore(place("b.db"), Teacher(kind="external", model="copy")) as copy:
         summary = import_labels(copy, tmp_path / "out.jsonl", QUESTIONS)
         assert summary.imported == 6
         for qid, items in expected.items():
@@ -214,7 +234,7 @@ import sys
 from pathlib import Path
 from distill.store import LabelStore, Teacher
 
-path, items, gated = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "gated"
+path, items, gated = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "gated"
 questions = [f"q{j}" for j in range(8)]
 with LabelStore(path, Teacher(kind="external", model="kill test")) as store:
     done = store.done_items(questions)
@@ -229,7 +249,7 @@ print("finished", flush=True)
 """
 
 
-def run_writer(path: Path, items: int, gated: bool) -> subprocess.Popen:
+def run_writer(path: str, items: int, gated: bool) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [sys.executable, "-c", KILL_SCRIPT, str(path), str(items), "gated" if gated else "free"],
@@ -237,9 +257,15 @@ def run_writer(path: Path, items: int, gated: bool) -> subprocess.Popen:
     )
 
 
-def test_sigkill_mid_run_loses_nothing_committed_and_resumes(tmp_path: Path) -> None:
+def per_item(path: str) -> dict[str, int]:
+    """Labels stored per item."""
+    return dict(sql(path, "SELECT item_id, COUNT(*) FROM labels GROUP BY item_id"))
+
+
+def test_sigkill_mid_run_loses_nothing_committed_and_resumes(place: Place) -> None:
     """Only `released` items may start before the kill, so it lands before the run can end."""
-    path, total, released = tmp_path / "labels.db", 200, 120
+    path, total, released = place("labels.db"), 200, 120
+    sqlite = not path.startswith("postgresql://")
     writer = run_writer(path, total, gated=True)
     assert writer.stdin is not None and writer.stdout is not None
     writer.stdin.write("go\n" * released)
@@ -250,30 +276,27 @@ def test_sigkill_mid_run_loses_nothing_committed_and_resumes(tmp_path: Path) -> 
     writer.stdin.close()
     writer.stdout.close()
 
-    conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    per_item = dict(conn.execute("SELECT item_id, COUNT(*) FROM labels GROUP BY item_id"))
-    conn.close()
-    assert set(per_item.values()) == {8}, "every item is whole or absent"
-    assert set(reported) <= set(per_item), "every reported (committed) item survived"
-    assert len(per_item) <= released < total
+    assert not sqlite or sql(path, "PRAGMA integrity_check") == [("ok",)]
+    stored = per_item(path)
+    assert set(stored.values()) == {8}, "every item is whole or absent"
+    assert set(reported) <= set(stored), "every reported (committed) item survived"
+    assert len(stored) <= released < total
 
     second = run_writer(path, total, gated=False)
     out, _ = second.communicate()
     assert second.returncode == 0 and out.splitlines()[-1] == "finished"
-    assert len(out.splitlines()) - 1 == total - len(per_item), "done items were skipped"
+    assert len(out.splitlines()) - 1 == total - len(stored), "done items were skipped"
     with LabelStore.open_existing(path) as store:
         assert len(store) == total * 8
         assert store.done_items([f"q{j}" for j in range(8)]) == {
             f"item{i:04d}" for i in range(total)}
-    conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    distinct = "SELECT COUNT(*) FROM (SELECT DISTINCT item_id, question_id FROM labels)"
-    assert conn.execute(distinct).fetchone()[0] == total * 8
+    assert not sqlite or sql(path, "PRAGMA integrity_check") == [("ok",)]
+    distinct = "SELECT COUNT(*) FROM (SELECT DISTINCT item_id, question_id FROM labels) AS pairs"
+    assert sql(path, distinct) == [(total * 8,)]
 
 
-def test_the_input_policy_is_recorded_once_and_another_refused(tmp_path: Path) -> None:
-    path = tmp_path / "labels.db"
+def test_the_input_policy_is_recorded_once_and_another_refused(place: Place) -> None:
+    path = place("labels.db")
     policy = InputPolicy(n_ctx=512, excerpt="head_tail:256")
     with LabelStore(path, GGUF, policy=policy) as store:
         store.put_item("e1", {"urgent": {"true": 0.8, "false": 0.2}}, {}, {"urgent": 0.91})
@@ -308,16 +331,17 @@ def test_a_schema_1_store_is_read_as_it_is_and_upgraded_when_written(tmp_path: P
     with LabelStore(path, GGUF, policy=InputPolicy(n_ctx=4096)) as store:
         store.put_item("e2", {"urgent": {"true": 0.0, "false": 1.0}}, {}, {"urgent": 0.5})
         assert store.letter_masses("urgent") == {"e2": 0.5} and len(store) == 2
-    with sqlite3.connect(path) as db:
-        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
-    db.close()
+    assert sql(str(path), "SELECT value FROM meta WHERE key='schema_version'") == [("3",)]
 
 
-def test_a_store_from_a_newer_cascade_says_to_upgrade(tmp_path: Path) -> None:
-    path = tmp_path / "labels.db"
+def test_a_store_of_another_schema_version_is_refused_on_open(place: Place) -> None:
+    path = place("labels.db")
     LabelStore(path, GGUF).close()
-    with sqlite3.connect(path) as db:
-        db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
-    db.close()
-    with pytest.raises(StoreError, match="made by a newer cascade, upgrade this one"):
+    sql(path, "UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(StoreError, match=r"schema version '99'.*made by a newer cascade, upgrade this one"):
         LabelStore.open_existing(path)
+    with pytest.raises(StoreError, match="made by a newer cascade"):
+        LabelStore(path, GGUF)
+    sql(path, "UPDATE meta SET value='0' WHERE key='schema_version'")
+    with pytest.raises(StoreError, match=r"schema version '0'.*Relabel into a new --store path"):
+        LabelStore(path, GGUF)

@@ -83,6 +83,10 @@ def test_the_command_lists_the_models_and_refuses_unknown_ones() -> None:
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0
     assert "qwen2.5-coder-1.5b-instruct" in listed.stdout and "qwen2.5-coder-0.5b-instruct" in listed.stdout
+    assert "gemma-3-270m-q4_k_m" in listed.stdout and "the teacher check refuses" in listed.stdout
+    gemma = subprocess.run([sys.executable, "-m", "distill.cli", "teacher-model", "gemma-3-270m-q4_k_m"],
+                           capture_output=True, text=True, timeout=120)
+    assert gemma.returncode == 0 and gemma.stdout.strip().endswith(".gguf")
     unknown = subprocess.run([sys.executable, "-m", "distill.cli", "teacher-model", "gpt-9"],
                              capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and unknown.stderr.startswith("ModelError: no packaged model")

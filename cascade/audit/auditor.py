@@ -1,5 +1,5 @@
 """Auditing one routed item: the teacher answers every bundle question, the record is written,
-and the drift watch counts it.
+and the drift watch counts it (with a shared stream, in the stream's order: ``cascade.audit.stream``).
 
 ``Cascade.decide`` callers (``cascade decide``) audit inline, on the thread that routed; the server
 audits on the top tier's worker at the lowest priority (``cascade.serve.engine``). Only a live
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from cascade.answers import DecisionResponse
 from cascade.audit.record import AuditRecord, AuditSink, certified_answers
 from cascade.audit.sample import AuditSampler
+from cascade.audit.stream import AuditStream, StreamFollower
 from cascade.audit.watch import DriftWatch, OnDrift
 from cascade.errors import CascadeError
 from cascade.routing.router import Cascade
@@ -26,10 +27,15 @@ log = logging.getLogger("cascade.audit")
 
 class Auditor:
     """Audits a ``sampler``'s share of a cascade's items into ``sink``, watched by a ``DriftWatch``
-    (None where the bundle has no calibration target to watch)."""
+    (None where the bundle has no calibration target to watch).
+
+    ``stream``: where the watch reads every writer's audits from (the store ``sink`` writes to,
+    shared by replicas): the watch then counts the stream in its order, this process's audits
+    among the others', and ``follower`` keeps it caught up. None: the watch counts this process's
+    records as it writes them."""
 
     def __init__(self, cascade: Cascade, sampler: AuditSampler, sink: AuditSink,
-                 on_drift: OnDrift = "demote") -> None:
+                 on_drift: OnDrift = "demote", stream: AuditStream | None = None) -> None:
         if not cascade.tiers[-1].reads_any_question:
             raise CascadeError(f"auditing needs a live teacher as the top tier; {cascade.tiers[-1].name!r} "
                                "replays recorded labels (give --teacher PATH.gguf, or --audit-share 0)")
@@ -43,15 +49,27 @@ class Auditor:
             self.watch = DriftWatch(cascade.questions, calibration.target, calibration.delta,
                                     cascade.calibration_version, on_drift)
             cascade.demoted = self.watch.demoted
+        self.follower: StreamFollower | None = None
+        if self.watch is not None and stream is not None:
+            watch = self.watch
+            self.follower = StreamFollower(watch, stream, lambda qid: self._report(watch, qid))
         self.audited = 0
         self.unreadable = 0
         self.run_id = uuid.uuid4().hex[:12]
 
-    def replay(self, records: list[AuditRecord]) -> None:
-        """Count records written before (a restart): a question demoted stays demoted."""
-        if self.watch is not None:
-            for record in records:
+    def replay(self, records: list[AuditRecord] | None = None) -> None:
+        """Count records written before (a restart): a question demoted stays demoted. With a
+        stream, ``records`` is None: the stream is read from its start."""
+        if self.follower is not None:
+            self.follower.catch_up()
+        elif self.watch is not None:
+            for record in records or []:
                 self.watch.observe(record)
+
+    def close(self) -> None:
+        """Stop following the stream (where ``follower.follow`` started a thread)."""
+        if self.follower is not None:
+            self.follower.close()
 
     def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str]
               ) -> AuditRecord | None:
@@ -76,7 +94,9 @@ class Auditor:
             system=certified_answers(response.answers, bundle_ids))
         self.sink(record)
         self.audited += 1
-        if self.watch is not None:
+        if self.follower is not None:  # this record, and every one the store put before it
+            self.follower.catch_up()
+        elif self.watch is not None:
             for qid in self.watch.observe(record):
                 self._report(self.watch, qid)
         return record

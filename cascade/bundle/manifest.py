@@ -26,9 +26,11 @@ from pydantic import (
     Field,
     FieldSerializationInfo,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
     field_serializer,
+    model_serializer,
     model_validator,
 )
 
@@ -47,12 +49,13 @@ from cascade.pins import (
 )
 from cascade.questions import Question
 from cascade.readout.prompts import PROMPT_VERSION, Layout, layout_of
+from cascade.teachers.identity import EndpointIdentity
 from cascade.thresholds import ThresholdScore
 from cascade.tiers.base import StrictModel, TierSpec, read_heads
 from cascade.tiers.encoder import EncoderSpec
 from cascade.tiers.kinds import TIER_SPECS, AnyTierSpec
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 VECTORS_ALONE_SCHEMA = 3
 """The first schema whose thresholds certify encoder vectors computed from each text alone
 (``cascade.encoder.onnx_encoder``); before it, an encoder with dynamic int8 activations ran in batches."""
@@ -67,12 +70,30 @@ _QUESTIONS = TypeAdapter(dict[str, Question])
 
 
 class TeacherInfo(StrictModel):
-    """Who made the labels the heads learnt and the thresholds were calibrated on."""
+    """Who made the labels the heads learnt and the thresholds were calibrated on: a GGUF (its
+    sha256 and prompt version), a System One endpoint (``identity``: as JSON, the model and
+    hashes its answers stated, ``cascade.teachers.identity``; ``model`` is its model name), or
+    external labels known by name only. The fields are the label store's (``distill.store``),
+    so that the two compare equal for the same teacher."""
 
-    kind: Literal["gguf", "external"]
+    kind: Literal["gguf", "external", "endpoint"]
     model: str
     model_sha256: str | None = None
     prompt_version: str | None = None
+    identity: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _identity_where_known(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No ``identity`` key for a teacher without one: a bundle of a GGUF teacher reads as
+        before, in a cascade that predates endpoint teachers too."""
+        data: dict[str, Any] = handler(self)
+        if data.get("identity") is None:
+            data.pop("identity", None)
+        return data
+
+    def endpoint_identity(self) -> EndpointIdentity | None:
+        """An endpoint teacher's identity, parsed (None for another kind)."""
+        return EndpointIdentity.model_validate_json(self.identity) if self.identity else None
 
 
 class SplitInfo(StrictModel):
@@ -86,18 +107,12 @@ class SplitInfo(StrictModel):
 class Manifest(StrictModel):
     """Everything a router needs to know about a bundle, as plain JSON.
 
-    Schema 2 added ``threshold_on``: the score its thresholds are compared with. A schema-1
-    bundle's thresholds are on the top probability and are read as such; calibrating it again
-    makes it schema 2, so a cascade that predates the margin refuses it rather than read margins
-    as top probabilities. Schema 3 (``VECTORS_ALONE_SCHEMA``) changes no field: its thresholds
-    were certified on encoder vectors that do not depend on their batch, and the router refuses
-    an older bundle whose encoder's did, until it is calibrated again. Schema 4 adds the encoder
-    tier's optional ``gate`` (``cascade.encoder.familiar``), so that an older cascade says its schema is
-    too old rather than failing on an unknown field; a bundle without one routes as before.
-    Schema 5 adds the mid-layer tier kind (``cascade.readout.layer_scorer``), for the same reason.
+    Each schema version adds what an older cascade must refuse rather than misread; the history
+    is in docs/bundles.md. Schema 6 adds the input policy the teacher's labels were read with
+    (the top tier's ``n_ctx`` and ``excerpt``), which every path that reads a state follows.
     """
 
-    schema_version: Literal[1, 2, 3, 4, 5] = 5
+    schema_version: Literal[1, 2, 3, 4, 5, 6] = 6
     name: str = Field(min_length=1)
     created_at: datetime
     prompt_version: str = PROMPT_VERSION

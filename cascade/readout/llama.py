@@ -20,7 +20,13 @@ import numpy as np
 
 from cascade.errors import ModelError
 from cascade.readout.layer_tap import LayerTap
-from cascade.readout.placement import ExtraBuffers, check_gpu_layers, system_info, use_extra_buffers
+from cascade.readout.placement import (
+    ExtraBuffers,
+    check_gpu_layers,
+    default_threads,
+    system_info,
+    use_extra_buffers,
+)
 
 _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
 _BACKEND_READY = False
@@ -200,7 +206,8 @@ class LlamaContext:
         params.n_seq_max = config.n_seq_max
         params.n_outputs_max = config.n_seq_max
         params.kv_unified = True
-        threads = config.n_threads or os.cpu_count() or 1
+        threads, self.threads_reason = ((config.n_threads, "asked") if config.n_threads
+                                        else default_threads())
         self.threads = threads
         params.n_threads = threads
         params.n_threads_batch = threads

@@ -209,8 +209,10 @@ class Scorer:
         else:
             place = "cpu"
         buffers = "on" if model.extra_buffers else "off"
-        parts = [place, f"{self.ctx.threads} thread{'s' if self.ctx.threads != 1 else ''}",
-                 f"extra buffers {buffers} ({model.extra_buffers_reason})"]
+        threads = f"{self.ctx.threads} thread{'s' if self.ctx.threads != 1 else ''}"
+        if self.ctx.threads_reason != "asked":
+            threads += f" ({self.ctx.threads_reason})"
+        parts = [place, threads, f"extra buffers {buffers} ({model.extra_buffers_reason})"]
         return ", ".join(parts + ([self.n_ctx_note] if self.n_ctx_note else []))
 
     def close(self) -> None:

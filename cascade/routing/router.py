@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from cascade.answers import Answer, Audit, DecisionResponse, QuestionError, Routing, TierUsage, Usage
@@ -31,6 +32,7 @@ from cascade.readout.prompts import (
     template_sha256,
 )
 from cascade.routing.budget import Budget, Pick, Run, allowance
+from cascade.routing.endpoint import Teacher, gguf_of, same_endpoint, upstream_of
 from cascade.routing.forecast import CostModel
 from cascade.thresholds import apply_temperature, threshold_score
 from cascade.tiers.base import Build, Item, Labels, Reply, Tier
@@ -64,7 +66,7 @@ class Cascade:
     def load(
         cls,
         bundle_dir: Path,
-        teacher: Path | None = None,
+        teacher: Teacher | None = None,
         labels: Labels | None = None,
         device: Device = "cpu",
         flops_per_second: float | None = None,
@@ -87,15 +89,12 @@ class Cascade:
         (same sha256 and prompt version): thresholds certify agreement with that model only.
         ``accept_other_teacher`` runs another one anyway, and every answer says it is not certified.
         A tier calibration took out of the cascade (it cost more than it saved) is not loaded.
+        ``teacher`` may be a System One URL (or ``UpstreamSettings``): the top tier then calls it,
+        and every answer must state the bundle's teacher (``cascade.routing.endpoint``).
         """
-        if teacher is not None and labels is not None:
-            raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
-        bundle = Bundle.load(Path(bundle_dir))
-        build = Build(teacher=Path(teacher) if teacher is not None else None, labels=labels,
-                      device=device, cache_dir=cache_dir, threads=threads, placements=placement)
-        _check_top(bundle.manifest, build)
-        _check_encoder_vectors(bundle)
-        certified = teacher is None or _same_teacher(bundle.manifest, Path(teacher), accept_other_teacher)
+        bundle, build, certified = _prepared(bundle_dir, teacher, labels, accept_other_teacher,
+                                             Build(device=device, cache_dir=cache_dir, threads=threads,
+                                                   placements=placement))
         dropped = bundle.manifest.calibration.dropped()
         tiers = build_tiers(bundle, build, [s for s in bundle.manifest.tiers if s.name not in dropped])
         try:
@@ -105,6 +104,13 @@ class Cascade:
             raise
         return cls(bundle.manifest, tiers, costs, certified,
                    file_sha256(bundle.directory / MANIFEST_NAME))
+
+    @staticmethod
+    def preflight(bundle_dir: Path, teacher: Teacher | None = None,
+                  accept_other_teacher: bool = False) -> None:
+        """Every check ``load`` makes before a model loads (the bundle's files, the teacher given
+        against the one certified), loading nothing: a server runs it before it opens its port."""
+        _prepared(bundle_dir, teacher, None, accept_other_teacher, Build())
 
     def close(self) -> None:
         """Free the llama.cpp models the tiers opened."""
@@ -428,6 +434,25 @@ def _check_items(items: Sequence[Item], asked: Sequence[Sequence[str]],
         if not qids or unknown or len(set(qids)) < len(qids):
             raise RequestError(f"items[{n}] (id {item.id!r}): asked must list distinct question ids "
                                f"of the bundle {list(questions)}; got {list(qids)}")
+
+
+def _prepared(bundle_dir: Path, teacher: Teacher | None, labels: Labels | None,
+              accept_other_teacher: bool, where: Build) -> tuple[Bundle, Build, bool]:
+    """The bundle, how to build its tiers (``where``'s placement, with the teacher), and whether
+    its answers are certified: every check before a model loads."""
+    if teacher is not None and labels is not None:
+        raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
+    bundle = Bundle.load(Path(bundle_dir))
+    upstream, expected = upstream_of(teacher), None
+    if upstream is not None:
+        certified, expected = same_endpoint(bundle.manifest, upstream.url, accept_other_teacher)
+    gguf = gguf_of(teacher)
+    build = replace(where, teacher=gguf, upstream=upstream, upstream_identity=expected, labels=labels)
+    _check_top(bundle.manifest, build)
+    _check_encoder_vectors(bundle)
+    if upstream is None:
+        certified = gguf is None or _same_teacher(bundle.manifest, gguf, accept_other_teacher)
+    return bundle, build, certified
 
 
 def _check_top(manifest: Manifest, build: Build) -> None:

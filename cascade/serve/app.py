@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
-from cascade.errors import CascadeError, InputTooLongError, RequestError
+from cascade.errors import CascadeError, InputTooLongError, RequestError, ServiceError
 from cascade.questions import DecisionRequest, load_json, parse_request
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
@@ -101,12 +102,20 @@ def create_app(load: Callable[[], Cascade], config: ServeConfig | None = None,
     app = FastAPI(title="cascade serve", version="1", lifespan=lifespan,
                   description="A tiered cascade behind the System One decision API.")
     _routes(app, loaded, config)
+    add_wire(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def add_wire(app: FastAPI) -> None:
+    """What every System One app of this package answers with: its error bodies (a refused
+    request, a failed upstream or a full queue with its status and Retry-After, a bug) and the
+    request id on every answer."""
     app.add_exception_handler(HttpProblem, _problem_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(ServiceError, _service_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_handler)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _bug_handler)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.add_middleware(_RequestIds)
-    return app
 
 
 def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
@@ -148,10 +157,10 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
             state = ready()
             body = await _body(request, config.max_body)
             response, matched = await _decide(state, body, dict(request.headers), request)
-        except HttpProblem as problem:
+        except (HttpProblem, ServiceError) as problem:
             if loaded.metrics is not None:
                 loaded.metrics.requests.labels(str(problem.status)).inc()
-            _log(request, problem.status, started, problem.code)
+            _log(request, problem.status, started, getattr(problem, "code", type(problem).__name__))
             raise
         metrics = state.metrics
         assert metrics is not None
@@ -255,6 +264,17 @@ async def _problem_handler(request: Request, problem: HttpProblem) -> Response:
     return JSONResponse(error_body(problem), problem.status, problem.headers)
 
 
+async def _service_handler(request: Request, exc: ServiceError) -> Response:
+    """An upstream's own 4xx passed back unchanged (status, body, type); any other failure a
+    client can act on as an error body with its status and Retry-After."""
+    if exc.body is not None:
+        return Response(exc.body, exc.status, exc.headers, media_type=exc.content_type)
+    code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower().removesuffix("_error")
+    kind = "rate_limit_error" if exc.status == 429 else "server_error"
+    problem = HttpProblem(exc.status, code, str(exc), exc.headers, kind=kind)
+    return JSONResponse(error_body(problem), exc.status, exc.headers)
+
+
 async def _http_handler(request: Request, exc: StarletteHTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
     problem = HttpProblem(exc.status_code, code, str(exc.detail))
@@ -321,6 +341,9 @@ _REQUEST_DOC: dict[str, Any] = {
         "413": {"description": "Body over the size limit", **_ERROR},
         "415": {"description": "Unsupported Content-Encoding", **_ERROR},
         "422": {"description": "A bad request: error and detail say where", **_ERROR},
+        "429": {"description": "An upstream teacher rate-limits this key (Retry-After)", **_ERROR},
+        "502": {"description": "An upstream teacher is unreachable or answered wrongly", **_ERROR},
         "503": {"description": "Loading, or the teacher's queue is full (Retry-After)", **_ERROR},
+        "504": {"description": "An upstream teacher did not answer in time", **_ERROR},
     },
 }

@@ -218,7 +218,8 @@ class Engine:
         for job in jobs:
             try:
                 if t == self.top and job.matched.foreign:
-                    job.foreign = answer_foreign(self.cascade, job.item, job.matched.foreign)
+                    job.foreign = answer_foreign(self.cascade, job.item, job.matched.foreign,
+                                                 job.matched.near)
                 self._forward(job, asked_top=t == self.top)
             except Exception as exc:
                 job.future.set_exception(exc)

@@ -1,10 +1,11 @@
 """The server's lifecycle: build the app for a bundle, serve it on uvicorn, stop on SIGTERM.
 
-``serve`` is what ``cascade serve`` calls. The bundle's cascade loads in a thread while
-``/health`` answers 503; SIGTERM (or Ctrl-C) stops taking requests, finishes those in flight
-within ``grace`` seconds and returns; a bundle that failed to load stops the server and is
-raised as a ``CascadeError``. This module imports without the ``serve`` extra; ``serve`` needs
-it, and says how to install it.
+``serve`` is what ``cascade serve`` calls; ``serve_teacher`` what ``cascade serve --teacher
+X.gguf`` without a bundle calls (the teacher's own System One server). The models load in a
+thread while ``/health`` answers 503; SIGTERM (or Ctrl-C) stops taking requests, finishes those
+in flight within ``grace`` seconds and returns; models that failed to load stop the server and
+are raised as a ``CascadeError``. This module imports without the ``serve`` extra; serving
+needs it, and says how to install it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from cascade.errors import CascadeError
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from cascade.audit.auditor import Auditor
     from cascade.encoder.onnx_encoder import Device
     from cascade.readout.placement import Placements
+    from cascade.readout.prompts import Layout
+    from cascade.routing.endpoint import Teacher
     from cascade.routing.router import Cascade
 
 API_KEY_VARIABLE = "CASCADE_API_KEY"
@@ -42,7 +45,8 @@ class ServeOptions:
     (``cascade.serve.engine.EngineSettings``): ``batch`` the requests waiting at the encoder
     together, at most ``max_batch``; at most ``teacher_queue`` requests wait for the top tier,
     and past it one is refused or ``overload="keep"`` keeps its best cheaper answer; at most
-    ``audit_queue`` audits wait.
+    ``audit_queue`` audits wait. ``max_wait``: a teacher server (``serve_teacher``) admits a
+    request only while its expected wait fits it, else answers 503 with Retry-After.
     """
 
     host: str = "127.0.0.1"
@@ -55,6 +59,7 @@ class ServeOptions:
     teacher_queue: int = 32
     overload: Literal["refuse", "keep"] = "refuse"
     audit_queue: int = 64
+    max_wait: float = 8.0
 
 
 AuditHook = Callable[["Cascade"], "Auditor | None"]
@@ -65,7 +70,7 @@ def serve(
     bundle: Path,
     options: ServeOptions | None = None,
     *,
-    teacher: Path | None = None,
+    teacher: Teacher | None = None,
     device: Device = "cpu",
     threads: int | None = None,
     placement: Placements = None,
@@ -80,7 +85,7 @@ def serve(
     and when the bundle failed to load (the server stops then).
     """
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the serve extra: refused here, before the bundle loads)
 
         from cascade.serve.app import ServeConfig, create_app
         from cascade.serve.engine import EngineSettings
@@ -94,37 +99,85 @@ def serve(
     if not (bundle / "manifest.json").is_file():
         raise CascadeError(f"no bundle at {bundle} (no manifest.json); give a folder that "
                            "cascade train wrote")
+    # what can be refused without loading a model is refused before the port opens
+    Cascade.preflight(bundle, teacher=teacher, accept_other_teacher=accept_other_teacher)
     key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
     settings = EngineSettings(batch=options.batch, max_batch=options.max_batch,
                               teacher_queue=options.teacher_queue, overload=options.overload,
                               audit_queue=options.audit_queue)
-    failures: list[BaseException] = []
-    server: uvicorn.Server | None = None
 
     def load() -> Cascade:
         return Cascade.load(bundle, teacher=teacher, device=device, threads=threads, placement=placement,
                             accept_other_teacher=accept_other_teacher)
 
-    def failed(exc: BaseException) -> None:
-        failures.append(exc)
-        if server is not None:
-            server.should_exit = True
-
     config = ServeConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY, engine=settings,
                          audit=audit)
-    app = create_app(load, config, failed)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=options.grace))
-    log.info(f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
-             f"(auth {'on' if key else 'off'}; models loading, /health says when ready)")
-    if threading.current_thread() is threading.main_thread():
-        # uvicorn stops gracefully on SIGTERM and then raises the signal again under the handler
-        # it found: this one, so that a requested stop returns instead of dying of the signal
-        signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
-    if failures:
-        failure = failures[0]
-        if isinstance(failure, CascadeError):
-            raise failure
-        raise CascadeError(f"loading the bundle failed: {type(failure).__name__}: {failure}") from failure
+    run = _Run(options, "the bundle")
+    run.serve(create_app(load, config, run.failed),
+              f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
+              f"(auth {'on' if key else 'off'}; models loading, /health says when ready)")
+
+
+def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placement: Placements = None,
+                  layout: Layout = "state-first") -> None:
+    """Serve ``teacher``'s raw logit readout at POST /v1/systemone until SIGTERM or Ctrl-C: the
+    teacher's own System One server (``cascade.serve.teacher``), which a cascade elsewhere can
+    take as its URL teacher. ``placement`` places the model (GPU layers, threads, n_ctx); its
+    prompts are read in ``layout``. Its queue admits a request only while the expected wait fits
+    ``options.max_wait``. Raises ``CascadeError`` as ``serve`` does."""
+    try:
+        from cascade.serve.teacher import TeacherConfig, create_teacher_app
+        from cascade.serve.transport import DEFAULT_MAX_BODY
+    except ImportError as exc:
+        raise CascadeError(f"cascade serve needs the serve extra ({exc}): {SERVE_EXTRA}") from None
+    from cascade.readout.placement import Placement, for_tier
+    from cascade.readout.scorer import Scorer
+
+    options = options or ServeOptions()
+    teacher = Path(teacher)
+    if not teacher.is_file():
+        raise CascadeError(f"teacher model {teacher} not found; give the path of a .gguf file")
+    place = for_tier(placement, "teacher") or Placement()
+    key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    config = TeacherConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY,
+                           max_wait=options.max_wait)
+    run = _Run(options, "the teacher model")
+    app = create_teacher_app(lambda: Scorer.placed(teacher, place, layout=layout), config, run.failed)
+    run.serve(app, f"serving the readout of {teacher.name} at http://{options.host}:{options.port}"
+              f"/v1/systemone (auth {'on' if key else 'off'}; admits while the expected wait is at "
+              f"most {options.max_wait:g} s; model loading, /health says when ready)")
+
+
+class _Run:
+    """One uvicorn server: run until SIGTERM or Ctrl-C; a failure to load stops it and is raised."""
+
+    def __init__(self, options: ServeOptions, what: str) -> None:
+        self.options, self.what = options, what
+        self.failures: list[BaseException] = []
+        self.server: Any = None
+
+    def failed(self, exc: BaseException) -> None:
+        self.failures.append(exc)
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def serve(self, app: Any, banner: str) -> None:
+        import uvicorn
+
+        options = self.options
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
+                                                    log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=options.grace))
+        log.info(banner)
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn stops gracefully on SIGTERM and then raises the signal again under the handler
+            # it found: this one, so that a requested stop returns instead of dying of the signal
+            signal.signal(signal.SIGTERM, lambda *_: None)
+        self.server.run()
+        if self.failures:
+            failure = self.failures[0]
+            if isinstance(failure, CascadeError):
+                raise failure
+            raise CascadeError(f"loading {self.what} failed: {type(failure).__name__}: "
+                               f"{failure}") from failure

@@ -10,7 +10,7 @@ instructions, another option) is not that question, and is answered by the teach
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cascade.questions import Question
 
@@ -24,10 +24,13 @@ def content_key(question: Question) -> tuple[object, ...]:
 @dataclass(frozen=True)
 class Matched:
     """A request's questions split: ``bundle`` maps each request id the bundle holds to the
-    bundle's id for it; ``foreign`` holds the others, by request id."""
+    bundle's id for it; ``foreign`` holds the others, by request id; ``near`` says, for a foreign
+    question that has a bundle question's type and instructions, what differs (an SDK helper
+    that leaves out the criteria, say), so its answer says why the bundle did not cover it."""
 
     bundle: dict[str, str]
     foreign: dict[str, Question]
+    near: dict[str, str] = field(default_factory=dict)
 
     @property
     def asked(self) -> list[str]:
@@ -40,16 +43,32 @@ class QuestionIndex:
 
     def __init__(self, questions: Mapping[str, Question]) -> None:
         self._by_content: dict[tuple[object, ...], str] = {}
+        self._by_text: dict[tuple[str, str], tuple[str, Question]] = {}
         for qid, question in questions.items():
             self._by_content.setdefault(content_key(question), qid)
+            self._by_text.setdefault((question.type, question.instructions_text()), (qid, question))
 
     def match(self, questions: Mapping[str, Question]) -> Matched:
         bundle: dict[str, str] = {}
         foreign: dict[str, Question] = {}
+        near: dict[str, str] = {}
         for qid, question in questions.items():
             known = self._by_content.get(content_key(question))
-            if known is None:
-                foreign[qid] = question
-            else:
+            if known is not None:
                 bundle[qid] = known
-        return Matched(bundle, foreign)
+                continue
+            foreign[qid] = question
+            if (why := self._near(question)) is not None:
+                near[qid] = why
+        return Matched(bundle, foreign, near)
+
+    def _near(self, question: Question) -> str | None:
+        """What keeps a question with a bundle question's type and instructions from matching it."""
+        found = self._by_text.get((question.type, question.instructions_text()))
+        if found is None:
+            return None
+        known, theirs = found
+        what = ("option keys" if question.option_keys() != theirs.option_keys() else
+                "option descriptions (criteria)")
+        return (f"the bundle's question {known!r} has these instructions but other {what}: its "
+                f"thresholds certify that question only; send its {what} to be routed")

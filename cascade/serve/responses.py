@@ -30,7 +30,8 @@ class Foreign:
     errors: dict[str, QuestionError]
 
 
-def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Question]) -> Foreign:
+def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Question],
+                   near: Mapping[str, str] | None = None) -> Foreign:
     """Ask the top tier alone; its raw distribution is the answer (nothing calibrated it). A
     state it cannot read leaves each of these questions an error of its own."""
     top = cascade.tiers[-1]
@@ -48,7 +49,8 @@ def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Questio
         routing = Routing(tier=top.name, cost_ms=0.0, threshold=None, raw_confidence=float(raw.max()),
                           raw_score=float(threshold_score(raw, cascade.manifest.threshold_on)),
                           threshold_on=cascade.manifest.threshold_on, calibrated=False,
-                          input_cut=reply.cuts[0], certified=False, covered=False)
+                          input_cut=reply.cuts[0], certified=False, covered=False,
+                          uncovered_why=(near or {}).get(qid))
         answer = questions[qid].answer(raw.tolist(), readout=readout)
         answers[qid] = answer.model_copy(update={"routing": routing})
         tokens[qid] = readout.tokens if readout is not None else 0

@@ -1,8 +1,8 @@
 """The parts every tier kind shares: the runtime interface, the manifest spec, the kind's builder.
 
-A *tier kind* is what a manifest's ``"kind"`` names ("encoder", "gguf", "mid-layer", "external").
-Each kind lives in one module of this room: its ``<Name>Spec`` (what the manifest declares and
-pins), ``<Name>Tier`` (items and questions in, RAW distributions out, and what it costs) and
+A *tier kind* is what a manifest's ``"kind"`` names ("encoder", "gguf", "mid-layer", "external",
+"upstream"). Each kind lives in one module of this room: its ``<Name>Spec`` (what the manifest
+declares and pins), ``<Name>Tier`` (items and questions in, RAW distributions out, and what it costs) and
 ``<Name>Kind`` (how a spec becomes a runtime tier, registered in ``KINDS`` by
 ``cascade.tiers.kinds``). Adding a kind is one module and its registration. See
 docs/architecture.md.
@@ -30,6 +30,8 @@ from cascade.questions import Question, State
 from cascade.readout.placement import Placement, Placements, for_tier
 from cascade.readout.prompts import Layout
 from cascade.readout.scorer import Scorer
+from cascade.teachers.identity import EndpointIdentity
+from cascade.teachers.settings import UpstreamSettings
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,9 @@ Labels = Mapping[str, Mapping[str, Mapping[str, float]]]
 class Build:
     """How to build a bundle's runtime tiers.
 
-    ``teacher`` (a GGUF) answers an external top tier; ``labels`` (recorded answers) replace the
+    ``teacher`` (a GGUF) answers an external top tier; ``upstream`` (a System One URL) answers
+    the top tier in its place, whatever its kind, its answers checked against
+    ``upstream_identity`` (None: pinned from the first); ``labels`` (recorded answers) replace the
     top tier, whatever its kind. ``device`` and ``cache_dir`` (an embedding cache) are for the
     encoder; ``threads`` for every model; ``placements`` for GGUF tiers (cascade.readout.placement).
     ``encoder`` and ``scorers`` (by tier name) are models already open to reuse: each must be the
@@ -245,6 +249,8 @@ class Build:
     """
 
     teacher: Path | None = None
+    upstream: UpstreamSettings | None = None
+    upstream_identity: EndpointIdentity | None = None
     labels: Labels | None = None
     device: Device = "cpu"
     cache_dir: Path | None = None

@@ -24,6 +24,7 @@ from cascade.readout.prompts import Layout
 from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
 from cascade.tiers.base import Answers, Asked, Build, BundleParts, Item, Reply, Tier, TierKind, TierSpec
 from cascade.tiers.labels import LabelsTier
+from cascade.tiers.upstream import upstream_tier
 
 
 class GgufSpec(TierSpec):
@@ -177,6 +178,8 @@ class GgufKind(TierKind[GgufSpec]):
         """
         if top and build.labels is not None:
             return LabelsTier(spec.name, build.labels, Path(spec.model.path), spec.permutations)
+        if top and build.upstream is not None:  # the pinned GGUF's own server, say (its answers checked)
+            return upstream_tier(spec.name, build)
         questions = bundle.question_count
         branches = branch_slots(questions, spec.permutations)
         given = build.scorers.get(spec.name)

@@ -17,8 +17,10 @@ from cascade.tiers.encoder import EncoderKind, EncoderSpec
 from cascade.tiers.external import ExternalKind, ExternalSpec
 from cascade.tiers.gguf import GgufKind, GgufSpec
 from cascade.tiers.mid_layer import MidLayerKind, MidLayerSpec
+from cascade.tiers.upstream import UpstreamKind, UpstreamSpec
 
-AnyTierSpec = Annotated[EncoderSpec | GgufSpec | MidLayerSpec | ExternalSpec, Field(discriminator="kind")]
+AnyTierSpec = Annotated[EncoderSpec | GgufSpec | MidLayerSpec | ExternalSpec | UpstreamSpec,
+                        Field(discriminator="kind")]
 TIER_SPECS: tuple[type[TierSpec], ...] = get_args(get_args(AnyTierSpec)[0])
 """Every kind of tier a manifest may hold, read from ``AnyTierSpec`` so the two cannot disagree."""
 
@@ -54,3 +56,4 @@ register(EncoderKind())
 register(GgufKind())
 register(MidLayerKind())
 register(ExternalKind())
+register(UpstreamKind())

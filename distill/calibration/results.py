@@ -12,17 +12,37 @@ from pydantic import BaseModel, ConfigDict
 
 from cascade.bundle.sections import AuditSpan, QuestionFacts, TierPayoff, dropped_tiers
 from distill.calibration.inputs import Source
+from distill.teacher_check import QuestionCheck
 
 FACTS = tuple(QuestionFacts.model_fields)
 """The fields of a QuestionTier that go into the manifest (the figures stay in the report)."""
 
 
+class InputCounts(BaseModel):
+    """What a tier met on one question's calibration states: how many it was asked about, how many
+    its unfamiliar-input gate sent up, how many it read cut short (the encoder's token limit, an
+    excerpt) and how many were too long for its context."""
+
+    states: int = 0
+    unfamiliar: int = 0
+    cut: int = 0
+    too_long: int = 0
+
+    def line(self, tier: str) -> str | None:
+        """One sentence for a report, None where the tier read every state whole."""
+        parts = [f"{n} {what}" for n, what in (
+            (self.unfamiliar, "sent up by the unfamiliar-input gate (its answers never kept)"),
+            (self.cut, "read cut short (the encoder's token limit or an excerpt; calibrated as read)"),
+            (self.too_long, "too long for its context (sent up unread)")) if n]
+        return f"tier {tier}, of {self.states} states: {', '.join(parts)}" if parts else None
+
+
 class TierCost(BaseModel):
-    """What running a tier on the calibration items cost on this machine.
+    """What running a tier on the calibration items cost on this machine, and what it met.
 
     ``seconds_per_state`` and ``seconds_per_token`` add up, as in the router's cost model: a
     state of t tokens costs ``seconds_per_state + t * seconds_per_token``. ``kind`` is the tier's
-    kind in the manifest.
+    kind in the manifest. ``inputs``: per question, the states it was asked and how it read them.
     """
 
     tier: str
@@ -33,6 +53,7 @@ class TierCost(BaseModel):
     batches: int
     seconds_per_state: float
     seconds_per_token: float
+    inputs: dict[str, InputCounts] = {}
 
 
 class QuestionTier(QuestionFacts):
@@ -92,7 +113,8 @@ class CalibrationResult(BaseModel):
     failed under ``--on-error skip``): they never entered calibration, so nothing here is
     certified about items like them, though the router still answers them. ``source`` says which
     labelled items certified (``distill.calibration.inputs.Source``), ``audits`` the audited ones
-    among them.
+    among them. ``teacher_checks``: the teacher check on the labels that certified (a flagged one
+    certified only because it was accepted).
     """
 
     bundle: str
@@ -119,6 +141,7 @@ class CalibrationResult(BaseModel):
     payoffs: dict[str, TierPayoff] = {}
     source: Source = "calibration"
     audits: AuditSpan | None = None
+    teacher_checks: list[QuestionCheck] = []
 
     def dropped(self) -> set[str]:
         """Cheap tiers taken out of the cascade because they cost more than they saved."""

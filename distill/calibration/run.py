@@ -42,6 +42,7 @@ from distill.calibration.results import CalibrationResult, TierCost
 from distill.calibration.scoring import score_tier
 from distill.options import CorpusInput, RunOptions, option
 from distill.store import LabelStore
+from distill.teacher_check import flagged, judge_store, refusal
 
 TEACHER_ITEMS = 16
 """Calibration items a runnable teacher is timed on: enough for its seconds per state and per
@@ -65,6 +66,7 @@ def calibrate_bundle(
     keep_costly_tiers: bool = False,
     source: Source = "calibration",
     audits_since: float | None = None,
+    accept_degenerate_teacher: bool = False,
 ) -> CalibrationResult:
     """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
 
@@ -84,7 +86,8 @@ def calibrate_bundle(
     top tier is taken out of the cascade (``distill.calibration.payoff``), unless
     ``keep_costly_tiers``. ``source`` picks the items that certify: the calibration part (of
     ``corpus``), the store's audits (those audited at or after ``audits_since``, a Unix time,
-    where given; no corpus needed) or both.
+    where given; no corpus needed) or both. The teacher check (``distill.teacher_check``) runs on
+    the labels that certify: degenerate ones are refused unless ``accept_degenerate_teacher``.
     """
     run = option("calibrate_bundle", "run", run, RunOptions, RunOptions())
     if corpus is not None:
@@ -111,6 +114,7 @@ def calibrate_bundle(
     if source != "calibration":
         audited, audit_items, audits = audit_inputs(store, questions, audits_since)
         labels, items = merged(labels, audited), items + audit_items
+    checks = judge_store(store, questions, items={item for rows in labels.values() for item in rows})
     cheap = manifest.tiers[:-1]
     if not cheap:
         raise CalibrationError(f"bundle {manifest.name!r} has only its top tier: there is no cheap "
@@ -119,9 +123,15 @@ def calibrate_bundle(
     tier_target = 1 - (1 - target) / len(cheap)
     tier_delta = delta / len(cheap) / (family if family_wise else 1)
     build = Build(device=run.device, cache_dir=run.cache_dir, placements=run.placement, encoder=encoder,
-                  scorers=scorers or {})
+                  threads=run.threads, scorers=scorers or {})
     tiers = _open(bundle, build)
     try:
+        # what a cheap tier answers gets a certificate: refused on degenerate labels (budget mode
+        # certifies nothing, so there the check is reported only)
+        answerable = {qid for tier in tiers for qid in questions if tier.can_answer(qid)}
+        refused = [check for check in flagged(checks) if check.question in answerable]
+        if refused and not accept_degenerate_teacher and escalation_fraction is None:
+            raise CalibrationError(refusal(refused))
         scored = [score_tier(tier, spec.kind, items, labels, questions, run.progress)
                   for tier, spec in zip(tiers, cheap, strict=True)]
     finally:
@@ -145,6 +155,7 @@ def calibrate_bundle(
         skipped=skipped, costs=costs, flops_per_second=flops, payoffs=payoffs,
         family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
         teacher_cost=teacher_cost, teacher_cost_note=teacher_note, source=source, audits=audits,
+        teacher_checks=checks,
     )
     Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
     return result

@@ -18,9 +18,9 @@ from tqdm import tqdm
 from cascade.questions import Question
 from cascade.readout.placement import say_once
 from cascade.readout.prompts import render_state
-from cascade.tiers.base import Answers, Asked, Item, Tier
+from cascade.tiers.base import Answers, Asked, Item, Reply, Tier
 from distill.calibration.inputs import Labels
-from distill.calibration.results import TierCost
+from distill.calibration.results import InputCounts, TierCost
 
 Probabilities = dict[str, dict[str, np.ndarray]]
 """question id -> item id -> raw probabilities (option_keys order) from one tier."""
@@ -71,8 +71,24 @@ def score_tier(
         counts = sorted(counts)
     states, asked = [item for item, _ in used], [qids for _, qids in used]
     tier.answer(states[:1], asked[:1], questions)
-    answers, batches = _timed_answers(tier, states, asked, questions, progress, counts)
-    return _by_question(states, answers, labels), _tier_cost(tier.name, kind, batches)
+    answers, batches, replies = _timed_answers(tier, states, asked, questions, progress, counts)
+    cost = _tier_cost(tier.name, kind, batches)
+    cost.inputs = _input_counts(states, replies, labels)
+    return _by_question(states, answers, labels), cost
+
+
+def _input_counts(items: list[Item], replies: list[Reply], labels: Labels) -> dict[str, InputCounts]:
+    """Per labelled question, how the tier read its states (each reply covers one batch)."""
+    flags = [(unfamiliar, cut is not None, too_long is not None) for reply in replies
+             for unfamiliar, cut, too_long in zip(reply.unfamiliar, reply.cuts, reply.too_long, strict=True)]
+    counts: dict[str, InputCounts] = {}
+    for item, (unfamiliar, cut, too_long) in zip(items, flags, strict=True):
+        for qid, rows in labels.items():
+            if item.id in rows:
+                c = counts.setdefault(qid, InputCounts())
+                c.states, c.unfamiliar = c.states + 1, c.unfamiliar + unfamiliar
+                c.cut, c.too_long = c.cut + cut, c.too_long + too_long
+    return counts
 
 
 def _timed_answers(
@@ -82,11 +98,12 @@ def _timed_answers(
     questions: Mapping[str, Question],
     progress: bool,
     counts: list[int],
-) -> tuple[Answers, list[_Batch]]:
+) -> tuple[Answers, list[_Batch], list[Reply]]:
     """The tier's answers batch by batch, with the seconds spent inside ``reply`` for each and
-    the tokens it ran: as it reports them, or ``counts`` of the states' texts."""
+    the tokens it ran (as it reports them, or ``counts`` of the states' texts), and the replies."""
     answers: Answers = []
     batches: list[_Batch] = []
+    replies: list[Reply] = []
     too_long: list[str] = []
     size = tier.batch_size
     with tqdm(total=len(items), disable=not progress, unit="state", desc=f"tier {tier.name}") as bar:
@@ -95,6 +112,7 @@ def _timed_answers(
             began = time.perf_counter()
             reply = tier.reply(items[rows], asked[rows], questions)
             seconds = time.perf_counter() - began
+            replies.append(reply)
             answers += [{} if strange else answer
                         for answer, strange in zip(reply.answers, reply.unfamiliar, strict=True)]
             too_long += [f"item {item.id!r}: {why}" for item, why in zip(items[rows], reply.too_long,
@@ -109,7 +127,7 @@ def _timed_answers(
         say_once(f"tier {tier.name}: {len(too_long)} of {len(items)} calibration states do not fit its "
                  f"context; routing sends them past it, and its thresholds and coverage count only the "
                  f"states it read (first: {too_long[0]})")
-    return answers, batches
+    return answers, batches, replies
 
 
 def _tier_cost(tier: str, kind: str, batches: list[_Batch]) -> TierCost:

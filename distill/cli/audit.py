@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from distill.cli.common import STORE_METAVAR, store_argument
+
 DESCRIPTION = """\
 Read the audits `cascade serve` and `cascade decide --audit-store` kept in a label store (a seeded
 share of routed items, each answered by the teacher on every bundle question) and replay, per
@@ -42,7 +44,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         print(f"to certify on what the audit saw: cascade calibrate --bundle {args.bundle} --store "
               f"{args.store} --calibrate-on audit --report REPORT_DIR (add --audits-since TIME to keep "
               "the recent audits only)")
-    plot = args.plot or args.store.with_suffix(".audit.png")
+    plot = args.plot or (args.store.with_suffix(".audit.png") if isinstance(args.store, Path)
+                         else Path(f"{args.store.database}.audit.png"))
     print(f"plot: {plot_audit(rows, target, plot)}")
     return 0
 
@@ -52,8 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example: cascade audit --bundle models/support-v1 --store labels.sqlite")
     p.add_argument("--bundle", type=Path, required=True, metavar="DIR", help="model bundle folder")
-    p.add_argument("--store", type=Path, required=True, metavar="S.sqlite",
+    p.add_argument("--store", type=store_argument, required=True, metavar=STORE_METAVAR,
                    help="the label store the audits went to (--audit-store of serve or decide)")
     p.add_argument("--plot", type=Path, metavar="P.png", help="where to write the plot (default: beside "
-                   "the store, S.audit.png)")
+                   "the store, S.audit.png; for a URL, DATABASE.audit.png here)")
     p.set_defaults(run=_cmd_audit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,10 @@ threshold stays empty (the tier keeps nothing) and the table says what is reacha
 reported. Also measures each tier's cost on this machine, the teacher's too where the bundle
 pins its GGUF (--teacher-items). A middle tier (a GGUF between the encoder and the teacher)
 that costs more on the calibration items than it saves the teacher is taken out of the cascade,
-with the figures printed (--keep-costly-tiers keeps it). Writes report.html (self-contained) and
+with the figures printed (--keep-costly-tiers keeps it). First, the teacher check: per question,
+the answer distribution, how far answers move with the input, the first-listed option's share and
+the letter mass; labels that collapse onto one answer or ignore the input are refused
+(--accept-degenerate-teacher). Writes report.html (self-contained) and
 report.json.
 
 Recalibrating from the audit: `cascade serve` and `cascade decide --audit-store S` keep a seeded
@@ -74,10 +78,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             escalation_fraction=args.escalation_fraction, run=run_options(args),
             family_wise=args.family_wise, teacher_items=args.teacher_items,
             keep_costly_tiers=args.keep_costly_tiers, source=args.calibrate_on,
-            audits_since=args.audits_since,
+            audits_since=args.audits_since, accept_degenerate_teacher=args.accept_degenerate_teacher,
         )
     path = write_report(result, Bundle.load(args.bundle), args.report)
+    for check in result.teacher_checks:
+        if check.flagged:  # certified only because it was accepted: said before anything else
+            print(f"{check.line()}\n  certified anyway (--accept-degenerate-teacher)", file=sys.stderr)
     _print_table(result)
+    for check in result.teacher_checks:
+        print(check.line())
     if note := figures_note():
         print(note)
     print(f"report: {path.resolve()}")
@@ -106,17 +115,25 @@ def _print_table(result: CalibrationResult) -> None:
     for fit in result.calibrations:
         if not fit.reachable:
             print(f"{fit.question} / {fit.tier}: {fit.message}")
+        if fit.temperature_note:
+            print(f"{fit.question} / {fit.tier}: temperature not fitted: {fit.temperature_note}; the "
+                  f"reported confidences are the raw ones (ECE {fit.ece_after:.3f})")
     for skip in result.skipped:
         print(f"{skip.question} / {skip.tier}: {skip.reason}")
     if result.escalation_fraction is None:
         print(_scope(result))
         print(f"certified on new items from {drawn_from(result)}")
+    for tier, cost in result.costs.items():
+        for qid, counts in cost.inputs.items():
+            if line := counts.line(tier):
+                print(f"{qid}: {line}")
     for tier, payoff in result.payoffs.items():
         print(f"tier {tier}: {payoff.reason}")
     print(f"teacher cost: {result.teacher_cost_note}")
     if result.unlabelled_items:
         print(f"{result.unlabelled_items} corpus items of the calibration part have no teacher label "
-              "(skipped by the teacher): not calibrated on, not covered, still routed")
+              "(never labelled, or skipped by the labelling run as too long or failed): not "
+              "calibrated on, not covered, still routed")
 
 
 def _scope(result: CalibrationResult) -> str:
@@ -158,6 +175,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "that budgets and the report price it as measured here (default "
                    f"{TEACHER_ITEMS}; 0: price it from its weights on the roofline). A teacher known "
                    "by its labels only is always priced on the roofline")
+    p.add_argument("--accept-degenerate-teacher", action="store_true",
+                   help="certify even where the teacher check finds the labels degenerate (one answer "
+                   "on >= 95%% of items, answers that do not move with the input, little probability on "
+                   "the option letters): refused by default, since agreement with such a teacher says "
+                   "nothing; the report then puts the finding above the guarantee")
     p.add_argument("--keep-costly-tiers", action="store_true",
                    help="keep a middle tier that costs more than it saves the top tier on the "
                    "calibration items (by default it is taken out: empty thresholds, never loaded; "

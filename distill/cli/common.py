@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from cascade.questions import DecisionRequest
     from cascade.routing.budget import Budget
     from distill.options import CorpusInput, RunOptions
+    from distill.store import StoreLocation
 
 CORPUS_HELP = 'JSONL corpus, one {"id": ..., "text": ...} object per line'
 
@@ -42,8 +43,24 @@ def add_bundle_argument(p: argparse.ArgumentParser, help: str = "model bundle fo
     p.add_argument("--bundle", type=Path, required=True, metavar="DIR", help=help)
 
 
+STORE_METAVAR = "S.sqlite|URL"
+
+
+def store_argument(text: str) -> StoreLocation:
+    """A store's place as ``--store`` and ``--audit-store`` take it: a SQLite file's path, or a
+    ``postgresql://`` URL (printed without its password from here on)."""
+    from distill.store import StoreError, store_location
+
+    try:
+        return store_location(text)
+    except StoreError as exc:  # argparse would otherwise print the raw text, password included
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_store_argument(p: argparse.ArgumentParser, help: str, required: bool = True) -> None:
-    p.add_argument("--store", type=Path, required=required, metavar="S.sqlite", help=help)
+    p.add_argument("--store", type=store_argument, required=required, metavar=STORE_METAVAR,
+                   help=f"{help}; a path is a SQLite file, a postgresql://USER@HOST/DB URL a PostgreSQL "
+                   "database (pip install 'cascade-router[postgres]')")
 
 
 def add_questions_argument(p: argparse.ArgumentParser, required: bool = True,
@@ -100,7 +117,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
 
     has = vars(args)
     return RunOptions(placement=placement_of(args) if "gpu_layers" in has else None,
-                      device=has.get("device", "cpu"),
+                      device=has.get("device", "cpu"), threads=has.get("threads"),
                       cache_dir=(args.cache_dir or default_cache_dir()) if "cache_dir" in has else None)
 
 
@@ -144,6 +161,12 @@ def whole_number(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+THREADS_DEFAULT = ("(default: the cores free when a model loads, the cores less the load average: "
+                   "all on an idle machine, fewer beside other work; on 2 cores, 2 threads read "
+                   "1.67x faster idle and 1.24x slower beside one busy process)")
+"""What --threads defaults to, said the same by every command (``cascade.readout.placement``)."""
+
+
 def add_placement_arguments(p: argparse.ArgumentParser, threads: bool = True,
                             gpu_default: str = ": the bundle's per-tier setting, else 0") -> None:
     """Where GGUF models run, spelled the same by every command that opens one."""
@@ -152,7 +175,7 @@ def add_placement_arguments(p: argparse.ArgumentParser, threads: bool = True,
                    f"build of llama-cpp-python, and a CPU build refuses it (default{gpu_default})")
     if threads:
         p.add_argument("--threads", type=whole_number(1), metavar="N",
-                       help="CPU threads of each model (default: all cores)")
+                       help=f"CPU threads of each model {THREADS_DEFAULT}")
     p.add_argument("--extra-buffers", choices=EXTRA_BUFFER_SETTINGS,
                    help="llama.cpp's extra weight buffer types (CPU repacking): auto turns them off "
                    "where llama.cpp reports Intel AMX, whose buffers segfault some Xeons (llama.cpp "
@@ -169,11 +192,13 @@ def placement_of(args: argparse.Namespace) -> Placement:
 
 def add_audit_arguments(p: argparse.ArgumentParser) -> None:
     """The audit of routed items by the teacher, spelled the same by decide and serve."""
-    p.add_argument("--audit-store", type=Path, metavar="S.sqlite",
+    p.add_argument("--audit-store", type=store_argument, metavar=STORE_METAVAR,
                    help="label store of the bundle's teacher to keep audits in: a seeded share of the "
                    "routed items (--audit-share) is answered by the teacher on every bundle question, "
                    "stored there (state, teacher labels, the system's answers) and watched by an "
-                   "anytime-valid drift alarm per question (default: no audit)")
+                   "anytime-valid drift alarm per question, over every writer's audits in the store's "
+                   "order; a postgresql:// URL lets replicas share one store and one watch (default: no "
+                   "audit)")
     p.add_argument("--audit-share", type=float, default=0.02, metavar="F",
                    help="share of routed items audited, in [0, 1] (default 0.02; 0: none)")
     p.add_argument("--audit-seed", default="audit", metavar="TEXT",
@@ -188,3 +213,9 @@ def add_accept_other_teacher_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept-other-teacher", action="store_true",
                    help="run --teacher even if it is not the model the bundle's labels came from "
                    "(another sha256 or prompt version); every answer is then marked certified=false")
+
+
+def teacher_argument(text: str) -> str | Path:
+    """A ``--teacher`` value: an http(s) URL of a System One endpoint stays text (a Path would fold
+    its "//"), anything else is a GGUF's path."""
+    return text if text.startswith(("http://", "https://")) else Path(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from distill.cli.common import (
@@ -41,10 +42,11 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     from distill.auditing import StoreAudits
     from distill.decide import decide_corpus
 
-    with Cascade.load(args.bundle, teacher=args.teacher, device=args.device, threads=args.threads,
-                      placement=placement_of(args),
-                      accept_other_teacher=args.accept_other_teacher) as cascade, \
-            StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift) as audits:
+    with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
+                     bundle=args.bundle) as audits, \
+            Cascade.load(args.bundle, teacher=args.teacher, device=args.device, threads=args.threads,
+                         placement=placement_of(args),
+                         accept_other_teacher=args.accept_other_teacher) as cascade:
         auditor = audits(cascade)
         decided = decide_corpus(cascade, corpus_input(args), args.out, budget_of(args), args.batch_size,
                                 auditor)
@@ -53,6 +55,11 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     audited = f"; audited {auditor.audited} by the teacher" if auditor is not None else ""
     print(f"decided {decided.written} items ({decided.already} already in {args.out}); answers by tier: "
           f"{shares}{audited}")
+    if decided.errors:
+        items = len({item for item, _, _ in decided.errors})
+        print(f"{len(decided.errors)} questions of {items} items have no answer (x_errors in {args.out}); "
+              f"the first: item {decided.errors[0][0]!r}, question {decided.errors[0][1]!r}: "
+              f"{decided.errors[0][2]}", file=sys.stderr)
     return 0
 
 

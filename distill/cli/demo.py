@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from distill.cli.common import (
+    THREADS_DEFAULT,
     add_corpus_argument,
     add_on_error_argument,
     add_placement_arguments,
@@ -90,7 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--family-wise", action="store_true",
                    help="certify all questions at once at 1 - D (default: each question on its own)")
     p.add_argument("--threads", type=int, metavar="N",
-                   help="CPU threads for the encoder and gemma (default: all cores)")
+                   help=f"CPU threads for the encoder and gemma {THREADS_DEFAULT}")
     add_placement_arguments(p, threads=False, gpu_default=" 0")
     add_on_error_argument(p)
     p.add_argument("--gguf", type=Path, metavar="MODEL.gguf",

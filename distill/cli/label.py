@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distill.cli.common import (
     add_corpus_argument,
@@ -13,6 +13,7 @@ from distill.cli.common import (
     add_questions_argument,
     add_store_argument,
     add_text_field_argument,
+    teacher_argument,
     whole_number,
 )
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from cascade.readout.scorer import HeadTailExcerpt
     from distill.label import LabelSummary
     from distill.label_transfer import ImportSummary
+    from distill.store import LabelStore
 
 DEFAULT_TEACHER_NAME = "external labels"
 DESCRIPTION = """\
@@ -32,6 +34,8 @@ A store belongs to one teacher (model sha256 and prompt version) and refuses any
 
 One of three modes:
   --teacher MODEL.gguf   label the corpus with a GGUF model
+  --teacher URL          label it through a System One endpoint (N calls at a time, said before
+                         the first); the store is bound to the endpoint's model and hashes
   --import LABELS.jsonl  store labels made elsewhere (gold labels, another machine's export)
   --export OUT.jsonl     write a store's labels as JSONL rows {id, question, answer, probabilities}
 
@@ -43,19 +47,25 @@ examples:
   cascade label --questions q.json --corpus emails.jsonl --store labels.sqlite \\
       --teacher qwen3.5-4b-q4_k_m.gguf --gpu-layers 99 --excerpt head_tail:2048
   cascade label --questions q.json --corpus emails.jsonl --store labels.sqlite \\
+      --teacher qwen3.5-4b-q4_k_m.gguf --sample 300 --seed 1 --gold-field label
+  cascade label --questions q.json --corpus emails.jsonl --store labels.sqlite \\
       --teacher qwen3.5-4b-q4_k_m.gguf --gpu-layers 99 --ray auto --actors 8
+  cascade label --questions q.json --corpus emails.jsonl --store labels.sqlite \\
+      --teacher http://gpu-box:9000/v1/systemone --concurrency 8 --rate 20
   cascade label --questions q.json --store gold.sqlite --import gold.jsonl --teacher-name gold
   cascade label --store labels.sqlite --export labels.jsonl"""
 
 _MODES = {
     # mode flag: (flags it needs, flags it refuses)
-    "teacher": (("questions", "corpus"), ("teacher_name",)),
-    "import_path": (("questions",), ("corpus", "ray")),
-    "export_path": ((), ("questions", "corpus", "teacher_name", "ray")),
+    "teacher": (("questions", "corpus"), ("teacher_name", "teacher_sha256", "teacher_identity")),
+    "import_path": (("questions",), ("corpus", "ray", "limit", "sample")),
+    "export_path": ((), ("questions", "corpus", "teacher_name", "teacher_sha256", "teacher_identity", "ray",
+                         "limit", "sample")),
 }
 _FLAGS = {"teacher": "--teacher", "import_path": "--import", "export_path": "--export",
           "questions": "--questions", "corpus": "--corpus", "teacher_name": "--teacher-name",
-          "ray": "--ray"}
+          "ray": "--ray", "limit": "--limit", "sample": "--sample", "teacher_sha256": "--teacher-sha256",
+          "teacher_identity": "--teacher-identity"}
 
 
 def _check_mode(args: argparse.Namespace) -> str:
@@ -89,7 +99,7 @@ def _label(args: argparse.Namespace) -> int:
         args.parser.error(f"--{ray_only[0].replace('_', '-')} needs --ray")
     questions = load_questions(args.questions)
     excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
-    if args.layout == "auto":
+    if args.layout == "auto" and not isinstance(args.teacher, str):
         from cascade.readout.prompts import plan_layout
 
         args.layout, why = plan_layout(list(questions.values()), args.permutations)
@@ -97,36 +107,94 @@ def _label(args: argparse.Namespace) -> int:
         if args.layout == "options-first":
             print("layout options-first is chosen by tokens alone: it moves answers (far worse against "
                   "gold on Qwen2.5-Coder-1.5B, BENCHMARKS.md); measure your teacher's", file=sys.stderr)
-    summary = (_label_on_ray if args.ray else _label_here)(args, questions, excerpt)
+    only = _selected(args)
+    driver = _label_endpoint if isinstance(args.teacher, str) else _label_on_ray if args.ray else _label_here
+    summary = driver(args, questions, excerpt, only)
     for bad in summary.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
     print(f"labelled {summary.labelled} items, {summary.skipped_done} already done, "
-          f"{len(summary.bad_lines)} bad, in {summary.seconds:.1f} s; store: {args.store}")
+          f"{len(summary.bad_lines)} bad, {summary.left} left, in {summary.seconds:.1f} s; "
+          f"store: {args.store}")
     if summary.interrupted:
-        print(f"interrupted: the {summary.labelled} items labelled by this run are committed; run "
-              "the same command again to resume (done items are skipped)", file=sys.stderr)
+        print(f"interrupted: {summary.labelled} items labelled by this run are committed, {summary.left} "
+              "left; run the same command again to resume (done items are skipped)", file=sys.stderr)
         return 130
+    _teacher_check(args, questions, only)
     return 0
 
 
-def _label_here(args: argparse.Namespace, questions: dict[str, Question],
-                excerpt: HeadTailExcerpt | None) -> LabelSummary:
-    """Label in this process, with one teacher scorer."""
-    from distill.label import label_corpus, open_teacher, teacher_of
+def _selected(args: argparse.Namespace) -> list[str] | None:
+    """The ids --limit or --sample take (None: every item), said before the run starts."""
+    from distill.selection import Selection, select_ids
+
+    selection = Selection(limit=args.limit, sample=args.sample, seed=args.seed, gold_field=args.gold_field)
+    only = select_ids(args.corpus, args.text_field or "text", selection)
+    if only is not None:
+        print(f"taking {selection.describe()}: {len(only)} items", file=sys.stderr)
+    return only
+
+
+def _teacher_check(args: argparse.Namespace, questions: dict[str, Question] | None,
+                   only: list[str] | None) -> None:
+    """The teacher check on what the store holds, loudly where a question's labels are degenerate."""
     from distill.store import LabelStore
+    from distill.teacher_check import ACCEPT_FLAG, flagged, judge_store, read_gold
+
+    gold = read_gold(args.corpus, args.gold_field) if args.gold_field and args.corpus else None
+    with LabelStore.open_existing(args.store) as store:
+        if questions is None:
+            questions = _stored_questions(store)
+        checks = judge_store(store, questions, gold, only)
+    for check in checks:
+        print(check.line(), file=sys.stderr)
+    if flagged(checks):
+        print(f"cascade calibrate will refuse to certify {[c.question for c in flagged(checks)]} against "
+              f"these labels unless given {ACCEPT_FLAG}", file=sys.stderr)
+
+
+def _label_here(args: argparse.Namespace, questions: dict[str, Question],
+                excerpt: HeadTailExcerpt | None, only: list[str] | None) -> LabelSummary:
+    """Label in this process, with one teacher scorer; Ctrl-C or SIGTERM stop after an item."""
+    from distill.label import label_corpus, open_teacher, teacher_of
+    from distill.stopping import StopRequest
+    from distill.store import InputPolicy, LabelStore
 
     scorer = open_teacher(args.teacher, questions, args.permutations, args.n_ctx, args.gpu_layers or 0,
                           args.threads, args.extra_buffers, args.layout)
+    policy = InputPolicy(n_ctx=scorer.ctx.config.n_ctx, excerpt=args.excerpt)
     try:
-        with LabelStore(args.store, teacher_of(scorer)) as store:
+        with LabelStore(args.store, teacher_of(scorer), policy=policy) as store, StopRequest() as stop:
             return label_corpus(scorer, questions, args.corpus, store, args.text_field,
-                                args.on_error, args.permutations, excerpt=excerpt)
+                                args.on_error, args.permutations, excerpt=excerpt, only=only, stop=stop,
+                                say=lambda line: print(line, file=sys.stderr))
     finally:
         scorer.close()
 
 
+def _label_endpoint(args: argparse.Namespace, questions: dict[str, Question],
+                    excerpt: HeadTailExcerpt | None, only: list[str] | None) -> LabelSummary:
+    """Label through a System One URL, ``--concurrency`` calls at a time (``distill.label_endpoint``)."""
+    from cascade.teachers.keys import KeySource
+    from cascade.teachers.settings import UpstreamSettings
+    from distill.label_endpoint import EndpointRun, label_through_endpoint
+    from distill.stopping import StopRequest
+
+    local = [flag for flag, given in (("--ray", args.ray), ("--excerpt", excerpt),
+                                      ("--permutations", args.permutations != 1)) if given]
+    if local:
+        args.parser.error(f"{local[0]} does not apply to a URL teacher, which reads states its own way")
+    settings = UpstreamSettings(args.teacher, model=args.upstream_model, max_in_flight=args.concurrency,
+                                key=KeySource(env=args.upstream_key_env, file=args.upstream_key_file),
+                                read_timeout=args.upstream_timeout, deadline=2 * args.upstream_timeout)
+    run = EndpointRun(concurrency=args.concurrency, rate=args.rate, text_field=args.text_field,
+                      on_error=args.on_error, only=only)
+    with StopRequest("the calls in flight") as stop:
+        return label_through_endpoint(settings, questions, args.corpus, args.store, run, stop,
+                                      say=lambda line: print(line, file=sys.stderr))
+
+
 def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
-                  excerpt: HeadTailExcerpt | None) -> LabelSummary:
+                  excerpt: HeadTailExcerpt | None, only: list[str] | None) -> LabelSummary:
     """Label on a Ray cluster's actors; this process reads the corpus and writes the store."""
     from distill.cli.common import placement_of
     from distill.label import teacher_of_file
@@ -137,15 +205,16 @@ def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
         label_on_ray,
         require_ray,
     )
-    from distill.store import LabelStore
+    from distill.store import InputPolicy, LabelStore
 
     require_ray()
     spec = TeacherSpec(model_path=args.teacher, questions=questions, permutations=args.permutations,
                        n_ctx=args.n_ctx, placement=placement_of(args), excerpt=excerpt, layout=args.layout)
     options = RayOptions(address=args.ray, actors=args.actors or 1, batch_size=args.batch_size or 8)
     teacher = teacher_of_file(args.teacher, args.layout)
-    with dropped_if_failed_empty(args.store), LabelStore(args.store, teacher) as store:
-        return label_on_ray(spec, args.corpus, store, options, args.text_field, args.on_error)
+    policy = InputPolicy(n_ctx=args.n_ctx, excerpt=args.excerpt)
+    with dropped_if_failed_empty(args.store), LabelStore(args.store, teacher, policy=policy) as store:
+        return label_on_ray(spec, args.corpus, store, options, args.text_field, args.on_error, only=only)
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -154,7 +223,7 @@ def _import(args: argparse.Namespace) -> int:
     from distill.store import LabelStore, Teacher, removed_on_failure
 
     questions = load_questions(args.questions)
-    teacher = Teacher(kind="external", model=args.teacher_name or DEFAULT_TEACHER_NAME)
+    teacher = _imported_teacher(args, Teacher)
     with removed_on_failure(args.store):
         with LabelStore(args.store, teacher) as store:
             summary = import_labels(store, args.import_path, questions, args.on_error)
@@ -164,6 +233,28 @@ def _import(args: argparse.Namespace) -> int:
     print(f"imported {summary.imported} of {summary.rows} rows, {summary.skipped} skipped; "
           f"store: {args.store}")
     return 0
+
+
+def _imported_teacher(args: argparse.Namespace, teacher: Any) -> Any:
+    """Who made imported labels: a GGUF (--teacher-sha256 with --teacher-prompt-version), an
+    endpoint (--teacher-identity), or external labels known by --teacher-name only."""
+    from cascade.teachers.identity import EndpointIdentity
+
+    name = args.teacher_name or DEFAULT_TEACHER_NAME
+    if args.teacher_identity is not None:
+        try:
+            identity = EndpointIdentity.model_validate_json(args.teacher_identity)
+        except ValueError as exc:
+            args.parser.error('--teacher-identity must be JSON like {"model": ..., "model_hash": ...}: '
+                              f"{str(exc).splitlines()[0]}")
+        return teacher.of_endpoint(identity)
+    if args.teacher_sha256 is not None:
+        if args.teacher_prompt_version is None:
+            args.parser.error("--teacher-sha256 needs --teacher-prompt-version (the prompt the labels were "
+                              "read with, as the GGUF teacher's answers record it)")
+        return teacher(kind="gguf", model=name, model_sha256=args.teacher_sha256,
+                       prompt_version=args.teacher_prompt_version)
+    return teacher(kind="external", model=name)
 
 
 def _check_imported(summary: ImportSummary, path: Path) -> None:
@@ -187,7 +278,21 @@ def _export(args: argparse.Namespace) -> int:
         count = export_labels(store, args.export_path)
         teacher = store.teacher.model
     print(f"exported {count} labels of teacher {teacher!r} from {args.store} to {args.export_path}")
+    _teacher_check(args, None, None)
     return 0
+
+
+def _stored_questions(store: LabelStore) -> dict[str, Question]:
+    """Questions rebuilt from a store's option keys (an export has no questions file): the teacher
+    check needs only each question's options, in the order the store keeps them."""
+    from cascade.questions import parse_request
+
+    shapes: dict[str, Any] = {}
+    for qid in store.question_ids():
+        keys = list(next(iter(store.labels(qid).values())))
+        shapes[qid] = ({"type": "noul", "instructions": qid} if keys == ["true", "false"] else
+                       {"type": "choice", "instructions": qid, "criteria": dict.fromkeys(keys)})
+    return dict(parse_request({"state": "-", "questions": shapes}).questions)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -199,8 +304,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--teacher", type=Path, metavar="MODEL.gguf",
-                      help="label the corpus with this GGUF model")
+    mode.add_argument("--teacher", type=teacher_argument, metavar="MODEL.gguf|URL",
+                      help="label the corpus with this GGUF model, or through this System One endpoint "
+                      "(http://host:port/v1/systemone; see 'through a URL teacher' below)")
     mode.add_argument("--import", dest="import_path", type=Path, metavar="LABELS.jsonl",
                       help="store these labels ({id, question, answer | probabilities} rows)")
     mode.add_argument("--export", dest="export_path", type=Path, metavar="OUT.jsonl",
@@ -213,7 +319,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="at a bad line or over-long item: stop with its line number (default), or "
                    "skip it, go on, and list it at the end")
     p.add_argument("--teacher-name", metavar="NAME",
-                   help=f"with --import: who made the labels (default: {DEFAULT_TEACHER_NAME!r})")
+                   help=f"with --import: who made the labels (default: {DEFAULT_TEACHER_NAME!r}); the "
+                   "GGUF's file name with --teacher-sha256")
+    p.add_argument("--teacher-sha256", metavar="HEX",
+                   help="with --import: the labels came from the GGUF of this sha256, read with "
+                   "--teacher-prompt-version: a bundle built on them is then served and audited with it")
+    p.add_argument("--teacher-prompt-version", metavar="VERSION",
+                   help="with --teacher-sha256: the prompt version its labels were read with")
+    p.add_argument("--teacher-identity", metavar="JSON",
+                   help='with --import: the labels came from an endpoint stating this identity, e.g. '
+                   '\'{"model": "jev-1.13.0", "model_hash": "...", "calibration_version": "..."}\'')
     p.add_argument("--permutations", type=int, default=1, metavar="K",
                    help="average over K balanced option orders to cancel position bias (cost: K x)")
     p.add_argument("--layout", choices=("state-first", "options-first", "auto"), default="state-first",
@@ -227,8 +342,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--excerpt", metavar="head_tail:N",
                    help="label over-long items from their first and last N/2 state tokens "
                    "(default: an over-long item is a bad item, see --on-error)")
-    p.add_argument("--n-ctx", type=int, default=4096, metavar="N", help="context tokens (default 4096)")
+    p.add_argument("--n-ctx", type=int, default=4096, metavar="N",
+                   help="context tokens (default 4096). The context and --excerpt are the input policy: "
+                   "the store records it, refuses a resume under another, and the bundle follows it")
+    chosen = p.add_argument_group("which items (default: every item of the corpus)")
+    chosen.add_argument("--limit", type=whole_number(1), metavar="N", help="the first N items")
+    chosen.add_argument("--sample", type=whole_number(1), metavar="N",
+                        help="N items drawn at random with --seed (the same N on every resume), "
+                        "stratified by --gold-field where given: a corpus sorted by label gives one "
+                        "class with --limit")
+    chosen.add_argument("--seed", type=int, default=0, metavar="S", help="seed of --sample (default 0)")
+    p.add_argument("--gold-field", metavar="NAME",
+                   help="a corpus field holding gold answers (option keys; true/false or yes/no for "
+                   "noul, level numbers for score): the teacher check reports the teacher's agreement "
+                   "with it, and --sample keeps each gold answer's share")
     add_placement_arguments(p)
+    url = p.add_argument_group("through a URL teacher (--teacher http://host:port/v1/systemone)")
+    url.add_argument("--concurrency", type=whole_number(1), default=4, metavar="N",
+                     help="calls in flight at once (default 4)")
+    url.add_argument("--rate", type=float, metavar="R", help="at most R calls a second (default: no limit)")
+    url.add_argument("--upstream-model", metavar="NAME", help="the model name each request carries, where "
+                     "the endpoint requires one (default: none)")
+    url.add_argument("--upstream-key-env", default="CASCADE_UPSTREAM_KEY", metavar="VAR",
+                     help="environment variable holding the endpoint's key (default CASCADE_UPSTREAM_KEY)")
+    url.add_argument("--upstream-key-file", type=Path, metavar="PATH",
+                     help="file holding the endpoint's key, re-read when it changes (wins over the variable)")
+    url.add_argument("--upstream-timeout", type=float, default=60.0, metavar="S",
+                     help="seconds to wait for one answer (default 60); a call with its retries gets twice")
     ray = p.add_argument_group("labelling on a Ray cluster (pip install 'cascade-router[ray]')")
     ray.add_argument("--ray", metavar="ADDRESS",
                      help="label on Ray actors: a cluster's address (HEAD_IP:6379, auto) or 'local' to "

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cascade.errors import CascadeError
 from cascade.serve.lifecycle import API_KEY_VARIABLE
 from distill.cli.common import (
     add_accept_other_teacher_argument,
     add_audit_arguments,
-    add_bundle_argument,
     add_device_argument,
     add_placement_arguments,
     placement_of,
+    teacher_argument,
     whole_number,
 )
 
@@ -29,23 +30,38 @@ Also: GET /v1/models, GET /health and /healthz (503 while the models load), GET 
 "Authorization: Bearer KEY". A request may carry a budget: the body key x_budget
 {{"ms_per_call": X, "max_escalation_fraction": F}} or the headers X-Cascade-Budget-Ms and
 X-Cascade-Max-Escalation. SIGTERM stops taking requests, finishes those in flight, and exits 0.
-Needs the serve extra: pip install "cascade-router[serve]"."""
+Needs the serve extra: pip install "cascade-router[serve]".
+
+Without --bundle, --teacher PATH.gguf serves the teacher's raw logit readout alone (every
+question any client asks; audits carry the GGUF's sha256 and each prompt's hash), so that a GPU
+box and the CPU cascade run the same program and the cascade takes the box's URL as --teacher.
+Its queue admits a request only while the expected wait fits --max-wait."""
 EPILOG = """\
-example:
+examples:
   cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --port 8080 \\
       --gpu-layers 99 --device cuda
+  cascade serve --teacher qwen3.5-4b-q4_k_m.gguf --host 0.0.0.0 --port 9000 --gpu-layers 99   # on a GPU box
+  cascade serve --bundle models/support-v1 --teacher http://gpu-box:9000/v1/systemone
   curl -s localhost:8080/v1/systemone -d '{"state": "Charged twice!", "questions": {...}}'"""
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from cascade.serve.lifecycle import ServeOptions, serve
+    from cascade.serve.lifecycle import ServeOptions, serve, serve_teacher
     from distill.auditing import StoreAudits
 
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body=args.max_body,
                            grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
                            teacher_queue=args.teacher_queue, overload=args.overload,
-                           audit_queue=args.audit_queue)
-    with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift) as audit:
+                           audit_queue=args.audit_queue, max_wait=args.max_wait)
+    if args.bundle is None:
+        if args.teacher is None or isinstance(args.teacher, str):
+            raise CascadeError("give --bundle DIR to serve a cascade, or --teacher PATH.gguf alone to "
+                               "serve the teacher's readout (a pass-through in front of a URL teacher, "
+                               "with no bundle, is not built yet)")
+        serve_teacher(args.teacher, options, placement=placement_of(args), layout=args.layout)
+        return 0
+    with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift, poll=args.audit_poll,
+                     bundle=args.bundle) as audit:
         serve(args.bundle, options, teacher=args.teacher, device=args.device, threads=args.threads,
               placement=placement_of(args), accept_other_teacher=args.accept_other_teacher, audit=audit)
     return 0
@@ -55,10 +71,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a bundle's cascade as a System One HTTP endpoint",
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bundle_argument(p)
-    p.add_argument("--teacher", type=Path, metavar="PATH.gguf",
+    p.add_argument("--bundle", type=Path, metavar="DIR",
+                   help="model bundle folder; without one, --teacher PATH.gguf is served alone: its raw "
+                   "readout as a System One server, which a cascade elsewhere can take as its teacher URL")
+    p.add_argument("--teacher", type=teacher_argument, metavar="PATH.gguf|URL",
                    help="GGUF to run as the top tier (escalations, and questions the bundle does not "
-                   "hold); without one, a bundle whose teacher is external labels answers only its own")
+                   "hold), or a System One URL (http://host:port/v1/systemone) to call instead; "
+                   "without one, a bundle whose teacher is external labels answers only its own")
+    p.add_argument("--layout", choices=("state-first", "options-first"), default="state-first",
+                   help="prompt layout of a teacher served alone (default state-first): the one its "
+                   "labels were read with, so that answers match them")
+    p.add_argument("--max-wait", type=positive_seconds, default=8.0, metavar="S",
+                   help="a teacher served alone admits a request only while its expected wait (measured "
+                   "seconds per request x requests ahead) is at most S (default 8, below the SDKs' 10 s "
+                   "timeout); past it, 503 with Retry-After at once")
     add_accept_other_teacher_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; "
                    "0.0.0.0 for every interface)")
@@ -86,4 +112,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audit-queue", type=whole_number(1), default=64, metavar="N",
                    help="most audits waiting for the teacher, which takes them only when no live request "
                    "waits (default 64); past it an audit is dropped and counted in /metrics")
+    p.add_argument("--audit-poll", type=float, default=1.0, metavar="S",
+                   help="seconds between reads of the audit store for other replicas' audits (default 1): "
+                   "a demotion raised on any replica sharing --audit-store holds here within S plus one read")
     p.set_defaults(run=_cmd_serve)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0; got {text!r}")
+    return value

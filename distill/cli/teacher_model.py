@@ -20,11 +20,12 @@ examples:
 
 
 def _cmd_teacher_model(args: argparse.Namespace) -> int:
-    from distill.teachers import TEACHERS, teacher_path
+    from distill.teachers import EMBEDDED, EMBEDDED_NOTE, TEACHERS, teacher_path
 
     if args.list or args.name is None:
         for model in TEACHERS.values():
             print(f"{model.name}  {model.size / 2**20:,.0f} MiB  {model.description}")
+        print(f"{EMBEDDED}  {teacher_path(EMBEDDED).stat().st_size / 2**20:,.0f} MiB  {EMBEDDED_NOTE}")
         return 0
     print(teacher_path(args.name, args.cache))
     return 0

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from distill.cli.common import (
     CORPUS_HELP,
+    THREADS_DEFAULT,
     add_bundle_argument,
     add_cache_dir_argument,
     add_corpus_argument,
@@ -58,7 +59,7 @@ def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
     from distill.finetune import FinetuneConfig, FinetuneError
 
     defaults = FinetuneConfig()
-    tuning = {"epochs": args.epochs, "seed": args.seed, "threads": args.threads}
+    tuning = {"epochs": args.epochs, "seed": args.seed}
     if not args.finetune:
         given = [f"--{name}" for name, value in tuning.items() if value is not None]
         if given:
@@ -82,7 +83,7 @@ def _mid_layer_config(args: argparse.Namespace) -> MidLayerConfig | None:
                                 "trained; add --mid-layer L or --mid-layer auto")
         return None
     return MidLayerConfig(layer=args.mid_layer, reader=args.mid_layer_reader, max_items=args.mid_layer_items,
-                          placement=Placement(gpu_layers=args.teacher_gpu_layers))
+                          placement=Placement(gpu_layers=args.teacher_gpu_layers, threads=args.threads))
 
 
 def _tier_text(tier: AnyTierSpec) -> str:
@@ -187,7 +188,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --finetune: seed of the shuffles, the held-out tenth and the heads' "
                    "initial weights; the same seed and threads give the same encoder (default 0)")
     p.add_argument("--threads", type=whole_number(1), metavar="N",
-                   help="with --finetune: torch threads (default: all cores; on a shared machine 1 "
-                   "runs faster than oversubscribed cores)")
+                   help="CPU threads of every model training runs: the encoder, the teacher's blocks "
+                   f"with --mid-layer, torch with --finetune {THREADS_DEFAULT}")
     add_cache_dir_argument(p)
     p.set_defaults(run=_cmd_train)

@@ -1,0 +1,149 @@
+"""The teacher's own System One server: ``cascade serve --teacher X.gguf`` with no bundle.
+
+It serves the raw logit readout of one GGUF (``cascade.readout.scorer``) at ``POST
+/v1/systemone``, so that a GPU box and the CPU cascade in front of it run the same program, and
+the cascade can take that box's URL as its teacher: every answer's audit carries the GGUF's
+sha256 as ``model_hash`` and each question's ``prompt_template_sha256``, which is what a bundle
+certified against that GGUF checks (``cascade.teachers.identity``).
+
+One worker thread owns the llama.cpp context (a context is never used by two threads) and reads
+one request at a time. Its queue admits a request only while the expected wait, the measured
+service time times the requests ahead, fits ``max_wait`` (``cascade.teachers.admission``);
+past that it answers 503 with ``Retry-After`` at once, instead of computing answers that the
+client, which gave up after its 10 s, will never read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cascade.answers import DecisionResponse
+from cascade.errors import InputTooLongError, RequestError
+from cascade.questions import DecisionRequest, load_json, parse_request
+from cascade.readout.scorer import Scorer
+from cascade.serve.app import LOADING_RETRY_AFTER, _authorize, _body, _unprocessable, add_wire
+from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem
+from cascade.teachers.admission import Admission
+
+DEFAULT_MAX_WAIT = 8.0
+"""Seconds a request may expect to wait for the teacher: below the 10 s System One SDKs wait."""
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """``api_key`` (None: no auth), ``max_body`` in bytes (after inflating), ``max_wait``: the
+    expected wait past which a request is refused with 503 and Retry-After."""
+
+    api_key: str | None = None
+    max_body: int = DEFAULT_MAX_BODY
+    max_wait: float = DEFAULT_MAX_WAIT
+
+
+class _Loaded:
+    """The scorer once loaded (in a thread, so that /health answers while it loads), its worker
+    and its queue's admission."""
+
+    def __init__(self, max_wait: float) -> None:
+        self.scorer: Scorer | None = None
+        self.failure: BaseException | None = None
+        self.worker = ThreadPoolExecutor(1, "cascade-teacher")
+        self.admission = Admission(max_wait, what="the teacher")
+
+
+def create_teacher_app(load: Callable[[], Scorer], config: TeacherConfig | None = None,
+                       on_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """An app that calls ``load`` in a thread at startup and serves the scorer it returns;
+    ``on_failure`` hears of an exception ``load`` raised."""
+    config = config or TeacherConfig()
+    loaded = _Loaded(config.max_wait)
+
+    def load_in_thread() -> None:
+        try:
+            loaded.scorer = load()
+        except BaseException as exc:  # reported to the command, which exits with it
+            loaded.failure = exc
+            if on_failure is not None:
+                on_failure(exc)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> Any:
+        loader = threading.Thread(target=load_in_thread, name="cascade-load", daemon=True)
+        loader.start()
+        yield
+        await asyncio.to_thread(loader.join)
+        loaded.worker.shutdown(wait=True)
+        if loaded.scorer is not None:
+            loaded.scorer.close()
+
+    app = FastAPI(title="cascade serve (teacher)", version="1", lifespan=lifespan,
+                  description="A GGUF's logit readout behind the System One decision API.")
+    _routes(app, loaded, config)
+    add_wire(app)
+    return app
+
+
+def _routes(app: FastAPI, loaded: _Loaded, config: TeacherConfig) -> None:
+    def ready() -> Scorer:
+        if loaded.scorer is None:
+            raise HttpProblem(503, "loading", "the teacher model is still loading; retry shortly",
+                              {"Retry-After": LOADING_RETRY_AFTER}, kind="unavailable_error")
+        return loaded.scorer
+
+    @app.get("/health", include_in_schema=False)
+    @app.get("/healthz", include_in_schema=False)
+    async def health() -> Response:
+        if loaded.scorer is None:
+            status = "failed" if loaded.failure is not None else "loading"
+            return JSONResponse({"status": status}, 503, {"Retry-After": LOADING_RETRY_AFTER})
+        return JSONResponse({"status": "ok", "waiting": loaded.admission.inside})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _authorize(request, config.api_key)
+        scorer = ready()
+        return JSONResponse({"models": [{"name": scorer.model.path.name, "description": (
+            f"logit readout of {scorer.model.path.name} (sha256 {scorer.model_sha256[:12]}...), prompt "
+            f"{scorer.prompt_version}, uncalibrated")}]})
+
+    @app.post("/v1/systemone")
+    async def systemone(request: Request) -> Response:
+        _authorize(request, config.api_key)
+        scorer = ready()
+        body = await _body(request, config.max_body)
+        try:
+            parsed = parse_request(load_json(body))
+        except RequestError as exc:
+            raise _unprocessable(exc) from None
+        response = await _score(loaded, scorer, parsed)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _score(loaded: _Loaded, scorer: Scorer, request: DecisionRequest) -> DecisionResponse:
+    """Read ``request`` on the worker once admitted (``QueueFullError`` when not: 503). The
+    worker marks the service's start and end itself, so that a request whose handler is gone
+    still leaves the queue when its read ends, and one cancelled before it started leaves too."""
+    admission = loaded.admission
+    ticket = admission.enter()
+
+    def read() -> DecisionResponse:
+        start = admission.started()
+        try:
+            return scorer.score(request)
+        finally:
+            admission.done(ticket, start)
+
+    job = loaded.worker.submit(read)
+    job.add_done_callback(lambda done: admission.done(ticket, None) if done.cancelled() else None)
+    try:
+        return await asyncio.wrap_future(job)
+    except (RequestError, InputTooLongError) as exc:
+        raise _unprocessable(exc) from None

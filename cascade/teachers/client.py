@@ -1,0 +1,271 @@
+"""One pooled HTTP client for an upstream System One server (a URL teacher), on httpx.
+
+Every call has a deadline (``UpstreamSettings.deadline``, below the 10 s System One SDKs wait by
+default, so that the cascade answers before its own client gives up) and ends in the answer or in
+an ``UpstreamError`` whose status a server can pass on (``cascade.errors``):
+
+- refused or dropped connection: retried with a short backoff while the deadline allows (a
+  System One call is a pure function of its body, so a resend changes no answer), then 502;
+- no answer within the read timeout: 504, never retried (the upstream is computing; a resend
+  would double its load);
+- 502, 503, 504 and 429: retried after their ``Retry-After`` (or the backoff) where that fits the
+  deadline, then passed on: 429 as 429 with the upstream's Retry-After, 503 with its Retry-After,
+  the others as 502;
+- a 429 also pauses every call with that key until its Retry-After: none is sent before;
+- any other 4xx is passed back unchanged (status and body), never retried; a 401 or 403 revokes
+  the key (``AcceptedKeys``);
+- at most ``max_in_flight`` calls are upstream at once; one that finds no slot before its
+  deadline is refused with 503.
+
+The key is the caller's ``Authorization`` with ``forward_auth``, else the cascade's own from a
+``KeySource``. Bodies go gzip or zstd compressed where asked; "auto" tries zstd and falls back
+to gzip, then to none, at the first 415 (or a 400/422 that the same body uncompressed does not
+get), and remembers what the upstream takes.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import gzip
+import json
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from cascade.errors import (
+    CascadeError,
+    UpstreamAnswerError,
+    UpstreamError,
+    UpstreamFailed,
+    UpstreamRateLimited,
+    UpstreamRefused,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from cascade.teachers.keys import AcceptedKeys, Pauses
+from cascade.teachers.settings import UPSTREAM_EXTRA, UpstreamSettings
+
+COMPRESS_FROM = 1024
+"""Bodies shorter than this go uncompressed: the bytes saved would not pay for the work."""
+_RETRIED = (502, 503, 504, 429)
+_FALLBACK = {"zstd": "gzip", "gzip": "identity"}
+
+
+@dataclass
+class UpstreamReply:
+    """A 2xx answer: its JSON, headers and the seconds the call took (retries and waits included)."""
+
+    data: Any
+    headers: dict[str, str]
+    seconds: float
+    tries: int = 1
+
+
+@dataclass
+class _Call:
+    """One call in progress: its body, the key it goes with, its deadline and tries so far."""
+
+    payload: bytes
+    authorization: str | None
+    ends: float
+    headers: dict[str, str]
+    encoding: str = "identity"
+    tries: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.ends - time.monotonic()
+
+
+class UpstreamClient:
+    """The pooled client of one upstream; thread-safe, shared by every call to it."""
+
+    def __init__(self, settings: UpstreamSettings) -> None:
+        self.settings = settings
+        self.accepted = AcceptedKeys(settings.remember)
+        self.pauses = Pauses()
+        self._slots = threading.BoundedSemaphore(settings.max_in_flight)
+        self._encoding: str = "zstd" if settings.compress == "auto" else settings.compress
+        limits = httpx.Limits(max_connections=settings.max_in_flight,
+                              max_keepalive_connections=settings.max_in_flight)
+        self._http = httpx.Client(limits=limits, follow_redirects=False,
+                                  headers={"Content-Type": "application/json"})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def post(self, body: dict[str, Any], authorization: str | None = None, deadline: float | None = None,
+             headers: dict[str, str] | None = None) -> UpstreamReply:
+        """POST ``body`` to the upstream; the 2xx answer, or the ``UpstreamError`` to pass on.
+
+        ``authorization``: the caller's header, sent on with ``forward_auth``; ``deadline``:
+        seconds for the whole call (default the settings'); ``headers``: more to send (a request id).
+        """
+        if not self.settings.forward_auth:
+            key = self.settings.key.read() if self.settings.key is not None else None
+            authorization = f"Bearer {key}" if key else None
+        seconds = self.settings.deadline if deadline is None else min(deadline, self.settings.deadline)
+        call = _Call(json.dumps(body, ensure_ascii=False).encode(), authorization,
+                     time.monotonic() + seconds, dict(headers or {}))
+        if not self._slots.acquire(timeout=max(0.0, call.left())):
+            raise UpstreamFailed(f"{self.settings.max_in_flight} calls to the upstream {self.settings.url} "
+                                 f"were in flight for the whole {seconds:g} s deadline; retry shortly",
+                                 retry_after=1, status=503)
+        try:
+            return self._run(call)
+        finally:
+            self._slots.release()
+
+    def _run(self, call: _Call) -> UpstreamReply:
+        """Try, and retry where safe, until an answer, an error to pass on, or the deadline."""
+        while True:
+            self._wait_out_pause(call)
+            call.tries += 1
+            try:
+                response = self._send(call)
+            except httpx.TimeoutException as exc:
+                raise self._timed_out(exc, call) from None
+            except httpx.TransportError as exc:  # refused, reset, dropped: safe to send again
+                self._backoff_or_raise(call, None, UpstreamUnreachable(
+                    f"the upstream {self.settings.url} is unreachable ({type(exc).__name__}: {exc}) "
+                    f"after {call.tries} tr{'y' if call.tries == 1 else 'ies'}; check that it runs",
+                    retry_after=1))
+                continue
+            reply = self._outcome(response, call)
+            if reply is not None:
+                return reply
+
+    def _send(self, call: _Call) -> httpx.Response:
+        left = max(0.001, call.left())
+        timeout = httpx.Timeout(connect=min(self.settings.connect_timeout, left),
+                                read=min(self.settings.read_timeout, left), write=left, pool=left)
+        call.encoding = self._encoding if len(call.payload) >= COMPRESS_FROM else "identity"
+        headers = dict(call.headers)
+        if call.authorization:
+            headers["Authorization"] = call.authorization
+        if call.encoding != "identity":
+            headers["Content-Encoding"] = call.encoding
+        content = _compressed(call.payload, call.encoding)
+        return self._http.post(self.settings.url, content=content, headers=headers, timeout=timeout)
+
+    def _outcome(self, response: httpx.Response, call: _Call) -> UpstreamReply | None:
+        """The reply of a 2xx; None to send again; else the error to pass on, raised."""
+        status, url = response.status_code, self.settings.url
+        if 200 <= status < 300:
+            self.accepted.accept(call.authorization)
+            return UpstreamReply(_json(response, url), dict(response.headers),
+                                 time.monotonic() - call.started, call.tries)
+        if call.encoding != "identity" and self._declined_encoding(response, call):
+            return None
+        wait = retry_after(response.headers.get("retry-after"))
+        if status == 429:
+            self.pauses.pause(call.authorization, wait if wait is not None else 1.0)
+            self._backoff_or_raise(call, wait, UpstreamRateLimited(
+                f"the upstream {url} is rate-limiting this key (429); retry after "
+                f"{_whole(wait)} s", retry_after=_whole(wait)))
+            return None
+        if status in _RETRIED:
+            passed = 503 if status == 503 and wait is not None else 502
+            self._backoff_or_raise(call, wait, UpstreamFailed(
+                f"the upstream {url} answered {status} {_snippet(response)} after {call.tries} "
+                f"tr{'y' if call.tries == 1 else 'ies'}", retry_after=_whole(wait) if wait else None,
+                status=passed))
+            return None
+        if status in (401, 403):
+            self.accepted.revoke(call.authorization)
+        if 400 <= status < 500:
+            raise UpstreamRefused(f"the upstream {url} refused the request: {status} {_snippet(response)}",
+                                  status=status, body=response.content,
+                                  content_type=response.headers.get("content-type"),
+                                  retry_after=_whole(wait) if wait is not None else None)
+        where = f" (redirected to {response.headers.get('location')}; give that URL)" if 300 <= status < 400 \
+            else ""
+        raise UpstreamFailed(f"the upstream {url} answered {status} {_snippet(response)}{where}")
+
+    def _declined_encoding(self, response: httpx.Response, call: _Call) -> bool:
+        """Whether the upstream does not take the compressed body: a 415, or (``auto`` only) a
+        400/422 that the same body uncompressed does not get. Falls back one encoding if so."""
+        status = response.status_code
+        if status != 415 and not (self.settings.compress == "auto" and status in (400, 422)):
+            return False
+        self._encoding = _FALLBACK.get(call.encoding, "identity")
+        call.tries -= 1  # a resend in another encoding is not a retry
+        return True
+
+    def _wait_out_pause(self, call: _Call) -> None:
+        """Sleep out a 429's pause on this key, or refuse at once when it outlasts the deadline."""
+        pause = self.pauses.left(call.authorization)
+        if pause <= 0:
+            return
+        if pause > call.left():
+            raise UpstreamRateLimited(f"the upstream {self.settings.url} asked this key to wait "
+                                      f"{pause:.1f} s more (429 Retry-After); retry after "
+                                      f"{math.ceil(pause)} s", retry_after=math.ceil(pause))
+        time.sleep(pause)
+
+    def _backoff_or_raise(self, call: _Call, wait: float | None, error: UpstreamError) -> None:
+        """Sleep before the next try (``wait``, else an exponential backoff), or raise ``error``
+        when no try is left or the sleep and a try would not fit the deadline."""
+        pause = wait if wait is not None else 0.05 * 2 ** call.tries * random.uniform(0.5, 1.0)
+        if call.tries > self.settings.retries or pause >= call.left():
+            raise error
+        time.sleep(pause)
+
+    def _timed_out(self, exc: httpx.TimeoutException, call: _Call) -> UpstreamError:
+        if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+            return UpstreamUnreachable(f"the upstream {self.settings.url} took no connection within "
+                                       f"{self.settings.connect_timeout:g} s; check that it runs",
+                                       retry_after=1)
+        return UpstreamTimeout(f"the upstream {self.settings.url} did not answer within "
+                               f"{min(self.settings.read_timeout, self.settings.deadline):g} s "
+                               f"({type(exc).__name__}); retry later, or raise its timeout",
+                               retry_after=1)
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for: a number of seconds or an HTTP date."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _whole(seconds: float | None) -> int:
+    return max(0, math.ceil(seconds)) if seconds is not None else 1
+
+
+def _json(response: httpx.Response, url: str) -> Any:
+    try:
+        return json.loads(response.content)
+    except ValueError:
+        raise UpstreamAnswerError(f"the upstream {url} answered {response.status_code} with a body that "
+                                  f"is not JSON: {response.content[:80]!r}") from None
+
+
+def _snippet(response: httpx.Response) -> str:
+    text = response.text.strip().replace("\n", " ")
+    return text[:200] + ("..." if len(text) > 200 else "")
+
+
+def _compressed(payload: bytes, encoding: str) -> bytes:
+    if encoding == "gzip":
+        return gzip.compress(payload, compresslevel=5)
+    if encoding == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            raise CascadeError(f"zstd bodies need the zstandard package: {UPSTREAM_EXTRA}") from None
+        return zstandard.ZstdCompressor(level=3).compress(payload)
+    return payload

@@ -1,0 +1,56 @@
+"""How to call an upstream teacher: its URL and the client's limits (no httpx needed to hold them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from cascade.errors import CascadeError
+from cascade.teachers.keys import KeySource
+
+Compression = Literal["identity", "gzip", "zstd", "auto"]
+UPSTREAM_EXTRA = 'pip install "cascade-router[upstream]"'
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    """How to call an upstream at ``url`` (its ``/v1/systemone``).
+
+    ``model``: the model name each request carries (some servers require one: jevcompat's mock
+    takes ``mock`` or ``jev-latest``; None sends none). ``key``: where the cascade's own key comes
+    from; ``forward_auth``: send each caller's Authorization instead. Timeouts in seconds:
+    ``connect_timeout`` and ``read_timeout`` per try (each cut to what is left of the deadline),
+    ``deadline`` for a call with every retry and wait (below the SDKs' 10 s). ``retries``: most
+    resends of one call. ``max_in_flight``: most calls upstream at once. ``compress``: request
+    bodies gzip or zstd ("auto": what the upstream takes). ``remember``: seconds a key the upstream
+    accepted counts as accepted (forwarded auth).
+    """
+
+    url: str
+    model: str | None = None
+    key: KeySource | None = None
+    forward_auth: bool = False
+    connect_timeout: float = 2.0
+    read_timeout: float = 8.0
+    deadline: float = 9.0
+    max_in_flight: int = 32
+    retries: int = 2
+    compress: Compression = "identity"
+    remember: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise CascadeError(f"an upstream teacher is an http(s):// URL of a /v1/systemone endpoint; "
+                               f"got {self.url!r}")
+        if min(self.connect_timeout, self.read_timeout, self.deadline) <= 0:
+            raise CascadeError(f"upstream timeouts and deadline must be > 0 seconds; got connect "
+                               f"{self.connect_timeout}, read {self.read_timeout}, deadline {self.deadline}")
+        if self.max_in_flight < 1 or self.retries < 0:
+            raise CascadeError(f"max_in_flight must be >= 1 and retries >= 0; got {self.max_in_flight}, "
+                               f"{self.retries}")
+
+
+def is_url(teacher: object) -> bool:
+    """Whether a teacher given by a user is an upstream URL rather than a GGUF path."""
+    return isinstance(teacher, str) and teacher.startswith(("http://", "https://"))
+

@@ -1,0 +1,241 @@
+"""Labelling through a System One URL: the teacher is an upstream endpoint, not a local GGUF.
+
+The same promises as ``distill.label``: each item's labels committed in one transaction as they
+arrive, a run resumed by running it again (done items are never called for), Ctrl-C or SIGTERM
+ending it cleanly after the calls in flight. What differs is the cost: an endpoint is often paid
+per call, so the run says before its first call how many calls it will make, makes ``concurrency``
+at a time, at most ``rate`` a second where given, and stops at the first answer from another
+teacher (``TeacherChangedError``) rather than mix two teachers' labels.
+
+The store is bound to the endpoint's identity (``distill.store.Teacher.of_endpoint``: its model
+and audit hashes); each label keeps the question's ``prompt_template_sha256`` as its prompt hash.
+A store made by another teacher, a GGUF or another endpoint, is refused. An item's failed call
+that waiting may cure (429, 502-504, unreachable) is tried again up to ``attempts`` times after
+its Retry-After; a refusal of the item itself (another 4xx, an answer of the wrong shape) is a
+bad item, stopping the run or skipped as ``on_error`` says.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cascade.corpus import BadLine, CorpusItem, OnError, count_items, read_corpus
+from cascade.errors import (
+    TeacherChangedError,
+    UpstreamAnswerError,
+    UpstreamError,
+    UpstreamRefused,
+)
+from cascade.questions import Question
+from cascade.teachers.connect import open_client
+from cascade.teachers.identity import EndpointIdentity
+from cascade.teachers.settings import UpstreamSettings
+from cascade.tiers.base import Item
+from cascade.tiers.upstream import UpstreamAnswers, UpstreamTier
+from distill.label import LabelSummary
+from distill.stopping import StopRequest
+from distill.store import LabelStore, StoreError, StoreMismatchError, Teacher
+
+
+@dataclass(frozen=True)
+class EndpointRun:
+    """How a run calls the endpoint: ``concurrency`` calls at a time, at most ``rate`` a second
+    (None: no limit), each item tried at most ``attempts`` times where waiting may cure a failure.
+    ``only``: the item ids to take (None: every one)."""
+
+    concurrency: int = 4
+    rate: float | None = None
+    attempts: int = 3
+    text_field: str = "text"
+    on_error: OnError = "stop"
+    only: Collection[str] | None = None
+
+
+@dataclass
+class _Progress:
+    """What the run has done, and the store once the first answer named its teacher."""
+
+    corpus: Path
+    summary: LabelSummary = field(default_factory=LabelSummary)
+    store: LabelStore | None = None
+    next_call: float = 0.0
+
+    def bad(self, line: BadLine) -> None:
+        self.summary.bad_lines.append(line)
+        self.summary.left -= 1
+
+
+def label_through_endpoint(settings: UpstreamSettings, questions: Mapping[str, Question], corpus: Path,
+                           store_path: Path, run: EndpointRun | None = None, stop: StopRequest | None = None,
+                           say: Callable[[str], None] | None = None) -> LabelSummary:
+    """Label every item of ``corpus`` not yet in the store at ``store_path`` (a SQLite path or a
+    store URL) through the endpoint.
+
+    ``say`` hears, before the first call, how many calls the run will make. Returns what the run
+    did; raises ``TeacherChangedError`` (the labels so far committed) at an answer from another
+    teacher, ``StoreMismatchError`` for a store of another teacher.
+    """
+    run = run or EndpointRun()
+    expected, done = _stored(store_path, questions)
+    progress = _Progress(Path(corpus))
+    calls = _count_calls(corpus, done, questions, run.only)
+    progress.summary.left = calls
+    if say is not None:
+        limit = f", at most {run.rate:g} a second" if run.rate else ""
+        say(f"{calls} items to label: {calls} calls to {settings.url} (each holding the questions its "
+            f"item lacks, of {len(questions)}), {run.concurrency} at a time{limit}; stop any time with "
+            "Ctrl-C, resume by running the same command")
+    started = time.perf_counter()
+    tier = UpstreamTier("teacher", open_client(settings), expected)
+    try:
+        _call_all(tier, questions, corpus, store_path, done, run, progress, stop)
+    finally:
+        tier.close()
+        if progress.store is not None:
+            progress.store.close()
+        progress.summary.seconds = time.perf_counter() - started
+    return progress.summary
+
+
+def _stored(path: Path, questions: Mapping[str, Question]
+            ) -> tuple[EndpointIdentity | None, dict[str, set[str]]]:
+    """The identity a store already holds (None for a new one) and, per question, its done items."""
+    new: tuple[EndpointIdentity | None, dict[str, set[str]]] = (None, {qid: set() for qid in questions})
+    if isinstance(path, str | Path) and not Path(path).exists():
+        return new
+    try:
+        opened = LabelStore.open_existing(path)
+    except StoreError as exc:
+        if "no label store" in str(exc):  # a database without one yet
+            return new
+        raise
+    with opened as store:
+        teacher = store.teacher
+        if teacher.kind != "endpoint" or teacher.identity is None:
+            raise StoreMismatchError(f"label store {path} holds labels of the {teacher.kind} teacher "
+                                     f"{teacher.model!r}, not of an endpoint; use a new --store path for "
+                                     "the endpoint's labels")
+        return (EndpointIdentity.model_validate_json(teacher.identity),
+                {qid: store.done_items([qid]) for qid in questions})
+
+
+def _count_calls(corpus: Path, done: Mapping[str, set[str]], questions: Mapping[str, Question],
+                 only: Collection[str] | None) -> int:
+    """Items still lacking a label: one call each."""
+    finished = set.intersection(*(done[qid] for qid in questions)) if questions else set()
+    if only is not None:
+        return len(set(only) - finished)
+    return max(0, count_items(corpus) - len(finished))
+
+
+def _call_all(tier: UpstreamTier, questions: Mapping[str, Question], corpus: Path, store_path: Path,
+              done: Mapping[str, set[str]], run: EndpointRun, progress: _Progress,
+              stop: StopRequest | None) -> None:
+    """Keep ``concurrency`` calls in flight, commit each answer as it comes (this thread is the
+    store's only writer), and after a stop or an error wait for the calls in flight."""
+    todo = _todo(corpus, done, questions, run, progress)
+    pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]] = {}
+    failure: BaseException | None = None
+    with ThreadPoolExecutor(run.concurrency, "cascade-label") as pool:
+        try:
+            while True:
+                while len(pending) < run.concurrency and not (stop and stop.requested):
+                    nxt = next(todo, None)
+                    if nxt is None:
+                        break
+                    _submit(pool, tier, pending, nxt[0], nxt[1], 1, run, progress)
+                if not pending:
+                    break
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    item, asked, attempt = pending.pop(future)
+                    _settle(future, item, asked, attempt, pool, tier, pending, store_path, run, progress)
+        except KeyboardInterrupt:
+            progress.summary.interrupted = True
+        except BaseException as exc:
+            failure = exc
+        _drain(pending, store_path, run, progress)
+    progress.summary.interrupted = progress.summary.interrupted or bool(stop and stop.requested)
+    if failure is not None:
+        raise failure
+
+
+def _todo(corpus: Path, done: Mapping[str, set[str]], questions: Mapping[str, Question], run: EndpointRun,
+          progress: _Progress) -> Iterator[tuple[CorpusItem, dict[str, Question]]]:
+    """Each item to call for, with the questions it lacks; done ones counted as skipped."""
+    wanted = set(run.only) if run.only is not None else None
+    summary = progress.summary
+    for item in read_corpus(corpus, run.text_field, run.on_error, progress.bad):
+        if wanted is not None and item.id not in wanted:
+            continue
+        summary.items += 1
+        lacking = {qid: q for qid, q in questions.items() if item.id not in done[qid]}
+        if lacking:
+            yield item, lacking
+        else:
+            summary.skipped_done += 1
+
+
+def _submit(pool: ThreadPoolExecutor, tier: UpstreamTier,
+            pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]],
+            item: CorpusItem, asked: dict[str, Question], attempt: int, run: EndpointRun,
+            progress: _Progress, after: float = 0.0) -> None:
+    """Start one call, no sooner than the rate limit (and ``after`` seconds) allow."""
+    now = time.monotonic()
+    start = max(now + after, progress.next_call)
+    if start > now:
+        time.sleep(start - now)
+    if run.rate:
+        progress.next_call = max(start, time.monotonic()) + 1.0 / run.rate
+    pending[pool.submit(tier.ask, Item(item.id, item.state), asked)] = (item, asked, attempt)
+
+
+def _settle(future: Future[UpstreamAnswers], item: CorpusItem, asked: dict[str, Question], attempt: int,
+            pool: ThreadPoolExecutor, tier: UpstreamTier,
+            pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]],
+            store_path: Path, run: EndpointRun, progress: _Progress) -> None:
+    """Commit an answered item; call again for one whose failure may pass; a bad item is raised
+    (stop) or recorded (skip); another teacher is raised."""
+    error = future.exception()
+    if error is None:
+        _commit(future.result(), item, asked, store_path, progress)
+        return
+    if isinstance(error, UpstreamRefused | UpstreamAnswerError):
+        if run.on_error == "stop":
+            raise error
+        progress.bad(BadLine(path=str(progress.corpus), line=item.line, item_id=item.id,
+                             message=f"item {item.id!r}: {error}"))
+        return
+    if isinstance(error, UpstreamError) and not isinstance(error, TeacherChangedError) \
+            and attempt < run.attempts:
+        _submit(pool, tier, pending, item, asked, attempt + 1, run, progress, float(error.retry_after or 1))
+        return
+    raise error
+
+
+def _commit(answers: UpstreamAnswers, item: CorpusItem, asked: Mapping[str, Question], store_path: Path,
+            progress: _Progress) -> None:
+    """One item's labels in one transaction; the store opened at the first answer, bound to the
+    identity that answer stated."""
+    if progress.store is None:
+        progress.store = LabelStore(store_path, Teacher.of_endpoint(answers.identity))
+    labels = {qid: dict(zip(q.option_keys(), answers.distributions[qid].tolist(), strict=True))
+              for qid, q in asked.items()}
+    hashes = {qid: sha for qid, sha in answers.identity.templates.items() if qid in asked}
+    progress.store.put_item(item.id, labels, hashes)
+    progress.summary.labelled += 1
+    progress.summary.left -= 1
+
+
+def _drain(pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]],
+           store_path: Path, run: EndpointRun, progress: _Progress) -> None:
+    """Wait for the calls in flight (each ends by its deadline) and commit those answered."""
+    for future, (item, asked, _) in list(pending.items()):
+        error = future.exception()
+        if error is None:
+            _commit(future.result(), item, asked, store_path, progress)
+    pending.clear()

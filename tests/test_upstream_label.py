@@ -1,0 +1,173 @@
+"""Labelling through a System One URL (``distill.label_endpoint``), against jevcompat 0.1.1's
+mock on loopback: N calls at a time, said before the first; resumable (done items never called
+for again); a store bound to the endpoint's identity, refusing another teacher's labels; calls
+that waiting may cure tried again, a refused item skipped or stopping the run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jevcompat.mock import MockConfig, Running, respond
+from servers import MOCK_MODEL
+
+from cascade.errors import TeacherChangedError, UpstreamRefused
+from cascade.questions import Question, parse_request
+from cascade.teachers.identity import EndpointIdentity
+from cascade.teachers.settings import UpstreamSettings
+from distill.label_endpoint import EndpointRun, label_through_endpoint
+from distill.store import LabelStore, StoreMismatchError, Teacher
+
+QUESTIONS_JSON = {"questions": {
+    "urgent": {"type": "noul", "instructions": "Does this convey urgency?"},
+    "team": {"type": "choice", "instructions": "Which team should handle this?",
+             "criteria": {"billing": "Payments, refunds", "technical": "Bugs"}},
+    "severity": {"type": "score", "instructions": "How severe is it?", "criteria": ["Minor", "Blocking"]}}}
+QUESTIONS: dict[str, Question] = dict(parse_request({"state": "-", **QUESTIONS_JSON}).questions)
+
+
+def write_corpus(path: Path, n: int, extra: list[dict[str, Any]] | None = None) -> Path:
+    rows = [{"id": f"e{i}", "text": f"Message {i}: my payout failed again."} for i in range(n)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows + (extra or [])))
+    return path
+
+
+def label(url: str, corpus: Path, store: Path, **run: Any) -> tuple[Any, list[str]]:
+    said: list[str] = []
+    summary = label_through_endpoint(UpstreamSettings(url, model=MOCK_MODEL), QUESTIONS, corpus, store,
+                                     EndpointRun(**run), say=said.append)
+    return summary, said
+
+
+def test_a_corpus_is_labelled_through_the_endpoint_and_resumed_without_calls(tmp_path: Path) -> None:
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 20), tmp_path / "labels.sqlite"
+    cfg = MockConfig()
+    with Running(cfg) as server:
+        url = f"{server.url}/v1/systemone"
+        summary, said = label(url, corpus, store, concurrency=4, rate=200.0)
+        calls = cfg.requests
+        again, said_again = label(url, corpus, store, concurrency=4)
+        calls_again = cfg.requests
+    assert said[0].startswith(f"20 items to label: 20 calls to {url}")
+    assert "4 at a time, at most 200 a second" in said[0]
+    assert (summary.labelled, summary.left, calls) == (20, 0, 20)
+    assert said_again[0].startswith("0 items to label") and (again.labelled, again.skipped_done) == (0, 20)
+    assert calls_again == calls  # resumed: not one call
+    with LabelStore.open_existing(store) as opened:
+        assert opened.teacher == Teacher.of_endpoint(EndpointIdentity(model="jevcompat-mock-0.1"))
+        assert len(opened) == 60
+        team = opened.labels("team")["e3"]
+    truth = respond(MockConfig(), {"state": "Message 3: my payout failed again.",
+                                   "questions": QUESTIONS_JSON["questions"]})["answers"]["team"]
+    assert team == pytest.approx(truth["probabilities"])
+
+
+def test_a_new_question_is_labelled_alone_for_the_items_that_lack_it(tmp_path: Path) -> None:
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 5), tmp_path / "labels.sqlite"
+    with Running(MockConfig()) as server:
+        url = f"{server.url}/v1/systemone"
+        label_through_endpoint(UpstreamSettings(url, model=MOCK_MODEL), {"urgent": QUESTIONS["urgent"]},
+                               corpus, store)
+        summary, said = label(url, corpus, store)
+    assert said[0].startswith("5 items to label") and summary.labelled == 5
+    with LabelStore.open_existing(store) as opened:
+        assert set(opened.question_ids()) == set(QUESTIONS) and len(opened) == 15
+
+
+def test_calls_that_waiting_may_cure_are_made_again(tmp_path: Path) -> None:
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 12), tmp_path / "labels.sqlite"
+    with Running(MockConfig(busy_every=3)) as server:  # every 3rd request: 429 Retry-After: 0
+        summary, _ = label(f"{server.url}/v1/systemone", corpus, store, concurrency=3)
+    assert (summary.labelled, summary.left) == (12, 0)
+
+
+def test_a_refused_item_is_skipped_or_stops_the_run(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", 6, [{"id": "arr", "text": ["an", "array", "state"]}])
+    with Running(MockConfig(faults=frozenset({"reject-array-state"}))) as server:
+        url = f"{server.url}/v1/systemone"
+        summary, _ = label(url, corpus, tmp_path / "skip.sqlite", on_error="skip")
+        with pytest.raises(UpstreamRefused, match="422"):
+            label(url, corpus, tmp_path / "stop.sqlite", concurrency=1)
+    assert (summary.labelled, [b.item_id for b in summary.bad_lines], summary.left) == (6, ["arr"], 0)
+    with LabelStore.open_existing(tmp_path / "stop.sqlite") as stopped:
+        assert len(stopped.done_items(list(QUESTIONS))) == 6  # the items before it are committed
+
+
+def test_a_store_of_another_teacher_is_refused(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", 3)
+    gguf = tmp_path / "gguf.sqlite"
+    LabelStore(gguf, Teacher(kind="gguf", model="m.gguf", model_sha256="ab" * 32, prompt_version="v")).close()
+    other = tmp_path / "other.sqlite"
+    LabelStore(other, Teacher.of_endpoint(EndpointIdentity(model="another-model"))).close()
+    with Running(MockConfig()) as server:
+        url = f"{server.url}/v1/systemone"
+        with pytest.raises(StoreMismatchError, match=r"holds labels of the gguf teacher 'm\.gguf'"):
+            label(url, corpus, gguf)
+        with pytest.raises(TeacherChangedError, match=r"model 'another-model' is now 'jevcompat-mock-0\.1'"):
+            label(url, corpus, other)
+
+
+def test_the_command_labels_through_a_url_and_a_killed_run_resumes(tmp_path: Path) -> None:
+    """``cascade label --teacher URL``: SIGTERM ends the run after the calls in flight (exit 130),
+    SIGKILL leaves no half item; the same command again finishes the corpus."""
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 40), tmp_path / "labels.sqlite"
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps(QUESTIONS_JSON))
+    with Running(MockConfig()) as server:
+        argv = [sys.executable, "-m", "distill.cli", "label", "--teacher", f"{server.url}/v1/systemone",
+                "--upstream-model", MOCK_MODEL, "--questions", str(questions), "--corpus", str(corpus),
+                "--store", str(store), "--concurrency", "2", "--rate", "20"]
+        for how in (signal.SIGTERM, signal.SIGKILL):
+            run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            _wait_for_labels(store, run)
+            run.send_signal(how)
+            _, err = run.communicate(timeout=120)
+            assert run.returncode == (130 if how == signal.SIGTERM else -signal.SIGKILL), err
+        with LabelStore.open_existing(store) as opened:
+            partial = opened.done_items(list(QUESTIONS))
+            assert 0 < len(partial) < 40 and len(opened) == 3 * len(partial)  # whole items only
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{40 - len(partial)} items to label: {40 - len(partial)} calls" in done.stderr
+    with LabelStore.open_existing(store) as opened:
+        assert len(opened.done_items(list(QUESTIONS))) == 40
+
+
+def _wait_for_labels(store: Path, run: subprocess.Popen[str], seconds: float = 120.0) -> None:
+    """Until the store holds a label (the run is under way), bounded."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and run.poll() is None:
+        if store.exists():
+            try:
+                with LabelStore.open_existing(store) as opened:
+                    if len(opened):
+                        return
+            except Exception:  # created, not yet a store
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"no label appeared: {run.poll()}")
+
+
+@pytest.mark.parametrize(("flags", "teacher"), [
+    (["--teacher-name", "m.gguf", "--teacher-sha256", "ab" * 32, "--teacher-prompt-version", "v3"],
+     Teacher(kind="gguf", model="m.gguf", model_sha256="ab" * 32, prompt_version="v3")),
+    (["--teacher-identity", '{"model": "jev-1.13.0", "model_hash": "h1"}'],
+     Teacher.of_endpoint(EndpointIdentity(model="jev-1.13.0", model_hash="h1"))),
+    ([], Teacher(kind="external", model="external labels")),
+])
+def test_imported_labels_can_name_their_teacher(tmp_path: Path, flags: list[str], teacher: Teacher) -> None:
+    questions, rows, store = tmp_path / "q.json", tmp_path / "rows.jsonl", tmp_path / "s.sqlite"
+    questions.write_text(json.dumps(QUESTIONS_JSON))
+    rows.write_text(json.dumps({"id": "e1", "question": "urgent", "answer": True}) + "\n")
+    argv = ["label", "--import", str(rows), "--questions", str(questions), "--store", str(store), *flags]
+    done = subprocess.run([sys.executable, "-m", "distill.cli", *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    with LabelStore.open_existing(store) as opened:
+        assert opened.teacher == teacher
