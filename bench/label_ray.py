@@ -77,7 +77,7 @@ def main() -> None:
     try:
         import ray
     except ImportError as error:
-        raise SystemExit(f"bench.label_ray needs the ray extra: pip install 'cascade-router[ray]' "
+        raise SystemExit(f"bench.label_ray needs the ray extra: pip install -e '.[ray]' "
                          f"({error})") from error
     questions_json = question_set(args.questions)
     questions = dict(parse_request({"state": "x", "questions": questions_json}).questions)

@@ -204,7 +204,7 @@ def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise StoreError("the audit plot needs matplotlib: pip install 'cascade-router[report]'") from None
+        raise StoreError("the audit plot needs matplotlib: pip install -e '.[report]'") from None
 
     figure = Figure(figsize=(7, 4), dpi=110)
     FigureCanvasAgg(figure)

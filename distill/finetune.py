@@ -3,7 +3,7 @@
 The float all-MiniLM-L6-v2 is trained, with one linear head per question, on a soft
 cross-entropy to the teacher's probabilities; a held-out tenth of the train items picks the
 epoch. Those heads only shape the body: the bundle's heads are refitted on the exported int8
-encoder (``distill.train``). Torch is an optional extra (``cascade-router[finetune]``); serving
+encoder (``distill.train``). Torch is an optional extra (``pip install -e '.[finetune]'``); serving
 never imports it. See docs/finetune.md.
 """
 

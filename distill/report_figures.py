@@ -22,7 +22,7 @@ from distill.calibration.results import CalibrationResult, QuestionTier
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-FIGURES_NEED = "figures need matplotlib: pip install 'cascade-router[report]'"
+FIGURES_NEED = "figures need matplotlib: pip install -e '.[report]'"
 _DPI = 110
 _SIZE = (5.2, 3.7)
 

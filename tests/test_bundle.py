@@ -141,6 +141,8 @@ CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
      r"thresholds\['urgent'\]\['encoder'\]: invalid value 1.5"),
     (lambda d: edit_manifest(d, lambda m: m["tiers"].reverse()),
      r"only the first tier may be an encoder tier"),
+    (lambda d: edit_manifest(d, lambda m: m["tiers"][-1].update(excerpt="tail:512")),
+     r"tiers\.1\.external\.excerpt: Value error, excerpt policy must look like 'head_tail:1024'"),
     (lambda d: (d / MANIFEST_NAME).unlink(), r"no bundle at .*: manifest.json not found"),
 ])
 def test_damaged_bundles_are_refused(copy: Path, damage: Callable[[Path], None], message: str) -> None:

@@ -282,5 +282,5 @@ def test_without_torch_the_command_says_how_to_install_it(labelled: tuple[Path, 
             f"sys.exit(main({argv!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
-    assert "cascade-router[finetune]" in done.stderr
+    assert "-e '.[finetune]'" in done.stderr
     assert not (tmp_path / "bundle").exists()

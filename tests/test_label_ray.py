@@ -31,7 +31,7 @@ from distill.label_ray import (
 from distill.store import LabelStore, StoreMismatchError
 
 ray = pytest.importorskip(
-    "ray", reason="Ray is an optional extra: pip install 'cascade-router[ray]' (.ci/run installs it "
+    "ray", reason="Ray is an optional extra: pip install -e '.[ray]' (.ci/run installs it "
     "and runs this file)")
 
 PATH_TOLERANCE = 0.15  # BENCHMARKS.md, "Decode paths: measured tolerance": max |dp| 0.09 on gemma

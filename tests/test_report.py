@@ -144,7 +144,7 @@ def test_without_matplotlib_the_command_writes_the_report_without_figures_and_sa
             f"from distill.cli import main\nsys.exit(main({argv!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    install = "figures need matplotlib: pip install 'cascade-router[report]'"
+    install = "figures need matplotlib: pip install -e '.[report]'"
     assert done.stdout.splitlines().count(install) == 1, done.stdout
     page, data = read(tmp_path / "r")
     assert install in html.unescape(page) and IMG not in page

@@ -399,7 +399,7 @@ def test_without_the_serve_extra_routing_works_and_serve_says_how_to_install_it(
     argv = ["serve", "--bundle", str(bundle_dir)]
     serve = BLOCK_SERVE_EXTRA + f"from distill.cli import main\nsys.exit(main({argv!r}))"
     done = subprocess.run([sys.executable, "-c", serve], capture_output=True, text=True)
-    assert done.returncode == 2 and 'pip install "cascade-router[serve]"' in done.stderr, done.stderr
+    assert done.returncode == 2 and "pip install -e '.[serve]'" in done.stderr, done.stderr
 
 
 def test_a_state_longer_than_the_teachers_context_never_fails_the_request(

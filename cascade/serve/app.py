@@ -68,6 +68,28 @@ class _Loaded:
         self.failure: BaseException | None = None
 
 
+def loading_lifespan(load: Callable[[], None], close: Callable[[], None],
+                     failed: Callable[[BaseException], None]) -> Callable[[FastAPI], Any]:
+    """A lifespan that runs ``load`` in a thread, so that /health answers while models load,
+    hands an exception it raises to ``failed``, and calls ``close`` at shutdown once it is done."""
+
+    def load_in_thread() -> None:
+        try:
+            load()
+        except BaseException as exc:
+            failed(exc)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> Any:
+        loader = threading.Thread(target=load_in_thread, name="cascade-load", daemon=True)
+        loader.start()
+        yield
+        await asyncio.to_thread(loader.join)
+        close()
+
+    return lifespan
+
+
 def create_app(load: Callable[[], Cascade], config: ServeConfig | None = None,
                on_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """An app that calls ``load`` in a thread at startup and serves the cascade it returns.
@@ -77,28 +99,24 @@ def create_app(load: Callable[[], Cascade], config: ServeConfig | None = None,
     config = config or ServeConfig()
     loaded = _Loaded()
 
-    def load_in_thread() -> None:
-        try:
-            cascade = load()
-            loaded.metrics = ServerMetrics(cascade.tiers[-1].name)
-            loaded.index = QuestionIndex(cascade.questions)
-            auditor = config.audit(cascade) if config.audit is not None else None
-            loaded.engine = Engine(cascade, config.engine, auditor)
-        except BaseException as exc:  # reported to the command, which exits with it
-            loaded.failure = exc
-            if on_failure is not None:
-                on_failure(exc)
+    def load_cascade() -> None:
+        cascade = load()
+        loaded.metrics = ServerMetrics(cascade.tiers[-1].name)
+        loaded.index = QuestionIndex(cascade.questions)
+        auditor = config.audit(cascade) if config.audit is not None else None
+        loaded.engine = Engine(cascade, config.engine, auditor)
 
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> Any:
-        loader = threading.Thread(target=load_in_thread, name="cascade-load", daemon=True)
-        loader.start()
-        yield
-        await asyncio.to_thread(loader.join)
+    def close() -> None:
         if loaded.engine is not None:
             loaded.engine.close()
             loaded.engine.cascade.close()
 
+    def failed(exc: BaseException) -> None:  # reported to the command, which exits with it
+        loaded.failure = exc
+        if on_failure is not None:
+            on_failure(exc)
+
+    lifespan = loading_lifespan(load_cascade, close, failed)
     app = FastAPI(title="cascade serve", version="1", lifespan=lifespan,
                   description="A tiered cascade behind the System One decision API.")
     _routes(app, loaded, config)
@@ -144,7 +162,7 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        _authorize(request, config.api_key)
+        authorize(request, config.api_key)
         engine = ready().engine
         assert engine is not None
         return JSONResponse({"models": [_model_entry(engine.cascade)]})
@@ -153,9 +171,9 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
     async def systemone(request: Request) -> Response:
         started = time.perf_counter()
         try:
-            _authorize(request, config.api_key)
+            authorize(request, config.api_key)
             state = ready()
-            body = await _body(request, config.max_body)
+            body = await request_body(request, config.max_body)
             response, matched = await _decide(state, body, dict(request.headers), request)
         except (HttpProblem, ServiceError) as problem:
             if loaded.metrics is not None:
@@ -180,7 +198,7 @@ async def _decide(state: _Loaded, body: bytes, headers: Mapping[str, str],
         budget = _budget(data, headers)
         parsed = parse_request(data)
     except RequestError as exc:
-        raise _unprocessable(exc) from None
+        raise unprocessable(exc) from None
     matched = state.index.match(parsed.questions)
     if matched.foreign and not state.engine.cascade.tiers[-1].reads_any_question:
         raise _not_in_bundle(state.engine.cascade, matched)
@@ -189,7 +207,7 @@ async def _decide(state: _Loaded, body: bytes, headers: Mapping[str, str],
     try:
         return await asyncio.wrap_future(future), matched
     except (RequestError, InputTooLongError) as exc:
-        raise _unprocessable(exc) from None
+        raise unprocessable(exc) from None
 
 
 def _budget(data: Any, headers: Mapping[str, str]) -> Budget:
@@ -208,7 +226,7 @@ def _budget(data: Any, headers: Mapping[str, str]) -> Budget:
     return Budget(**bounds)
 
 
-def _unprocessable(exc: CascadeError) -> HttpProblem:
+def unprocessable(exc: CascadeError) -> HttpProblem:
     return HttpProblem(422, "invalid_request", str(exc), found=problems(str(exc)))
 
 
@@ -221,7 +239,7 @@ def _not_in_bundle(cascade: Cascade, matched: Matched) -> HttpProblem:
     return HttpProblem(422, "unknown_question", message, found=problems(message))
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def request_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     encoding = request.headers.get("content-encoding")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -230,7 +248,7 @@ async def _body(request: Request, limit: int) -> bytes:
     return await read_body(request.stream(), encoding, limit)
 
 
-def _authorize(request: Request, key: str | None) -> None:
+def authorize(request: Request, key: str | None) -> None:
     if key is None:
         return
     given = request.headers.get("authorization", "")

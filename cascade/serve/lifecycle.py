@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from cascade.routing.router import Cascade
 
 API_KEY_VARIABLE = "CASCADE_API_KEY"
-SERVE_EXTRA = 'pip install "cascade-router[serve]"'
+SERVE_EXTRA = "pip install -e '.[serve]'"
 log = logging.getLogger("cascade.serve")
 
 

@@ -16,12 +16,9 @@ client, which gave up after its 10 s, will never read.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,7 +27,14 @@ from cascade.answers import DecisionResponse
 from cascade.errors import InputTooLongError, RequestError
 from cascade.questions import DecisionRequest, load_json, parse_request
 from cascade.readout.scorer import Scorer
-from cascade.serve.app import LOADING_RETRY_AFTER, _authorize, _body, _unprocessable, add_wire
+from cascade.serve.app import (
+    LOADING_RETRY_AFTER,
+    add_wire,
+    authorize,
+    loading_lifespan,
+    request_body,
+    unprocessable,
+)
 from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem
 from cascade.teachers.admission import Admission
 
@@ -66,24 +70,20 @@ def create_teacher_app(load: Callable[[], Scorer], config: TeacherConfig | None 
     config = config or TeacherConfig()
     loaded = _Loaded(config.max_wait)
 
-    def load_in_thread() -> None:
-        try:
-            loaded.scorer = load()
-        except BaseException as exc:  # reported to the command, which exits with it
-            loaded.failure = exc
-            if on_failure is not None:
-                on_failure(exc)
+    def load_scorer() -> None:
+        loaded.scorer = load()
 
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> Any:
-        loader = threading.Thread(target=load_in_thread, name="cascade-load", daemon=True)
-        loader.start()
-        yield
-        await asyncio.to_thread(loader.join)
+    def close() -> None:
         loaded.worker.shutdown(wait=True)
         if loaded.scorer is not None:
             loaded.scorer.close()
 
+    def failed(exc: BaseException) -> None:  # reported to the command, which exits with it
+        loaded.failure = exc
+        if on_failure is not None:
+            on_failure(exc)
+
+    lifespan = loading_lifespan(load_scorer, close, failed)
     app = FastAPI(title="cascade serve (teacher)", version="1", lifespan=lifespan,
                   description="A GGUF's logit readout behind the System One decision API.")
     _routes(app, loaded, config)
@@ -108,7 +108,7 @@ def _routes(app: FastAPI, loaded: _Loaded, config: TeacherConfig) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        _authorize(request, config.api_key)
+        authorize(request, config.api_key)
         scorer = ready()
         return JSONResponse({"models": [{"name": scorer.model.path.name, "description": (
             f"logit readout of {scorer.model.path.name} (sha256 {scorer.model_sha256[:12]}...), prompt "
@@ -116,13 +116,13 @@ def _routes(app: FastAPI, loaded: _Loaded, config: TeacherConfig) -> None:
 
     @app.post("/v1/systemone")
     async def systemone(request: Request) -> Response:
-        _authorize(request, config.api_key)
+        authorize(request, config.api_key)
         scorer = ready()
-        body = await _body(request, config.max_body)
+        body = await request_body(request, config.max_body)
         try:
             parsed = parse_request(load_json(body))
         except RequestError as exc:
-            raise _unprocessable(exc) from None
+            raise unprocessable(exc) from None
         response = await _score(loaded, scorer, parsed)
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -146,4 +146,4 @@ async def _score(loaded: _Loaded, scorer: Scorer, request: DecisionRequest) -> D
     try:
         return await asyncio.wrap_future(job)
     except (RequestError, InputTooLongError) as exc:
-        raise _unprocessable(exc) from None
+        raise unprocessable(exc) from None

@@ -9,7 +9,7 @@ from cascade.errors import CascadeError
 from cascade.teachers.keys import KeySource
 
 Compression = Literal["identity", "gzip", "zstd", "auto"]
-UPSTREAM_EXTRA = 'pip install "cascade-router[upstream]"'
+UPSTREAM_EXTRA = "pip install -e '.[upstream]'"
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from cascade.answers import Readout, Usage
 from cascade.cost.pricing import TierCost, TierPricing, estimate_tokens
@@ -29,7 +29,7 @@ from cascade.pins import BundleFile, ModelFile
 from cascade.questions import Question, State
 from cascade.readout.placement import Placement, Placements, for_tier
 from cascade.readout.prompts import Layout
-from cascade.readout.scorer import Scorer
+from cascade.readout.scorer import HeadTailExcerpt, Scorer
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 
@@ -154,6 +154,20 @@ class HeadInfo(StrictModel):
     @property
     def has_head(self) -> bool:
         return self.skipped is None
+
+
+def _check_excerpt(value: str | None) -> str | None:
+    if value is not None:
+        HeadTailExcerpt.parse(value)
+    return value
+
+
+Excerpt = Annotated[str | None, AfterValidator(_check_excerpt)]
+"""The input policy's cut of an over-long state (``head_tail:N``; None: none), checked on read."""
+
+
+def read_excerpt(policy: str | None) -> HeadTailExcerpt | None:
+    return HeadTailExcerpt.parse(policy) if policy else None
 
 
 class TierSpec(StrictModel):

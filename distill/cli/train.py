@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ tier.
 per question, soft cross-entropy, a held-out tenth picking the epoch), exports it as int8 ONNX
 into the bundle (encoder.onnx, sha256-pinned) and fits the heads on its vectors; routing,
 calibration and evaluation then use it as they use the shared encoder. It needs the finetune
-extra (pip install 'cascade-router[finetune]': torch 2.13.0 CPU and the float MiniLM) and takes
+extra (pip install -e '.[finetune]': torch 2.13.0 CPU and the float MiniLM) and takes
 about 12 minutes per 2,000 AG News items on one core here (see BENCHMARKS.md for what it buys).
 The bundle is built beside --bundle and swapped in whole, so an interrupted run leaves the
 previous bundle as it was."""
@@ -100,10 +101,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.readout.placement import Placement
     from distill.mid_layer import AUTO_TARGET
     from distill.store import LabelStore
+    from distill.teacher_check import judge_store
     from distill.train import middle_tier, train_bundle
 
     questions = load_questions(args.questions)
     with LabelStore.open_existing(args.store) as store:
+        checks = judge_store(store, questions)
         bundle = train_bundle(
             questions, corpus_input(args), store, args.bundle, C=args.C, run=run_options(args),
             teacher_model=args.teacher_model, teacher_placement=Placement(gpu_layers=args.teacher_gpu_layers),
@@ -125,6 +128,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for candidate in bundle.manifest.training.mid_layer or []:
         print(f"mid-layer {candidate.layer:>3}: held-out agreement {candidate.agreement:.3f}, kept at "
               f"{AUTO_TARGET} {candidate.kept:.3f}, estimated cost {candidate.cost:.3f} of the teacher")
+    for check in checks:  # what training learnt from; calibrate refuses a degenerate teacher
+        print(check.line(), file=sys.stderr)
     print(f"tiers: {' -> '.join(_tier_text(tier) for tier in bundle.manifest.tiers)}")
     print(f"bundle: {bundle.directory.resolve()}")
     return 0

@@ -20,7 +20,7 @@ from distill.store.backend import STORE_TABLES, Backend, foreign_tables
 from distill.store.location import StoreURL
 from distill.store.records import StoreError
 
-EXTRA = "pip install 'cascade-router[postgres]'"
+EXTRA = "pip install -e '.[postgres]'"
 CONNECT_TIMEOUT_S = 10
 LOCK_KEY = 0x63617363616465  # "cascade": one advisory lock per database, for the store's writers
 _TABLES = """
