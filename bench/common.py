@@ -208,6 +208,17 @@ def parts_of(order: np.ndarray) -> Parts:
     return Parts(order[: n // 2], order[n // 2: 3 * n // 4], order[3 * n // 4:])
 
 
+PART_CODES = {"train": 0, "calibration": 1, "evaluation": 2}
+
+
+def placed(ids: list[str], salt: str) -> np.ndarray:
+    """Each item's part (0 train, 1 calibration, 2 evaluation, 50/25/25) by a hash of its id and
+    ``salt``, as ``distill.split`` places items: an item's part never moves as traffic grows."""
+    from distill.split import DEFAULT_FRACTIONS, part_of
+
+    return np.asarray([PART_CODES[part_of(i, DEFAULT_FRACTIONS, salt)] for i in ids])
+
+
 def head_probabilities(items: Items, emb: np.ndarray, source: str, parts: Parts
                        ) -> tuple[np.ndarray, np.ndarray]:
     """The library's head on ``emb`` (+ n-grams), fitted on the train part: calibration and
@@ -280,6 +291,51 @@ def cascade_outcome(encoder: tuple[np.ndarray, np.ndarray], middle: tuple[np.nda
     best = hindsight(threshold_score(encoder[1], score), encoder[1].argmax(axis=1) == ev_truth, target)
     return CascadeOutcome(kept[0], kept[1] if middle is not None else 0.0, 1 - wrong / len(ev_truth),
                           reach_middle, best)
+
+
+# -- measured costs -------------------------------------------------------------------------------
+
+MIDDLE = "qwen2.5-coder-0.5b-instruct"
+
+
+def measured_seconds(items: Items, task: Task, count: int, middle: bool, finetuned_file: Path | None
+                     ) -> dict[str, float]:
+    """CPU seconds per item of the teacher (and the 0.5B with ``middle``) and each encoder (the
+    fine-tuned int8 ``finetuned_file`` too), one thread each, interleaved item by item."""
+    import statistics
+    from functools import partial
+
+    from cascade.encoder.onnx_encoder import Encoder, EncoderFiles, default_encoder_files
+    from cascade.readout.scorer import Scorer
+    from distill.teachers import teacher_path
+
+    request = {"state": "-", "questions": task.questions}
+    encoders = {"encoder (frozen, shipped)": Encoder(threads=1)}
+    if finetuned_file is not None:
+        files = EncoderFiles(model=finetuned_file, tokenizer=default_encoder_files().tokenizer)
+        encoders["encoder (fine-tuned int8)"] = Encoder(files, threads=1)
+    models = {"teacher": TEACHER, **({"middle": MIDDLE} if middle else {})}
+    scorers = {name: Scorer(teacher_path(model), n_ctx=2048, max_branches=1, n_threads=1)
+               for name, model in models.items()}
+    contenders: dict[str, Callable[[str], object]] = {
+        **{name: partial(_score, scorer, request) for name, scorer in scorers.items()},
+        **{name: partial(_encode, encoder) for name, encoder in encoders.items()}}
+    try:
+        spent = interleaved(contenders, items.texts[:count])
+    finally:
+        for scorer in scorers.values():
+            scorer.close()
+    return {name: statistics.mean(values["cpu"]) for name, values in spent.items()}
+
+
+def _score(scorer: Any, request: dict[str, Any], text: str) -> object:
+    from cascade.questions import parse_request
+
+    return scorer.score(parse_request(request | {"state": text}))
+
+
+def _encode(encoder: Any, text: str) -> object:
+    return encoder.encode([text])
 
 
 # -- fine-tuned encoders (the finetune extra: torch) ----------------------------------------------

@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import Any, get_args
+from typing import get_args
 
 import numpy as np
 
@@ -53,6 +51,7 @@ from bench.common import (
     FINETUNED_DIR,
     GOAL_COST,
     GOAL_KEPT,
+    MIDDLE,
     SOURCES,
     TARGET,
     TASK_NAMES,
@@ -65,53 +64,17 @@ from bench.common import (
     cell,
     finetuned,
     head_probabilities,
-    interleaved,
     labels_digest,
     load_items,
     markdown,
+    measured_seconds,
     parts_of,
     read_export,
     task_named,
 )
-from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
-from cascade.questions import parse_request
-from cascade.readout.scorer import Scorer
+from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.thresholds import CERTIFIED_SCORE, ThresholdScore
 from distill.finetune import FinetuneConfig
-from distill.teachers import teacher_path
-
-MIDDLE = "qwen2.5-coder-0.5b-instruct"
-
-
-def measured_seconds(items: Items, task: Task, count: int, middle: bool, finetuned_file: Path | None
-                     ) -> dict[str, float]:
-    """CPU seconds per item of each part, one thread each, interleaved item by item."""
-    request = {"state": "-", "questions": task.questions}
-    tokenizer = default_encoder_files().tokenizer
-    encoders = {"encoder (frozen, shipped)": Encoder(threads=1)}
-    if finetuned_file is not None:
-        files = EncoderFiles(model=finetuned_file, tokenizer=tokenizer)
-        encoders["encoder (fine-tuned int8)"] = Encoder(files, threads=1)
-    models = {"teacher": TEACHER, **({"middle": MIDDLE} if middle else {})}
-    scorers = {name: Scorer(teacher_path(model), n_ctx=2048, max_branches=1, n_threads=1)
-               for name, model in models.items()}
-    contenders: dict[str, Callable[[str], object]] = {
-        **{name: partial(_score, scorer, request) for name, scorer in scorers.items()},
-        **{name: partial(_encode, encoder) for name, encoder in encoders.items()}}
-    try:
-        spent = interleaved(contenders, items.texts[:count])
-    finally:
-        for scorer in scorers.values():
-            scorer.close()
-    return {name: statistics.mean(values["cpu"]) for name, values in spent.items()}
-
-
-def _score(scorer: Scorer, request: dict[str, Any], text: str) -> object:
-    return scorer.score(parse_request(request | {"state": text}))
-
-
-def _encode(encoder: Encoder, text: str) -> object:
-    return encoder.encode([text])
 
 
 def summary(name: str, runs: list[CascadeOutcome], costs: list[float], middle: bool, target: float

@@ -101,6 +101,9 @@ class Routing(BaseModel):
     up (``cascade.encoder.familiar``). ``too_long_for`` names the GGUF tiers whose context could not
     hold the question's prompt about this state: it went past them, unread. ``uncovered_why``
     says, for a question not ``covered`` that has a bundle question's instructions, what differs.
+    ``demoted_why`` says why a ``demoted`` answer skipped the cheap tiers (a drift alarm, or a
+    teacher whose identity changed). ``upstream`` is True for an answer an upstream System One
+    server gave (a URL teacher), False for one a model of this process computed.
     """
 
     tier: str
@@ -120,6 +123,8 @@ class Routing(BaseModel):
     unfamiliar: bool = False
     too_long_for: list[str] = Field(default_factory=list)
     uncovered_why: str | None = None
+    demoted_why: str | None = None
+    upstream: bool = False
 
 
 def _x(name: str) -> Any:

@@ -121,4 +121,7 @@ class UpstreamAnswerError(UpstreamError, ValueError):
 
 
 class TeacherChangedError(UpstreamError):
-    """The upstream's identity (model, hashes) is not the teacher's this cascade or store holds."""
+    """The upstream's identity (model, hashes) is not the teacher's this cascade or store holds;
+    ``changes`` says what changed, one phrase per field."""
+
+    changes: tuple[str, ...] = ()

@@ -78,6 +78,11 @@ class Evaluation(BaseModel):
     questions: dict[str, QuestionEvaluation]
     spend: list[TierSpend] = []
     over_budget: float = 0.0
+    teacher_calls: int = 0
+    """Items with any answer from the top tier: the calls an upstream teacher would get (one per
+    item, holding only its escalated questions), against one per item forwarded whole."""
+    teacher_questions: int = 0
+    """Answers from the top tier: the questions an upstream teacher would be sent."""
 
 
 def evaluate_bundle(
@@ -184,6 +189,7 @@ def _summarise(
     everything = [row for rows in per_question.values() for row in rows]
     over = [answer.routing.over_budget for r in responses for answer in r.answers.values()
             if answer.routing is not None]
+    top = [sum(row[1] == tier_names[-1] for row in _rows(r)) for r in responses]
     return Evaluation(
         bundle=str(Path(directory).resolve()),
         items=len(items),
@@ -199,7 +205,13 @@ def _summarise(
                    for qid, rows in per_question.items() if rows},
         spend=_spend(tier_names, responses),
         over_budget=_mean(over),
+        teacher_calls=sum(1 for n in top if n),
+        teacher_questions=sum(top),
     )
+
+
+def _rows(response: DecisionResponse) -> list[tuple[bool, str, bool]]:
+    return [(False, a.routing.tier, False) for a in response.answers.values() if a.routing is not None]
 
 
 def _spend(tier_names: list[str], responses: Sequence[DecisionResponse]) -> list[TierSpend]:
@@ -257,6 +269,11 @@ def format_evaluation(evaluation: Evaluation) -> str:
     lines.append(f"{evaluation.items} evaluation items; predicted cost {evaluation.cascade_seconds:.3g} s "
                  f"vs teacher alone {evaluation.teacher_seconds:.3g} s: cost ratio "
                  f"{evaluation.cost_ratio:.3f}")
+    if evaluation.items:
+        calls, sent = evaluation.teacher_calls, evaluation.teacher_questions
+        lines.append(f"with the teacher as an upstream URL: {calls} calls for {evaluation.items} items "
+                     f"({1 - calls / evaluation.items:.1%} saved), {sent} of {evaluation.answers} questions "
+                     f"sent ({1 - sent / max(1, evaluation.answers):.1%} saved)")
     if evaluation.over_budget > 0:
         lines.append(f"over budget: {evaluation.over_budget:.1%} of answers went up although the "
                      "budget could not pay (no lower tier had an answer to keep)")

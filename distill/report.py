@@ -212,13 +212,28 @@ def _split_text(result: CalibrationResult) -> str:
     m, q = len(result.cheap_tiers), result.family_size if result.family_wise else 1
     if m * q == 1:
         return ""
-    over = " x ".join(part for part, n in ((f"{m} cheap tiers", m), (f"{q} questions", q)) if n > 1)
     dropped = (f" {', '.join(sorted(result.dropped()))} was taken out of the cascade afterwards (it "
                "cost more than it saved): its share goes unspent, and the others' certificates "
                "stand." if result.dropped() else "")
+    if result.certificate == "joint" and result.mode == "agreement":
+        return _chain_text(result, m, q, dropped)
+    over = " x ".join(part for part, n in ((f"{m} cheap tiers", m), (f"{q} questions", q)) if n > 1)
     return (f" delta is split evenly over the {over}: each (question, tier) threshold is certified "
             f"at level {result.tier_delta:.3g}, for agreement >= {result.tier_target:.4g} per tier, "
             f"and a union bound adds them up.{dropped}")
+
+
+def _chain_text(result: CalibrationResult, m: int, q: int, dropped: str) -> str:
+    """The joint certificate in words: one test for the chain, delta split over questions only."""
+    questions = (f" delta is split evenly over the {q} questions, each certified at level "
+                 f"{result.tier_delta:.3g}, and a union bound adds them up." if q > 1 else "")
+    chain = (f" The {m} cheap tiers are certified together: one Learn-then-Test test along a path "
+             "of threshold vectors (built on the temperature part, tested on the other calibration "
+             f"items) certifies the whole system's agreement >= {result.tier_target:.4g}, with no "
+             "share of the target or of delta per tier." if m > 1 else "")
+    taken = dropped.replace("its share goes unspent, and the others' certificates stand",
+                            "that only sends more to the teacher, so the certificate stands")
+    return chain + questions + taken
 
 
 def _budget_text(result: CalibrationResult) -> str:

@@ -55,7 +55,7 @@ from distill.finetune_base import check_installed
 from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
 from distill.mid_layer import MidLayerConfig, layers_of, train_mid_layer
 from distill.options import CorpusInput, RunOptions, default_cache_dir, option
-from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, check_fractions, split_ids
+from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, PARTS, check_fractions, split_ids
 from distill.store import InputPolicy, LabelStore, Teacher
 
 FINETUNED_NAME = "encoder.onnx"
@@ -86,6 +86,7 @@ def train_bundle(
     finetune: FinetuneConfig | None = None,
     middle: Sequence[GgufSpec] = (),
     mid_layer: MidLayerConfig | None = None,
+    parts: Mapping[str, Sequence[str]] | None = None,
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the ``corpus`` items and save a bundle.
 
@@ -103,6 +104,8 @@ def train_bundle(
     teacher; like the heads they keep nothing until ``cascade calibrate`` certifies them.
     ``mid_layer`` adds the teacher's own first blocks as a tier just below it (distill.mid_layer):
     it needs the teacher's GGUF, and its states of the train items are collected here.
+    ``parts``: the ids of each part, given (``distill.retrain`` places what it must hold out);
+    None: each labelled item by a hash of its id (``distill.split``).
     """
     corpus = option("train_bundle", "corpus", corpus, CorpusInput)
     run = option("train_bundle", "run", run, RunOptions, RunOptions())
@@ -117,11 +120,12 @@ def train_bundle(
     if mid_layer is not None:
         if not isinstance(top, GgufSpec):
             raise TrainError("a mid-layer tier runs the teacher's own first blocks, and this store's "
-                             f"teacher is external ({store.teacher.model!r}); label with a GGUF teacher")
+                             f"teacher is {store.teacher.kind} ({store.teacher.model!r}); label with a "
+                             "GGUF teacher")
         layers_of(mid_layer, Path(top.model.path))
     labels = {qid: store.labels(qid) for qid in questions}
     texts = _labelled_texts(corpus.read(), corpus.path, labels, store.path)
-    parts = split_ids(texts, fractions, DEFAULT_SALT)
+    parts = split_ids(texts, fractions, DEFAULT_SALT) if parts is None else _given(parts, texts)
     encoder = encoder if encoder is not None else Encoder(device=run.device, threads=run.threads)
     bundle_dir = Path(bundle_dir)
     with staged(bundle_dir) as stage:
@@ -201,6 +205,17 @@ def _training_lock(bundle_dir: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _given(parts: Mapping[str, Sequence[str]], texts: Mapping[str, str]) -> dict[str, list[str]]:
+    """The parts given, as ``split_ids`` lists them (sorted, labelled items only); an item in two
+    parts is refused, since the calibration part must never have trained a head."""
+    out = {part: sorted({i for i in parts.get(part, ()) if i in texts}) for part in PARTS}
+    placed = [i for ids in out.values() for i in ids]
+    if len(placed) != len(set(placed)):
+        twice = min(i for i in placed if placed.count(i) > 1)
+        raise TrainError(f"the parts given hold item {twice!r} in two parts; give each item one part")
+    return out
 
 
 def _finetuned(
@@ -313,7 +328,7 @@ def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None,
     """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only; either
     reads states with the input policy the store's labels were read with (context, excerpt)."""
     excerpt = policy.excerpt if policy is not None else None
-    if teacher.kind == "external":
+    if teacher.kind in ("external", "endpoint"):  # an endpoint answers through --teacher URL, checked
         return ExternalSpec(name=TEACHER_TIER, labels=teacher.model, excerpt=excerpt,
                             n_ctx=policy.n_ctx if policy is not None else None)
     if layout_of(teacher.prompt_version) is None:

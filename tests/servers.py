@@ -55,12 +55,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(load: Callable[[], Cascade], config: ServeConfig | None = None,
+def running(load: Callable[[], Cascade] | None, config: ServeConfig | None = None,
             wait: bool = True) -> Iterator[str]:
     """Serve ``create_app(load, config)`` on loopback; yields the base URL. ``wait``: until
     /health says ok (the models loaded)."""
+    with serving(create_app(load, config), wait) as url:
+        yield url
+
+
+@contextmanager
+def serving(app: Any, wait: bool = True) -> Iterator[str]:
+    """Serve the ASGI ``app`` on loopback in a thread; yields the base URL (see ``running``)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(load, config), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -197,3 +204,30 @@ def upstream(server: Upstream) -> Iterator[Upstream]:
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def mock_at(port: int = 0, **config: Any) -> Iterator[tuple[str, Any]]:
+    """jevcompat's mock from its own ``make_server`` on a thread of this process, on ``port`` (0: a
+    free one): yields its /v1/systemone URL and its ``MockConfig``, whose ``requests`` counts what
+    it saw."""
+    from jevcompat.mock import MockConfig, make_server
+
+    cfg = MockConfig(**config)
+    server = make_server(cfg, port=port)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/systemone", cfg
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def until(check: Callable[[], bool], what: str, seconds: float = 120.0) -> None:
+    """Wait, bounded, for ``check``: a condition on the servers, never on the time taken."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {seconds} s")
+        time.sleep(0.05)

@@ -236,7 +236,7 @@ def test_a_middle_tier_leaves_states_longer_than_its_context_out_and_says_so(
     assert "(first: item 'long': small: the prompt needs" in caplog.text
 
 
-def test_a_gguf_middle_tier_shares_the_error_budget(
+def test_a_gguf_middle_tier_shares_the_error_budget_under_the_split_certificate(
     trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tiny_llama: Path, tmp_path: Path
 ) -> None:
     data = trained.manifest.model_dump()
@@ -246,7 +246,7 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
     scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1)
     try:
         result = calibrate(bundle, *inputs, encoder, target=TARGET, scorers={"small": scorer},
-                           keep_costly_tiers=True)
+                           keep_costly_tiers=True, certificate="split")
     finally:
         scorer.close()
     assert result.cheap_tiers == ["encoder", "small"]
@@ -268,8 +268,32 @@ def test_a_gguf_middle_tier_shares_the_error_budget(
     # one state per calibration item, whatever the number of its questions (the fan-out)
     assert cost.kind == "gguf" and cost.states == result.items < sum(fit_of(result, q, "small").n
                                                                      for q in HEADED)
-    assert cost.tokens > cost.states and cost.seconds_per_token > 0
+    assert cost.tokens > cost.states
+    # the fit may charge a tiny model's time to the state or to the token, never to neither
+    assert min(cost.seconds_per_state, cost.seconds_per_token) >= 0
+    assert cost.seconds_per_state * cost.states + cost.seconds_per_token * cost.tokens > 0
     assert set(manifest.calibration.costs) == {"encoder", "small"}
+
+
+def test_a_gguf_middle_tier_is_certified_with_the_encoder_in_one_certificate_by_default(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tiny_llama: Path, tmp_path: Path
+) -> None:
+    bundle = copy_with_middle(trained, tmp_path / "b", tiny_llama, "small", 1024)
+    scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1, max_branches=len(bundle.manifest.questions))
+    try:
+        result = calibrate(bundle, *inputs, encoder, target=TARGET, scorers={"small": scorer},
+                           keep_costly_tiers=True)
+    finally:
+        scorer.close()
+    assert result.certificate == "joint" and (result.tier_target, result.tier_delta) == (TARGET, 0.05)
+    for qid in HEADED:
+        pair = [fit_of(result, qid, tier) for tier in ("encoder", "small")]
+        assert {fit.method for fit in pair} == {"ltt-chain"} and pair[0].lower_bound == pair[1].lower_bound
+        assert pair[0].target == TARGET and pair[0].delta == 0.05
+    manifest = Bundle.load(bundle.directory).manifest
+    assert manifest.calibration.certificate == "joint"
+    page = write_report(result, Bundle.load(bundle.directory), tmp_path / "report").read_text()
+    assert "certified together" in page
 
 
 @pytest.mark.parametrize(("keep", "kept"), [(False, False), (True, True)])

@@ -41,7 +41,7 @@ def test_a_middle_tier_is_kept_only_where_the_top_tier_work_it_saves_exceeds_its
     top_seconds: float, kept: bool
 ) -> None:
     payoffs = tier_payoffs(["encoder", "middle"], FITS, ITEMS, {"middle": MIDDLE}, top(top_seconds),
-                           QUESTIONS, keep=False)
+                           QUESTIONS, keep=False, min_reached=1)
     payoff = payoffs["middle"]
     # b and c reach it, 1 s each; only b is answered whole, saving the teacher's state of b; c
     # still goes up, so keeping its q1 saves only q1's block (0 s at 0 s per token)
@@ -55,7 +55,7 @@ def test_a_middle_tier_is_kept_only_where_the_top_tier_work_it_saves_exceeds_its
 def test_the_block_of_each_question_kept_counts_where_the_state_still_escalates() -> None:
     per_token = TierPricing(PriceCost(0.0, 1.0), estimate_tokens, fanout=True)
     payoff = tier_payoffs(["encoder", "middle"], FITS, ITEMS, {"middle": MIDDLE}, per_token, QUESTIONS,
-                          keep=False)["middle"]
+                          keep=False, min_reached=1)["middle"]
     prompt = per_token.prompt_tokens("state b")
     block = {qid: per_token.suffix_tokens(qid, question) for qid, question in QUESTIONS.items()}
     assert payoff.seconds_saved == pytest.approx(prompt + block["q2"] + block["q1"])
@@ -66,3 +66,20 @@ def test_only_tiers_above_the_first_are_judged_and_kept_when_asked() -> None:
                            keep=True)
     assert set(payoffs) == {"middle"}
     assert payoffs["middle"].kept and payoffs["middle"].reason.startswith("kept as asked")
+
+
+def test_a_tier_too_few_states_reach_is_weighed_on_every_state_it_read_not_taken_out_on_nothing() -> None:
+    # the encoder keeps every question of every item: no state reaches the middle tier, which
+    # read all three; as if each reached it, it answers q1 of c and q2 of b (1 s each, 3 s in all)
+    fits = {"q1": {"encoder": fit("abc"), "middle": fit("c")},
+            "q2": {"encoder": fit("abc"), "middle": fit("b")}}
+    payoff = tier_payoffs(["encoder", "middle"], fits, ITEMS, {"middle": MIDDLE}, top(10.0), QUESTIONS,
+                          keep=False)["middle"]
+    assert payoff.states_reached == 0 and payoff.seconds_cost == 3.0
+    assert payoff.seconds_saved == 0.0 and not payoff.kept  # it never answers a whole state
+    assert "only 0 calibration states reached it (fewer than 20)" in payoff.reason
+    assert "weighed on all 3 it read" in payoff.reason
+    tier = {qid: {"encoder": fit("abc"), "middle": fit("abc")} for qid in QUESTIONS}
+    kept = tier_payoffs(["encoder", "middle"], tier, ITEMS, {"middle": MIDDLE}, top(10.0), QUESTIONS,
+                        keep=False)["middle"]
+    assert kept.kept and kept.seconds_saved == 30.0 and kept.states_resolved == 3

@@ -17,12 +17,16 @@ import pytest
 from jevcompat.mock import MockConfig, Running, respond
 from servers import MOCK_MODEL
 
-from cascade.errors import TeacherChangedError, UpstreamRefused
+from cascade.errors import RouterError, TeacherChangedError, UpstreamRefused
 from cascade.questions import Question, parse_request
+from cascade.routing.router import Cascade
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
+from distill.calibration.run import calibrate_bundle
 from distill.label_endpoint import EndpointRun, label_through_endpoint
+from distill.options import CorpusInput
 from distill.store import LabelStore, StoreMismatchError, Teacher
+from distill.train import train_bundle
 
 QUESTIONS_JSON = {"questions": {
     "urgent": {"type": "noul", "instructions": "Does this convey urgency?"},
@@ -111,6 +115,32 @@ def test_a_store_of_another_teacher_is_refused(tmp_path: Path) -> None:
             label(url, corpus, gguf)
         with pytest.raises(TeacherChangedError, match=r"model 'another-model' is now 'jevcompat-mock-0\.1'"):
             label(url, corpus, other)
+
+
+def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_certified(
+        tmp_path: Path) -> None:
+    topics = ["payout failed", "invoice is wrong", "the app crashes", "login is broken", "refund please",
+              "server down", "charged twice", "export has a bug"]
+    rows = [{"id": f"e{i}", "text": f"Message {i}: {topics[i % 8]} and {topics[(i * 3) % 8]}."}
+            for i in range(120)]
+    corpus, store_path = tmp_path / "c.jsonl", tmp_path / "labels.sqlite"
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with Running(MockConfig()) as server:
+        url = f"{server.url}/v1/systemone"
+        label(url, corpus, store_path, concurrency=4)
+        with LabelStore.open_existing(store_path) as store:
+            bundle = train_bundle(QUESTIONS, CorpusInput(corpus), store, tmp_path / "bundle")
+            calibrate_bundle(bundle, CorpusInput(corpus), store, 0.6, 0.2)
+        assert bundle.manifest.teacher.kind == "endpoint"  # the store's identity, checked at every answer
+        with pytest.raises(RouterError, match=r"give --teacher PATH\.gguf or a System One URL"):
+            Cascade.load(tmp_path / "bundle")
+        with Cascade.load(tmp_path / "bundle", teacher=UpstreamSettings(url, model=MOCK_MODEL),
+                          threads=1) as cascade:
+            answers = [a for row in rows[:20] for a in cascade.decide(row["text"]).answers.values()]
+    routings = [a.routing for a in answers if a.routing is not None]
+    assert len(routings) == len(answers) and all(r.certified for r in routings)
+    assert {r.tier for r in routings} == {"encoder", "teacher"}
+    assert all(r.upstream == (r.tier == "teacher") for r in routings)
 
 
 def test_the_command_labels_through_a_url_and_a_killed_run_resumes(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ same URL is caught at its first answer; its queue refuses by expected wait with 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -177,3 +178,19 @@ def test_a_server_in_front_of_a_dead_url_answers_502_with_retry_after(
     assert alive.status_code == 200 and alive.json()["answers"][ESCALATED]["x_routing"]["tier"] == "teacher"
     assert (dead.status_code, dead.headers["retry-after"]) == (502, "1")
     assert dead.json()["error"]["code"] == "upstream_unreachable"
+
+
+def test_cascade_decide_takes_the_url_as_its_teacher(
+        bundle_dir: Path, gemma_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distill.cli import main
+
+    field = Bundle.load(bundle_dir).manifest.training.text_field
+    corpus, out = tmp_path / "c.jsonl", tmp_path / "out.jsonl"
+    corpus.write_text(json.dumps({"id": "one", field: STATE}) + "\n", encoding="utf-8")
+    monkeypatch.setenv("CASCADE_UPSTREAM_KEY", "not-checked-by-this-server")
+    assert main(["decide", "--bundle", str(bundle_dir), "--corpus", str(corpus), "--out", str(out),
+                 "--teacher", gemma_server.url, "--threads", "1"]) == 0
+    row = json.loads(out.read_text(encoding="utf-8"))
+    escalated = row["answers"][ESCALATED]["x_routing"]
+    assert escalated["tier"] == "teacher" and escalated["certified"] and escalated["upstream"]
+    assert row["usage"]["x_cascade"]["ran_on"]["teacher"] == f"upstream {gemma_server.url}"

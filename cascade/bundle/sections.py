@@ -123,7 +123,9 @@ class CalibrationSection(_Section):
     uncalibrated; ``cascade`` is by question and ``costs`` by tier name. ``flops_per_second`` is
     the throughput that prices tiers without a measured cost (an external teacher) on the roofline.
     ``source`` says which labelled items certified ("audit" or "both" with the audited ``audits``;
-    None: the calibration part alone, as before audits existed).
+    None: the calibration part alone, as before audits existed). ``certificate``: how several cheap
+    tiers shared the target and delta ("joint": one certificate for the chain; "split", or None
+    before issue 34: each tier its share).
     """
 
     calibrated_at: str | None = None
@@ -148,6 +150,7 @@ class CalibrationSection(_Section):
     payoffs: dict[str, TierPayoff] = {}
     source: Literal["audit", "both"] | None = None
     audits: AuditSpan | None = None
+    certificate: Literal["joint", "split"] | None = None
 
     def version(self) -> str:
         """When the thresholds were certified and a digest of the calibration that certified them:
@@ -155,7 +158,7 @@ class CalibrationSection(_Section):
         are left out where unset, so that a bundle calibrated before keeps its version."""
         if self.calibrated_at is None:
             return "uncalibrated"
-        unset = {name for name in ("source", "audits") if getattr(self, name) is None}
+        unset = {name for name in ("source", "audits", "certificate") if getattr(self, name) is None}
         digest = hashlib.sha256(self.model_dump_json(exclude=unset).encode()).hexdigest()
         return f"{self.calibrated_at}+{digest[:12]}"
 

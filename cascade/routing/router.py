@@ -145,9 +145,11 @@ class Cascade:
         return self.responses(run)
 
     def start(
-        self, items: Sequence[Item], asked: Sequence[Sequence[str]], budget: Budget | None = None
+        self, items: Sequence[Item], asked: Sequence[Sequence[str]], budget: Budget | None = None,
+        first_tier: int = 0,
     ) -> Run:
-        """A routing call, its questions queued at the first tier that may keep their answers.
+        """A routing call, its questions queued at the first tier from ``first_tier`` up that may
+        keep their answers (a server sends a caller the upstream has not vouched for to the top).
 
         ``route`` is ``start``, ``ask`` at each tier in turn, then ``responses``; a server runs
         those steps itself, to ask a tier about the runs of several requests in one batch and to
@@ -158,16 +160,18 @@ class Cascade:
                   len(self.tiers))
         for i, qids in enumerate(asked):
             for qid in qids:
-                self._place(run, i, qid, 0, run.budget, forced=True)
+                self._place(run, i, qid, first_tier, run.budget, forced=True)
         return run
 
     def next_tier(self, run: Run) -> int | None:
         """The lowest tier not asked yet that has questions of ``run`` queued; None when done."""
         return next((t for t in range(run.at, len(self.tiers)) if any(run.queued[t])), None)
 
-    def ask(self, runs: Sequence[Run], t: int) -> None:
+    def ask(self, runs: Sequence[Run], t: int, reply: Reply | None = None) -> None:
         """Ask tier ``t`` what each run queued for it, in ONE batch, then queue each run's
         unsure answers one tier up. Every run must be at ``t`` or below it (``next_tier``).
+        ``reply``: the tier's answers already in hand (a server that sent them in one request
+        with other questions), its usage holding the seconds they took.
 
         The batch changes no answer: a tier's answer about an item depends on that item and the
         questions it is asked, not on the other items of the batch (the encoder computes each
@@ -179,7 +183,7 @@ class Cascade:
         sent = [[sorted(qids, key=list(run.asked[i]).index) for i, qids in enumerate(run.queued[t])]
                 for run in runs]
         if any(any(s) for s in sent):
-            self._ask_batch(runs, t, sent)
+            self._ask_batch(runs, t, sent, reply)
         for run in runs:
             run.at = t + 1
             if t + 1 < len(self.tiers):
@@ -255,15 +259,17 @@ class Cascade:
             run.over_budget.add((i, qid))
         return True
 
-    def _ask_batch(self, runs: Sequence[Run], t: int, sent: list[list[list[str]]]) -> None:
-        """Ask tier ``t`` the questions sent to it about every run's items in one reply; record
-        each (temperature-scaled) answer in its run."""
+    def _ask_batch(self, runs: Sequence[Run], t: int, sent: list[list[list[str]]],
+                   given: Reply | None = None) -> None:
+        """Ask tier ``t`` the questions sent to it about every run's items in one reply (or take
+        ``given``); record each (temperature-scaled) answer in its run."""
         tier, top = self.tiers[t], t == len(self.tiers) - 1
         items = [item for run in runs for item in run.items]
         shapes = [self._shape(t, qids) for run_sent in sent for qids in run_sent]
         started = time.perf_counter()
-        reply = tier.reply(items, shapes, self.questions)
-        seconds = (time.perf_counter() - started) / sum(1 for shape in shapes if shape)
+        reply = given if given is not None else tier.reply(items, shapes, self.questions)
+        took = sum(u.seconds for u in reply.usage) if given is not None else time.perf_counter() - started
+        seconds = took / sum(1 for shape in shapes if shape)
         first = 0
         for run, run_sent in zip(runs, sent, strict=True):
             for i, qids in enumerate(run_sent):
@@ -388,6 +394,7 @@ class Cascade:
                               certified=self.certified and not pick.overloaded and not unread_above,
                               over_budget=(i, qid) in run.over_budget, overloaded=pick.overloaded,
                               demoted=qid in self.demoted and pick.tier == len(self.tiers) - 1,
+                              upstream=self.tiers[pick.tier].remote,
                               unfamiliar=i in run.unfamiliar,
                               too_long_for=[self.tiers[t].name for t in range(len(self.tiers))
                                             if (t, i) in run.too_long and qid in run.queued[t][i]])

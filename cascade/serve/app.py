@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,39 +34,69 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
+from cascade.cost.upstream import UpstreamLedger
 from cascade.errors import CascadeError, InputTooLongError, RequestError, ServiceError
 from cascade.questions import DecisionRequest, load_json, parse_request
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
-from cascade.serve.engine import Engine, EngineSettings
+from cascade.serve.engine import Engine, EngineSettings, Retired
+from cascade.serve.gone import unless_gone
 from cascade.serve.matching import Matched, QuestionIndex
 from cascade.serve.metrics import CONTENT_TYPE, ServerMetrics
+from cascade.serve.swap import DEFAULT_INTERVAL, BundleWatch, Version, version_of
 from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem, error_body, problems, read_body, request_id
 
 log = logging.getLogger("cascade.serve")
 LOADING_RETRY_AFTER = "5"
+_SUBMIT_TRIES = 3
+
+
+@dataclass(frozen=True)
+class BundleSource:
+    """Where a server's bundle comes from when it follows promotions (``cascade.serve.swap``):
+    ``path`` (a bundle folder, a link to one, or a pointer file), ``load`` (a bundle folder to its
+    cascade) and ``interval`` (seconds between two looks at ``path``; 0: on SIGHUP only)."""
+
+    path: Path
+    load: Callable[[Path], Cascade]
+    interval: float = DEFAULT_INTERVAL
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How the server answers: ``api_key`` (None: no auth), ``max_body`` in bytes (after
-    inflating), the engine's batching and overload settings, and ``audit``, which makes the
-    auditor of the loaded cascade (None, or returning None: no audit)."""
+    """How the server answers: ``api_key`` (None: no auth; with ``engine.forward_auth`` the
+    upstream checks callers' keys instead), ``max_body`` in bytes (after inflating), the engine's
+    batching, admission and overload settings, ``audit``, which makes the auditor of a loaded
+    cascade (None, or returning None: no audit), ``bundle``: follow promotions of the bundle
+    (None: serve the one ``load`` gives), and ``ledger``: what the upstream costs."""
 
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     engine: EngineSettings = field(default_factory=EngineSettings)
     audit: Callable[[Cascade], Auditor | None] | None = None
+    bundle: BundleSource | None = None
+    ledger: UpstreamLedger = field(default_factory=UpstreamLedger)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The engine answering new requests, the question index of its bundle, and its version."""
+
+    engine: Engine
+    index: QuestionIndex
+    version: Version | None
 
 
 class _Loaded:
-    """The cascade once loaded (in a thread, so that /health answers while models load)."""
+    """The serving cascade once loaded (in a thread, so that /health answers while models load),
+    swapped for each promoted bundle; the metrics and ledger outlive the swaps."""
 
     def __init__(self) -> None:
-        self.engine: Engine | None = None
-        self.index: QuestionIndex | None = None
+        self.serving: Serving | None = None
         self.metrics: ServerMetrics | None = None
         self.failure: BaseException | None = None
+        self.watch: BundleWatch | None = None
+        self.retiring: list[threading.Thread] = []  # engines a swap replaced, finishing their requests
 
 
 def loading_lifespan(load: Callable[[], None], close: Callable[[], None],
@@ -90,26 +121,60 @@ def loading_lifespan(load: Callable[[], None], close: Callable[[], None],
     return lifespan
 
 
-def create_app(load: Callable[[], Cascade], config: ServeConfig | None = None,
+def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = None,
                on_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """An app that calls ``load`` in a thread at startup and serves the cascade it returns.
-
-    ``on_failure`` hears of an exception ``load`` raised (the command stops the server then).
-    """
+    """An app that loads its cascade in a thread at startup (``load``, or the bundle
+    ``config.bundle`` names) and serves it, taking each promoted bundle where ``config.bundle``
+    is given. ``on_failure`` hears of an exception the first load raised (the command stops the
+    server then)."""
     config = config or ServeConfig()
     loaded = _Loaded()
 
+    def serving(cascade: Cascade, version: Version | None) -> Serving:
+        try:
+            auditor = config.audit(cascade) if config.audit is not None else None
+            engine = Engine(cascade, config.engine, auditor, config.ledger)
+        except BaseException:
+            cascade.close()
+            raise
+        return Serving(engine, QuestionIndex(cascade.questions), version)
+
     def load_cascade() -> None:
-        cascade = load()
+        source = config.bundle
+        version = version_of(source.path) if source is not None else None
+        if source is not None and version is not None:
+            cascade = source.load(version.directory)
+        elif load is not None:
+            cascade = load()
+        else:
+            raise CascadeError("create_app needs load or config.bundle: give the cascade to serve")
         loaded.metrics = ServerMetrics(cascade.tiers[-1].name)
-        loaded.index = QuestionIndex(cascade.questions)
-        auditor = config.audit(cascade) if config.audit is not None else None
-        loaded.engine = Engine(cascade, config.engine, auditor)
+        loaded.serving = serving(cascade, version)
+        loaded.metrics.serving(cascade, version)
+        if source is not None and version is not None:
+            loaded.watch = BundleWatch(source.path, version, swap, source.interval)
+
+    def swap(version: Version) -> None:
+        assert config.bundle is not None and loaded.serving is not None and loaded.metrics is not None
+        new = serving(config.bundle.load(version.directory), version)
+        old, loaded.serving = loaded.serving, new
+        loaded.metrics.serving(new.engine.cascade, version, old.engine.cascade)
+        before = old.version.directory if old.version is not None else None
+        log.info(json.dumps({"event": "bundle_swapped", "from": str(before), "to": str(version.directory),
+                             "calibration_version": new.engine.cascade.calibration_version}))
+        # the requests it took finish on it (none is refused), on a thread of its own, so that the
+        # swap counts as taken now and the watch can take the next one meanwhile
+        retiring = threading.Thread(target=old.engine.retire, name="cascade-retire", daemon=True)
+        retiring.start()
+        loaded.retiring.append(retiring)
 
     def close() -> None:
-        if loaded.engine is not None:
-            loaded.engine.close()
-            loaded.engine.cascade.close()
+        if loaded.watch is not None:
+            loaded.watch.close()
+        for retiring in loaded.retiring:
+            retiring.join()
+        if loaded.serving is not None:
+            loaded.serving.engine.retire()
 
     def failed(exc: BaseException) -> None:  # reported to the command, which exits with it
         loaded.failure = exc
@@ -119,6 +184,7 @@ def create_app(load: Callable[[], Cascade], config: ServeConfig | None = None,
     lifespan = loading_lifespan(load_cascade, close, failed)
     app = FastAPI(title="cascade serve", version="1", lifespan=lifespan,
                   description="A tiered cascade behind the System One decision API.")
+    app.state.loaded = loaded
     _routes(app, loaded, config)
     add_wire(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -137,75 +203,85 @@ def add_wire(app: FastAPI) -> None:
 
 
 def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
-    def ready() -> _Loaded:
-        if loaded.engine is None:
+    def ready() -> Serving:
+        if loaded.serving is None:
             raise HttpProblem(503, "loading", "the models are still loading; retry shortly",
                               {"Retry-After": LOADING_RETRY_AFTER}, kind="unavailable_error")
-        return loaded
+        return loaded.serving
 
     @app.get("/health", include_in_schema=False)
     @app.get("/healthz", include_in_schema=False)
     async def health() -> Response:
-        if loaded.engine is None:
+        if loaded.serving is None:
             status = "failed" if loaded.failure is not None else "loading"
             return JSONResponse({"status": status}, 503, {"Retry-After": LOADING_RETRY_AFTER})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        state = ready()
-        assert state.metrics is not None and state.engine is not None
-        state.metrics.queues(state.engine.queue_depths())
-        auditor = state.engine.auditor
-        state.metrics.watched(state.engine.audit_counts, auditor.watch if auditor is not None else None)
-        return Response(state.metrics.text(), media_type=CONTENT_TYPE)
+        engine = ready().engine
+        assert loaded.metrics is not None
+        loaded.metrics.scraped(engine, config.ledger.ledger(), loaded.watch)
+        return Response(loaded.metrics.text(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        authorize(request, config.api_key)
-        engine = ready().engine
-        assert engine is not None
-        return JSONResponse({"models": [_model_entry(engine.cascade)]})
+        if not config.engine.forward_auth:
+            authorize(request, config.api_key)
+        return JSONResponse({"models": [_model_entry(ready().engine.cascade)]})
 
     @app.post("/v1/systemone", openapi_extra=_REQUEST_DOC)
     async def systemone(request: Request) -> Response:
         started = time.perf_counter()
         try:
-            authorize(request, config.api_key)
-            state = ready()
+            if not config.engine.forward_auth:
+                authorize(request, config.api_key)
+            ready()
             body = await request_body(request, config.max_body)
-            response, matched = await _decide(state, body, dict(request.headers), request)
+            response, matched, cascade = await _decide(loaded, body, request)
         except (HttpProblem, ServiceError) as problem:
             if loaded.metrics is not None:
                 loaded.metrics.requests.labels(str(problem.status)).inc()
             _log(request, problem.status, started, getattr(problem, "code", type(problem).__name__))
             raise
-        metrics = state.metrics
+        metrics = loaded.metrics
         assert metrics is not None
-        metrics.answered(response, matched.bundle)
+        metrics.answered(response, matched.bundle, cascade)
         metrics.requests.labels("200").inc()
         metrics.request_seconds.observe(time.perf_counter() - started)
         _log(request, 200, started, None, response)
         return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def _decide(state: _Loaded, body: bytes, headers: Mapping[str, str],
-                  request: Request) -> tuple[DecisionResponse, Matched]:
-    """Parse, match and route one request body; every bad input is an ``HttpProblem`` (422)."""
-    assert state.engine is not None and state.index is not None
+async def _decide(loaded: _Loaded, body: bytes, request: Request
+                  ) -> tuple[DecisionResponse, Matched, Cascade]:
+    """Parse, match and route one request body on the serving engine; every bad input is an
+    ``HttpProblem`` (422). A swap between reading the engine and submitting to it only means
+    submitting to the new one: no request is refused for it."""
     try:
         data = load_json(body)
-        budget = _budget(data, headers)
+        budget = _budget(data, request.headers)
         parsed = parse_request(data)
     except RequestError as exc:
         raise unprocessable(exc) from None
-    matched = state.index.match(parsed.questions)
-    if matched.foreign and not state.engine.cascade.tiers[-1].reads_any_question:
-        raise _not_in_bundle(state.engine.cascade, matched)
-    future = state.engine.submit(parsed.state, list(parsed.questions), matched, budget,
-                                 request.state.request_id)
+    for _ in range(_SUBMIT_TRIES):
+        serving = loaded.serving
+        assert serving is not None
+        cascade = serving.engine.cascade
+        matched = serving.index.match(parsed.questions)
+        if matched.foreign and not cascade.tiers[-1].reads_any_question:
+            raise _not_in_bundle(cascade, matched)
+        try:
+            future = serving.engine.submit(parsed.state, list(parsed.questions), matched, budget,
+                                           request.state.request_id, request.headers.get("authorization"))
+            break
+        except Retired:
+            continue
+    else:
+        raise HttpProblem(503, "swapping", "the server was swapping bundles; retry", {"Retry-After": "1"},
+                          kind="unavailable_error")
     try:
-        return await asyncio.wrap_future(future), matched
+        return await unless_gone(future, request), matched, cascade
     except (RequestError, InputTooLongError) as exc:
         raise unprocessable(exc) from None
 
@@ -308,7 +384,8 @@ async def _bug_handler(request: Request, exc: Exception) -> Response:
 
 class _RequestIds:
     """Give every request an id (the client's ``X-Request-Id`` or a new one) and every answer
-    the headers that carry it back; pure ASGI, so that it costs no task per request."""
+    the headers that carry it back, where the answer does not carry them already (a pass-through
+    returns the upstream's); pure ASGI, so that it costs no task per request."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -324,8 +401,10 @@ class _RequestIds:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 raw = rid.encode("latin-1")
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", raw),
-                                      (b"x-typesafe-request-id", raw)]
+                given = {name.lower() for name, _ in message.get("headers", [])}
+                message["headers"] = [*message.get("headers", []),  # a pass-through's upstream's are kept
+                                      *((name, raw) for name in (b"x-request-id", b"x-typesafe-request-id")
+                                        if name not in given)]
             await send(message)
 
         await self.app(scope, receive, send_with_id)

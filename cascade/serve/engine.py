@@ -1,4 +1,4 @@
-"""Routing requests concurrently: one worker thread per tier, the top tier's queue bounded.
+"""Routing requests concurrently: one worker per tier, the top tier's queue admitted by expected wait.
 
 A request becomes a job: its questions matched to the bundle's, a router ``Run`` started for them.
 The job visits the workers of the tiers its run needs, lowest first (``Cascade.next_tier``), and
@@ -8,73 +8,81 @@ a tier's answer about an item does not depend on the batch, so batching changes 
 each request keeps its own budget); a GGUF tier's worker takes one job at a time, since llama.cpp
 reads each state on its own anyway. Each worker owns its tier's model, so no llama.cpp context is
 ever used by two threads. A job whose questions the encoder keeps is done at the encoder's
-worker, however long the teacher's queue: it never waits behind another job's escalation.
+worker, however long the teacher's queue: it never waits behind another job's escalation. An
+upstream teacher's worker runs each job on a pool instead, in ONE request holding only the
+questions left (``cascade.serve.forward``).
 
-The top tier's queue holds at most ``teacher_queue`` jobs. A job that would go past it is refused
-(``Overloaded``: the server answers 503 with ``Retry-After``), or with ``overload="keep"`` keeps
-its best lower answers, marked budget-limited, overloaded and uncertified, where every escalated
-question has one. Questions the bundle does not hold are answered by the top tier alone, on its
-worker, after the job's routed questions.
+The top tier's queue, a local GGUF or an upstream alike, admits a job only while its expected
+wait (the measured service time times the jobs ahead, ``cascade.teachers.admission``) fits
+``max_wait``, below the 10 s clients wait. Past it a job is refused at once (``QueueFullError``:
+503 with ``Retry-After``), or with ``overload="keep"`` keeps its best lower answers, marked
+budget-limited, overloaded and uncertified, where every escalated question has one. A job whose
+client has gone (its future cancelled) is dropped by the next worker that takes it, uncomputed.
+
+With an upstream teacher, an answer whose identity is not the bundle's teacher voids the
+certificate at once (``void``): an alarm line, every question demoted to the upstream with the
+reason, until the server loads a recalibrated bundle. With ``forward_auth``, a caller whose key
+the upstream has not accepted lately gets every question from the upstream (which checks it).
 
 With an ``Auditor``, the answered requests its sample chooses (keyed on the engine's count of
-answered requests) are audited on the top tier's worker at the lowest priority: a worker takes an
-audit only when no live job waits, so a live escalation waits at most for the one audit being
-read. At most ``audit_queue`` audits wait; one past it is dropped and counted.
+answered requests) are audited on the top tier's worker at the lowest priority. At most
+``audit_queue`` audits wait; one past it is dropped and counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
+from cascade.cost.upstream import UpstreamLedger
+from cascade.errors import QueueFullError, TeacherChangedError
 from cascade.questions import State
 from cascade.routing.budget import Budget, Run
 from cascade.routing.router import Cascade
+from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
-from cascade.serve.transport import HttpProblem
+from cascade.teachers.admission import Admission, RateAdmission, Ticket
 from cascade.tiers.base import Item
+from cascade.tiers.upstream import UpstreamTier
 
 log = logging.getLogger("cascade.serve")
 Overload = Literal["refuse", "keep"]
 _LIVE, _STOP, _AUDIT = 0, 1, 2  # a worker takes live jobs first, audits only when none waits
+DEFAULT_MAX_WAIT = 8.0
+"""Seconds a request may expect to wait for the top tier: below the 10 s System One SDKs wait."""
+DRIFT_WHY = "a drift alarm on audited traffic: agreement with the teacher fell below the target"
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """``batch``: route the requests waiting at the encoder together (False: one at a time).
-    ``max_batch``: most requests in one encoder batch. ``teacher_queue``: most requests waiting
-    for the top tier. ``overload``: what a request gets past that bound (see the module).
+    ``max_batch``: most requests in one encoder batch. ``max_wait``: the expected wait past which
+    the top tier's queue refuses a job. ``overload``: what a refused job gets (see the module).
     ``audit_queue``: most audits waiting for the top tier; past it an audit is dropped (and
-    counted), which depends on the queue only, never on the item."""
+    counted). ``forward_auth``: callers' keys are the upstream's to check (see the module)."""
 
     batch: bool = True
     max_batch: int = 64
-    teacher_queue: int = 32
+    max_wait: float = DEFAULT_MAX_WAIT
     overload: Overload = "refuse"
     audit_queue: int = 64
+    forward_auth: bool = False
 
 
-class Overloaded(HttpProblem):
-    """The top tier's queue is full: retry after about the time it takes to drain it."""
-
-    def __init__(self, retry_after: int, queued: int) -> None:
-        super().__init__(503, "overloaded",
-                         f"the teacher's queue is full ({queued} requests waiting); retry after "
-                         f"{retry_after} s, send a budget (x_budget) that keeps answers below, or "
-                         "start the server with --overload keep", {"Retry-After": str(retry_after)},
-                         kind="overloaded_error")
+class Retired(Exception):
+    """This engine has handed over to another (a new bundle): submit to the current one."""
 
 
 @dataclass
@@ -85,9 +93,13 @@ class Job:
     order: list[str]
     matched: Matched
     budget: Budget
+    authorization: str | None = None
     future: Future[DecisionResponse] = field(default_factory=Future)
     run: Run | None = None
     foreign: Foreign | None = None
+    ticket: Ticket | None = None
+    sent: Sent = field(default_factory=lambda: Sent(0, 0.0))
+    restarted: bool = False
 
 
 @dataclass
@@ -97,6 +109,7 @@ class _Audit:
     item: Item
     response: DecisionResponse
     bundle_ids: dict[str, str]
+    authorization: str | None = None
 
 
 _Entry = tuple[int, int, "Job | _Audit | None"]
@@ -161,20 +174,35 @@ class Engine:
     """The workers of one cascade; ``submit`` a request, get a future of its response."""
 
     def __init__(self, cascade: Cascade, settings: EngineSettings | None = None,
-                 auditor: Auditor | None = None) -> None:
+                 auditor: Auditor | None = None, ledger: UpstreamLedger | None = None) -> None:
         """``auditor``: audits its sampler's share of the answered requests on the top tier's
-        worker, at the lowest priority (None: no audit)."""
+        worker, at the lowest priority (None: no audit). ``ledger``: counts what went upstream
+        (a server keeps one across bundles)."""
         self.cascade = cascade
         self.settings = settings or EngineSettings()
         self.auditor = auditor
+        self.ledger = ledger or UpstreamLedger()
         self.top = len(cascade.tiers) - 1
-        self._top_seconds = 1.0  # running mean of a top-tier job, for Retry-After
+        top = cascade.tiers[-1]
+        self.upstream = top if isinstance(top, UpstreamTier) else None
+        parallel = self.upstream.settings.max_in_flight if self.upstream is not None else 1
+        what = f"the teacher {top.name!r}"
+        self.admission = Admission(self.settings.max_wait, what=what) if self.upstream is None else \
+            RateAdmission(self.settings.max_wait, what=what)  # an upstream's parallelism is its own
+        self.voided: str | None = None  # why the certificate is void (the teacher changed)
+        self.abandoned = 0  # jobs dropped uncomputed: their client had gone
         self._answered = itertools.count()  # what the audit sample is keyed on
         self.audit_counts = {"audited": 0, "dropped": 0, "failed": 0, "unreadable": 0}
-        self.workers = [
+        self._gate = threading.Lock()
+        self._retired = False
+        self.workers: list[_Worker | PoolWorker[Job, _Audit]] = [
             _Worker(tier.name, self._serving(t), self._batch_of(t), self._audit)
-            for t, tier in enumerate(cascade.tiers)
-        ]
+            for t, tier in enumerate(cascade.tiers[:-1])]
+        if self.upstream is not None:
+            self.workers.append(PoolWorker(top.name, self._serving(self.top), parallel, self._audit))
+        else:
+            self.workers.append(_Worker(top.name, self._serving(self.top), self._batch_of(self.top),
+                                        self._audit))
 
     def _batch_of(self, t: int) -> int:
         batched = self.settings.batch and not self.cascade.tiers[t].meters_tokens
@@ -184,16 +212,39 @@ class Engine:
         return {tier.name: w.depth for tier, w in zip(self.cascade.tiers, self.workers, strict=True)}
 
     def submit(self, state: State, order: Sequence[str], matched: Matched, budget: Budget,
-               request_id: str) -> Future[DecisionResponse]:
-        """Start routing one request; its future holds the response or the error to answer."""
-        job = Job(Item(request_id, state), list(order), matched, budget)
-        try:
-            if matched.asked:
-                job.run = self.cascade.start([job.item], [matched.asked], budget)
-            self._forward(job)
-        except Exception as exc:  # the future carries every failure back to the request
-            job.future.set_exception(exc)
+               request_id: str, authorization: str | None = None) -> Future[DecisionResponse]:
+        """Start routing one request; its future holds the response or the error to answer.
+        Cancelling the future (the client has gone) drops the job at the next worker. Raises
+        ``Retired`` once this engine has handed over to another."""
+        job = Job(Item(request_id, state), list(order), matched, budget, authorization)
+        with self._gate:
+            if self._retired:
+                raise Retired
+            try:
+                self._start(job)
+                self._forward(job)
+            except Exception as exc:  # the future carries every failure back to the request
+                self._fail(job, exc)
         return job.future
+
+    def _start(self, job: Job) -> None:
+        """The job's run: from the top where the caller's key is the upstream's to vouch for."""
+        if not job.matched.asked:
+            return
+        vouched = (not self.settings.forward_auth or self.upstream is None
+                   or self.upstream.client.accepted.accepted(job.authorization))
+        job.run = self.cascade.start([job.item], [job.matched.asked], job.budget,
+                                     first_tier=0 if vouched else self.top)
+
+    def retire(self) -> None:
+        """Take no more jobs; finish every job taken (in tier order, so none is left behind a
+        stopped worker), then close the auditor and the cascade. Blocks until done."""
+        with self._gate:
+            self._retired = True
+        self.close()
+        if self.auditor is not None:
+            self.auditor.close()
+        self.cascade.close()
 
     def close(self) -> None:
         for worker in self.workers:
@@ -203,28 +254,98 @@ class Engine:
         return lambda jobs: self._serve(t, jobs)
 
     def _serve(self, t: int, jobs: list[Job]) -> None:
-        started = time.perf_counter()
-        routed = [job for job in jobs if job.run is not None and self.cascade.next_tier(job.run) == t]
+        jobs = [job for job in jobs if not self._gone(job)]
+        if not jobs:
+            return
+        if t == self.top:
+            for job in jobs:
+                self._serve_top(job)
+            return
         try:
-            if routed:
-                self.cascade.ask([job.run for job in routed if job.run is not None], t)
+            self.cascade.ask([job.run for job in jobs if job.run is not None], t)
         except Exception as exc:
             if len(jobs) > 1:  # find the one that failed; the others get their answers
                 for job in jobs:
                     self._serve(t, [job])
                 return
-            jobs[0].future.set_exception(exc)
+            self._fail(jobs[0], exc)
             return
         for job in jobs:
             try:
-                if t == self.top and job.matched.foreign:
-                    job.foreign = answer_foreign(self.cascade, job.item, job.matched.foreign,
-                                                 job.matched.near)
-                self._forward(job, asked_top=t == self.top)
+                self._forward(job)
             except Exception as exc:
-                job.future.set_exception(exc)
-        if t == self.top:
-            self._top_seconds = 0.8 * self._top_seconds + 0.2 * (time.perf_counter() - started) / len(jobs)
+                self._fail(job, exc)
+
+    def _gone(self, job: Job) -> bool:
+        """Whether the job's client has gone: then it is dropped here, uncomputed."""
+        if not job.future.cancelled():
+            return False
+        if job.ticket is not None:
+            self.admission.done(job.ticket, None)
+            job.ticket = None
+        self.abandoned += 1
+        return True
+
+    def _serve_top(self, job: Job) -> None:
+        """One job at the top tier, its service timed for admission; one that waited past
+        ``max_wait`` is refused (or kept below) instead: it would be answered too late."""
+        late = self.admission.late(job.ticket) if job.ticket is not None else None
+        if late is not None and job.ticket is not None:
+            self.admission.done(job.ticket, None)
+            job.ticket = None
+            self._overloaded(job, late)
+            return
+        started = self.admission.started() if job.ticket is not None else None
+        try:
+            self._ask_top(job)
+            self._forward(job, asked_top=True)
+        except Exception as exc:
+            self._fail(job, exc)
+        finally:
+            if job.ticket is not None:
+                self.admission.done(job.ticket, started)
+                job.ticket = None
+
+    def _ask_top(self, job: Job) -> None:
+        if self.upstream is None:
+            if job.run is not None and self.cascade.next_tier(job.run) == self.top:
+                self.cascade.ask([job.run], self.top)
+            if job.matched.foreign:
+                job.foreign = answer_foreign(self.cascade, job.item, job.matched.foreign, job.matched.near)
+            return
+        try:
+            job.sent = forward(self.cascade, self.upstream, job)
+        except TeacherChangedError as exc:
+            if job.restarted:
+                raise
+            self._teacher_changed(exc)
+            job.restarted = True
+            if self.voided is not None:
+                self._start(job)  # every question now goes up (demoted), its lower answers dropped
+            job.sent = forward(self.cascade, self.upstream, job)
+
+    def _teacher_changed(self, exc: TeacherChangedError) -> None:
+        """Void the certificate (once): the alarm line, every bundle question demoted to the
+        upstream, and the new teacher's answers taken from now on. A cascade already serving
+        another teacher (accepted, uncertified) only says so."""
+        assert self.upstream is not None
+        with self._gate:
+            first = self.voided is None and self.cascade.certified
+            if self.cascade.certified:
+                self.voided = (f"the upstream now answers as another teacher than the bundle was certified "
+                               f"against: {'; '.join(exc.changes) or exc}; every question goes upstream "
+                               "until a recalibrated bundle is served")
+                self.cascade.certified = False
+                self.cascade.demoted.update(self.cascade.questions)
+            self.upstream.reset_identity()
+        if first:
+            log.error("ALARM certificate void: the upstream %s now answers as another teacher than the "
+                      "bundle's (%s). Every question goes to the upstream, marked x_routing.demoted, "
+                      "until a recalibrated bundle is served (or the server restarts with "
+                      "--accept-other-teacher)", self.upstream.settings.url, "; ".join(exc.changes) or exc)
+        else:
+            log.warning("the upstream's teacher changed again (%s); answers stay marked certified=false",
+                        "; ".join(exc.changes) or exc)
 
     def _forward(self, job: Job, asked_top: bool = False) -> None:
         """Send a job to the next worker it needs, or finish it."""
@@ -232,20 +353,38 @@ class Engine:
         if t is None and job.matched.foreign and not asked_top:
             t = self.top
         if t is None:
-            routed = self.cascade.responses(job.run)[0] if job.run is not None else None
-            response = assemble(self.cascade, job.order, job.matched, routed, job.foreign)
-            job.future.set_result(response)
-            self._sample(job, response)
+            self._finish(job)
             return
-        if t == self.top and self.workers[t].depth >= self.settings.teacher_queue:
-            self._overloaded(job)
-            return
+        if t == self.top:
+            try:
+                job.ticket = self.admission.enter()
+            except QueueFullError as exc:
+                self._overloaded(job, exc)
+                return
         self.workers[t].put(job)
+
+    def _finish(self, job: Job) -> None:
+        routed = self.cascade.responses(job.run)[0] if job.run is not None else None
+        why = (dict.fromkeys(self.cascade.questions, self.voided) if self.voided else
+               dict.fromkeys(self.cascade.demoted, DRIFT_WHY))
+        response = assemble(self.cascade, job.order, job.matched, routed, job.foreign, why)
+        if self.upstream is not None:
+            self.ledger.request(len(job.order), job.sent.questions, job.sent.seconds)
+        try:
+            job.future.set_result(response)
+        except InvalidStateError:  # the client went while the answer was made
+            return
+        self._sample(job, response)
+
+    @staticmethod
+    def _fail(job: Job, exc: BaseException) -> None:
+        with contextlib.suppress(InvalidStateError):  # the client went while the answer was made
+            job.future.set_exception(exc)
 
     def _sample(self, job: Job, response: DecisionResponse) -> None:
         """Queue the audit of an answered request where the sample chose it (keyed on the count of
-        answered requests, not on anything the client sent)."""
-        if self.auditor is None or not self.auditor.sampler.chosen(str(next(self._answered))):
+        answered requests, not on anything the client sent); none while the certificate is void."""
+        if self.auditor is None or self.voided or not self.auditor.sampler.chosen(str(next(self._answered))):
             return
         top = self.workers[self.top]
         if top.audits >= self.settings.audit_queue:
@@ -253,23 +392,32 @@ class Engine:
             return
         # a client may send the same X-Request-Id twice: the audit's id is the server's own
         item = Item(f"{job.item.id}.{uuid.uuid4().hex[:12]}", job.item.state)
-        top.put_audit(_Audit(item, response, dict(job.matched.bundle)))
+        top.put_audit(_Audit(item, response, dict(job.matched.bundle), job.authorization))
 
     def _audit(self, audit: _Audit) -> None:
         assert self.auditor is not None
+        started = time.perf_counter()
         try:
-            record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
+            if self.upstream is not None:
+                with self.upstream.on_behalf_of(audit.authorization):
+                    record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
+                self.ledger.audit(len(self.cascade.questions), time.perf_counter() - started)
+            else:
+                record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
             self.audit_counts["audited" if record is not None else "unreadable"] += 1
+        except TeacherChangedError as exc:  # an audit's answer is an answer: the change is caught here too
+            self._teacher_changed(exc)
+            self.audit_counts["failed"] += 1
         except Exception:  # an audit never fails a request; it is logged and counted
             log.exception("audit of request %s failed", audit.item.id)
             self.audit_counts["failed"] += 1
 
-    def _overloaded(self, job: Job) -> None:
+    def _overloaded(self, job: Job, exc: QueueFullError) -> None:
         keep = (self.settings.overload == "keep" and not job.matched.foreign and job.run is not None
                 and self.cascade.keep_below_top(job.run))
         if keep:
             self._forward(job)
             return
-        depth = self.workers[self.top].depth
-        retry = max(1, min(60, math.ceil(depth * self._top_seconds)))
-        job.future.set_exception(Overloaded(retry, depth))
+        self._fail(job, QueueFullError(f"{exc}; or send a budget (x_budget) that keeps answers below, "
+                                       "or start the server with --overload keep",
+                                       retry_after=exc.retry_after))

@@ -1,7 +1,9 @@
 """The server's lifecycle: build the app for a bundle, serve it on uvicorn, stop on SIGTERM.
 
-``serve`` is what ``cascade serve`` calls; ``serve_teacher`` what ``cascade serve --teacher
-X.gguf`` without a bundle calls (the teacher's own System One server). The models load in a
+``serve`` is what ``cascade serve`` calls (following promotions of ``--bundle``: SIGHUP looks at
+once); ``serve_teacher`` what ``cascade serve --teacher X.gguf`` without a bundle calls (the
+teacher's own System One server); ``serve_proxy`` what ``cascade serve --teacher URL`` without a
+bundle calls (a pass-through that may collect the traffic it forwards). The models load in a
 thread while ``/health`` answers 503; SIGTERM (or Ctrl-C) stops taking requests, finishes those
 in flight within ``grace`` seconds and returns; models that failed to load stop the server and
 are raised as a ``CascadeError``. This module imports without the ``serve`` extra; serving
@@ -24,11 +26,14 @@ from cascade.errors import CascadeError
 
 if TYPE_CHECKING:
     from cascade.audit.auditor import Auditor
+    from cascade.collect.record import TrafficSink
+    from cascade.cost.upstream import UpstreamPrice
     from cascade.encoder.onnx_encoder import Device
     from cascade.readout.placement import Placements
     from cascade.readout.prompts import Layout
     from cascade.routing.endpoint import Teacher
     from cascade.routing.router import Cascade
+    from cascade.teachers.settings import UpstreamSettings
 
 API_KEY_VARIABLE = "CASCADE_API_KEY"
 SERVE_EXTRA = "pip install -e '.[serve]'"
@@ -43,10 +48,13 @@ class ServeOptions:
     else no auth). ``max_body``: largest request body in bytes, after inflating (None: 32 MiB).
     ``grace``: seconds SIGTERM waits for requests in flight. The rest are the engine's
     (``cascade.serve.engine.EngineSettings``): ``batch`` the requests waiting at the encoder
-    together, at most ``max_batch``; at most ``teacher_queue`` requests wait for the top tier,
-    and past it one is refused or ``overload="keep"`` keeps its best cheaper answer; at most
-    ``audit_queue`` audits wait. ``max_wait``: a teacher server (``serve_teacher``) admits a
-    request only while its expected wait fits it, else answers 503 with Retry-After.
+    together, at most ``max_batch``; the top tier's queue (a local GGUF or an upstream) admits a
+    request only while its expected wait fits ``max_wait``, and past it one is refused with 503
+    and Retry-After or ``overload="keep"`` keeps its best cheaper answer; at most ``audit_queue``
+    audits wait. ``forward_auth``: an upstream teacher checks each caller's key (the client's
+    Authorization is sent on), and local answers go only to keys it accepted lately.
+    ``watch``: seconds between looks at ``--bundle`` for a promoted bundle (0: on SIGHUP only).
+    ``upstream_price``: what an upstream teacher costs (None: priced by its measured latency).
     """
 
     host: str = "127.0.0.1"
@@ -56,10 +64,12 @@ class ServeOptions:
     grace: int = 30
     batch: bool = True
     max_batch: int = 64
-    teacher_queue: int = 32
     overload: Literal["refuse", "keep"] = "refuse"
     audit_queue: int = 64
     max_wait: float = 8.0
+    forward_auth: bool = False
+    watch: float = 2.0
+    upstream_price: UpstreamPrice | None = None
 
 
 AuditHook = Callable[["Cascade"], "Auditor | None"]
@@ -87,35 +97,76 @@ def serve(
     try:
         import uvicorn  # noqa: F401  (the serve extra: refused here, before the bundle loads)
 
-        from cascade.serve.app import ServeConfig, create_app
+        from cascade.serve.app import BundleSource, ServeConfig, create_app
         from cascade.serve.engine import EngineSettings
+        from cascade.serve.swap import resolve
         from cascade.serve.transport import DEFAULT_MAX_BODY
     except ImportError as exc:
         raise CascadeError(f"cascade serve needs the serve extra ({exc}): {SERVE_EXTRA}") from None
+    from cascade.cost.upstream import UpstreamLedger
     from cascade.routing.router import Cascade
 
     options = options or ServeOptions()
     bundle = Path(bundle)
-    if not (bundle / "manifest.json").is_file():
-        raise CascadeError(f"no bundle at {bundle} (no manifest.json); give a folder that "
-                           "cascade train wrote")
     # what can be refused without loading a model is refused before the port opens
-    Cascade.preflight(bundle, teacher=teacher, accept_other_teacher=accept_other_teacher)
+    Cascade.preflight(resolve(bundle), teacher=teacher, accept_other_teacher=accept_other_teacher)
     key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
-    settings = EngineSettings(batch=options.batch, max_batch=options.max_batch,
-                              teacher_queue=options.teacher_queue, overload=options.overload,
-                              audit_queue=options.audit_queue)
+    settings = EngineSettings(batch=options.batch, max_batch=options.max_batch, max_wait=options.max_wait,
+                              overload=options.overload, audit_queue=options.audit_queue,
+                              forward_auth=options.forward_auth)
 
-    def load() -> Cascade:
-        return Cascade.load(bundle, teacher=teacher, device=device, threads=threads, placement=placement,
+    def load(directory: Path) -> Cascade:
+        return Cascade.load(directory, teacher=teacher, device=device, threads=threads, placement=placement,
                             accept_other_teacher=accept_other_teacher)
 
     config = ServeConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY, engine=settings,
-                         audit=audit)
+                         audit=audit, bundle=BundleSource(bundle, load, options.watch),
+                         ledger=UpstreamLedger(options.upstream_price))
     run = _Run(options, "the bundle")
-    run.serve(create_app(load, config, run.failed),
-              f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
-              f"(auth {'on' if key else 'off'}; models loading, /health says when ready)")
+    app = create_app(None, config, run.failed)
+    follows = f"follows {bundle} every {options.watch:g} s and on SIGHUP" if options.watch > 0 else \
+        f"takes {bundle} again on SIGHUP"
+    run.serve(app, f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
+              f"(auth {'forwarded' if options.forward_auth else 'on' if key else 'off'}; {follows}; "
+              "models loading, /health says when ready)", hangup=lambda: _poke(app))
+
+
+def _poke(app: Any) -> None:
+    """SIGHUP: look at --bundle now (a promotion)."""
+    watch = app.state.loaded.watch
+    if watch is not None:
+        watch.poke()
+
+
+def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
+                collect: TrafficSink | None = None, share: float = 1.0, max_items: int | None = None) -> None:
+    """Serve a transparent pass-through to ``upstream`` at POST /v1/systemone until SIGTERM or
+    Ctrl-C (``cascade.serve.proxy``); with ``collect``, a seeded ``share`` of the requests it
+    forwards, up to ``max_items`` in the sink, is recorded there. Raises ``CascadeError`` as
+    ``serve`` does."""
+    try:
+        from cascade.serve.proxy import ProxyConfig, create_proxy_app
+        from cascade.serve.transport import DEFAULT_MAX_BODY
+        from cascade.teachers.connect import open_client
+    except ImportError as exc:
+        raise CascadeError(f"cascade serve needs the serve extra ({exc}): {SERVE_EXTRA}") from None
+    from cascade.collect.collector import Collector
+    from cascade.cost.upstream import UpstreamLedger
+
+    options = options or ServeOptions()
+    key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    collector = Collector(collect, share, max_items) if collect is not None else None
+    config = ProxyConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY,
+                         max_wait=options.max_wait, collector=collector,
+                         ledger=UpstreamLedger(options.upstream_price))
+    app = create_proxy_app(open_client(upstream), config)
+    what = f"; collecting {share:.0%} of requests" + (f", up to {max_items}" if max_items else "") \
+        if collector is not None else ""
+    auth = "forwarded" if upstream.forward_auth else "on" if key else "off"
+    _Run(options, "the pass-through").serve(
+        app, f"passing requests through to {upstream.url} at http://{options.host}:{options.port}"
+        f"/v1/systemone (auth {auth}; admits while the expected wait is at most "
+        f"{options.max_wait:g} s{what})")
 
 
 def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placement: Placements = None,
@@ -161,7 +212,7 @@ class _Run:
         if self.server is not None:
             self.server.should_exit = True
 
-    def serve(self, app: Any, banner: str) -> None:
+    def serve(self, app: Any, banner: str, hangup: Callable[[], None] | None = None) -> None:
         import uvicorn
 
         options = self.options
@@ -174,6 +225,8 @@ class _Run:
             # uvicorn stops gracefully on SIGTERM and then raises the signal again under the handler
             # it found: this one, so that a requested stop returns instead of dying of the signal
             signal.signal(signal.SIGTERM, lambda *_: None)
+            if hangup is not None:
+                signal.signal(signal.SIGHUP, lambda *_: hangup())
         self.server.run()
         if self.failures:
             failure = self.failures[0]

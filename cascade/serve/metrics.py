@@ -9,12 +9,19 @@ Each server has its own registry, so two in one process (tests) never mix their 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cascade.answers import DecisionResponse
 from cascade.audit.watch import DriftWatch
+from cascade.cost.upstream import Ledger
+
+if TYPE_CHECKING:
+    from cascade.routing.router import Cascade
+    from cascade.serve.engine import Engine
+    from cascade.serve.swap import BundleWatch, Version
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,8 +38,9 @@ class ServerMetrics:
         self.answers = Counter("cascade_answers", "Answers given, by the tier that gave them and the "
                                "bundle question", ["tier", "question"], registry=self.registry)
         self.uncertified = Counter("cascade_uncertified_answers", "Answers no certificate covers, by "
-                                   "why: other_teacher, overloaded, budget_limited, not_covered, too_long "
-                                   "(kept below: the teacher could not read the state)",
+                                   "why: other_teacher, teacher_changed (the upstream's identity changed: "
+                                   "demoted), overloaded, budget_limited, not_covered, too_long (kept below: "
+                                   "the teacher could not read the state)",
                                    ["reason"], registry=self.registry)
         self.errors = Counter("cascade_question_errors", "Asked questions left without an answer (x_errors), "
                               "by code and bundle question", ["code", "question"], registry=self.registry)
@@ -53,18 +61,73 @@ class ServerMetrics:
                            "agreement with the teacher, from the audit", ["question"], registry=self.registry)
         self.demoted = Gauge("cascade_demoted", "1 where a drift alarm sent a question's answers to the "
                              "teacher", ["question"], registry=self.registry)
+        self.by_version = Counter("cascade_version_requests", "Requests answered, by the bundle and "
+                                  "calibration version that answered them", ["bundle", "calibration_version"],
+                                  registry=self.registry)
+        self.bundle = Gauge("cascade_bundle_info", "1 for the bundle serving new requests, 0 for those it "
+                            "replaced", ["bundle", "calibration_version", "manifest_sha256"],
+                            registry=self.registry)
+        self.swaps = Gauge("cascade_bundle_swaps", "Promoted bundles this server took, and the ones that "
+                           "failed to load (the old one kept serving)", ["outcome"], registry=self.registry)
+        self.void = Gauge("cascade_certificate_void", "1 while the upstream teacher's identity differs "
+                          "from the bundle's: every question goes upstream, marked demoted",
+                          registry=self.registry)
+        self.admitted = Gauge("cascade_top_admitted", "Requests admitted to the top tier's queue and not "
+                              "yet answered (waiting or in service)", registry=self.registry)
+        self.abandoned = Gauge("cascade_abandoned_requests", "Requests dropped uncomputed because their "
+                               "client had gone, since this bundle served", registry=self.registry)
+        self.upstream = Gauge("cascade_upstream", "Since the server started: requests answered and "
+                              "questions asked in them; calls and questions sent upstream for them, and "
+                              "for audits; calls and questions not sent (against forwarding every "
+                              "request whole)",
+                              ["count"], registry=self.registry)
+        self.cost = Gauge("cascade_upstream_cost", "What the upstream calls cost and what the cascade "
+                          "saved of it, in the --upstream-price unit (s: priced by measured latency)",
+                          ["kind", "unit"], registry=self.registry)
         self._given = self._escalated = 0
 
-    def answered(self, response: DecisionResponse, bundle_ids: Mapping[str, str]) -> None:
+    def serving(self, cascade: Cascade, version: Version | None, replaced: Cascade | None = None) -> None:
+        """A bundle now serves new requests (in place of ``replaced``)."""
+        self.top_tier = cascade.tiers[-1].name
+        sha = version.manifest_sha256 if version is not None else cascade.manifest_sha256
+        self.bundle.labels(cascade.manifest.name, cascade.calibration_version, sha).set(1)
+        if replaced is not None:
+            self.bundle.labels(replaced.manifest.name, replaced.calibration_version,
+                               replaced.manifest_sha256).set(0)
+
+    def scraped(self, engine: Engine, ledger: Ledger, watch: BundleWatch | None) -> None:
+        """What is read at a scrape: queues, audits, the certificate, the upstream's ledger."""
+        self.queues(engine.queue_depths())
+        auditor = engine.auditor
+        self.watched(engine.audit_counts, auditor.watch if auditor is not None else None)
+        self.void.set(float(engine.voided is not None))
+        self.abandoned.set(engine.abandoned)
+        self.admitted.set(engine.admission.inside)
+        for name, value in (("requests", ledger.requests), ("asked_questions", ledger.asked),
+                            ("calls", ledger.calls), ("sent_questions", ledger.sent),
+                            ("audit_calls", ledger.audit_calls), ("audit_questions", ledger.audit_questions),
+                            ("saved_calls", ledger.saved_calls), ("saved_questions", ledger.saved_questions)):
+            self.upstream.labels(name).set(value)
+        self.cost.labels("spent", ledger.unit).set(ledger.spent)
+        self.cost.labels("saved", ledger.unit).set(ledger.saved)
+        if watch is not None:
+            self.swaps.labels("taken").set(watch.swaps)
+            self.swaps.labels("failed").set(watch.failures)
+
+    def answered(self, response: DecisionResponse, bundle_ids: Mapping[str, str],
+                 cascade: Cascade | None = None) -> None:
         """Count one response's answers, by tier, bundle question (``bundle_ids`` maps the
         request's ids to the bundle's: client-chosen names would make unbounded labels) and
-        certificate."""
+        certificate, and the version that answered (``cascade``)."""
+        if cascade is not None:
+            self.by_version.labels(cascade.manifest.name, cascade.calibration_version).inc()
         for qid, answer in response.answers.items():
             routing = answer.routing
             if routing is None:
                 continue
             self.answers.labels(routing.tier, bundle_ids.get(qid, "(not in bundle)")).inc()
             reason = ("too_long" if self.top_tier in routing.too_long_for else
+                      "teacher_changed" if routing.demoted and not routing.certified else
                       _uncertified(routing.covered, routing.overloaded, routing.budget_limited,
                                    routing.certified))
             if reason:

@@ -17,7 +17,7 @@ from cascade.readout.prompts import letters_sha256, template_sha256
 from cascade.routing.router import Cascade
 from cascade.serve.matching import Matched
 from cascade.thresholds import threshold_score
-from cascade.tiers.base import Item
+from cascade.tiers.base import Item, Reply
 
 
 @dataclass(frozen=True)
@@ -35,32 +35,41 @@ def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Questio
     """Ask the top tier alone; its raw distribution is the answer (nothing calibrated it). A
     state it cannot read leaves each of these questions an error of its own."""
     top = cascade.tiers[-1]
-    qids = list(questions)
-    reply = top.reply([item], [qids], questions)
+    reply = top.reply([item], [list(questions)], questions)
+    usage = reply.usage[0].model_copy(update={"ran_on": {top.name: top.ran_on}})
+    return foreign_answers(cascade, questions, reply, usage, near)
+
+
+def foreign_answers(cascade: Cascade, questions: Mapping[str, Question], reply: Reply, usage: Usage,
+                    near: Mapping[str, str] | None = None) -> Foreign:
+    """The top tier's answers to ``questions`` (its one-item ``reply``, keyed by their ids), each
+    marked not covered and not certified; ``usage``: what they took."""
+    top = cascade.tiers[-1]
     answers: dict[str, Answer] = {}
     tokens: dict[str, int] = {}
     why = reply.too_long[0]
     if why is not None:
-        errors = {qid: QuestionError(code="input_too_long", message=why) for qid in qids}
-        return Foreign(answers, tokens, reply.usage[0], errors)
-    for qid in qids:
+        errors = {qid: QuestionError(code="input_too_long", message=why) for qid in questions}
+        return Foreign(answers, tokens, usage, errors)
+    for qid, question in questions.items():
         raw = reply.answers[0][qid]
         readout = reply.readouts[0].get(qid)
         routing = Routing(tier=top.name, cost_ms=0.0, threshold=None, raw_confidence=float(raw.max()),
                           raw_score=float(threshold_score(raw, cascade.manifest.threshold_on)),
                           threshold_on=cascade.manifest.threshold_on, calibrated=False,
                           input_cut=reply.cuts[0], certified=False, covered=False,
-                          uncovered_why=(near or {}).get(qid))
-        answer = questions[qid].answer(raw.tolist(), readout=readout)
+                          uncovered_why=(near or {}).get(qid), upstream=top.remote)
+        answer = question.answer(raw.tolist(), readout=readout)
         answers[qid] = answer.model_copy(update={"routing": routing})
         tokens[qid] = readout.tokens if readout is not None else 0
-    usage = reply.usage[0].model_copy(update={"ran_on": {top.name: top.ran_on}})
     return Foreign(answers, tokens, usage, {})
 
 
 def assemble(cascade: Cascade, order: Sequence[str], matched: Matched,
-             routed: DecisionResponse | None, foreign: Foreign | None) -> DecisionResponse:
-    """The response to a request whose question ids are ``order``."""
+             routed: DecisionResponse | None, foreign: Foreign | None,
+             demoted_why: Mapping[str, str] | None = None) -> DecisionResponse:
+    """The response to a request whose question ids are ``order``; ``demoted_why``: per bundle
+    question, why a demoted answer skipped the cheap tiers."""
     answers: dict[str, Answer] = {}
     errors: dict[str, QuestionError] = {}
     templates, letters, tokens = [], [], []
@@ -73,7 +82,7 @@ def assemble(cascade: Cascade, order: Sequence[str], matched: Matched,
             if known in (routed.errors or {}):
                 errors[qid] = (routed.errors or {})[known]
                 continue
-            answers[qid] = routed.answers[known]
+            answers[qid] = _why(routed.answers[known], (demoted_why or {}).get(known))
             row = rows.index(known)
             templates.append(routed.audit.prompt_template_sha256[row])
             letters.append(routed.audit.allowed_token_set_hash[row])
@@ -99,6 +108,14 @@ def assemble(cascade: Cascade, order: Sequence[str], matched: Matched,
                   backend="+".join(dict.fromkeys(backends)), precision="+".join(dict.fromkeys(precisions)))
     return DecisionResponse(model=cascade.manifest.name, answers=answers,
                             usage=_usage(len(order), routed, foreign), audit=audit, errors=errors or None)
+
+
+def _why(answer: Answer, why: str | None) -> Answer:
+    """``answer`` with ``demoted_why`` set where it was demoted and a reason is known."""
+    routing = answer.routing
+    if why is None or routing is None or not routing.demoted:
+        return answer
+    return answer.model_copy(update={"routing": routing.model_copy(update={"demoted_why": why})})
 
 
 def _usage(questions: int, routed: DecisionResponse | None, foreign: Foreign | None) -> Usage:

@@ -15,7 +15,6 @@ client, which gave up after its 10 s, will never read.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,11 +34,10 @@ from cascade.serve.app import (
     request_body,
     unprocessable,
 )
+from cascade.serve.engine import DEFAULT_MAX_WAIT
+from cascade.serve.gone import unless_gone
 from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem
 from cascade.teachers.admission import Admission
-
-DEFAULT_MAX_WAIT = 8.0
-"""Seconds a request may expect to wait for the teacher: below the 10 s System One SDKs wait."""
 
 
 @dataclass(frozen=True)
@@ -123,18 +121,24 @@ def _routes(app: FastAPI, loaded: _Loaded, config: TeacherConfig) -> None:
             parsed = parse_request(load_json(body))
         except RequestError as exc:
             raise unprocessable(exc) from None
-        response = await _score(loaded, scorer, parsed)
+        response = await _score(loaded, scorer, parsed, request)
         return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def _score(loaded: _Loaded, scorer: Scorer, request: DecisionRequest) -> DecisionResponse:
+async def _score(loaded: _Loaded, scorer: Scorer, request: DecisionRequest,
+                 http: Request) -> DecisionResponse:
     """Read ``request`` on the worker once admitted (``QueueFullError`` when not: 503). The
     worker marks the service's start and end itself, so that a request whose handler is gone
-    still leaves the queue when its read ends, and one cancelled before it started leaves too."""
+    still leaves the queue when its read ends, and one whose client went before it started is
+    never read (``cascade.serve.gone``) and leaves the queue too."""
     admission = loaded.admission
     ticket = admission.enter()
 
     def read() -> DecisionResponse:
+        late = admission.late(ticket)
+        if late is not None:  # waited past max_wait: refused now rather than answered too late
+            admission.done(ticket, None)
+            raise late
         start = admission.started()
         try:
             return scorer.score(request)
@@ -144,6 +148,6 @@ async def _score(loaded: _Loaded, scorer: Scorer, request: DecisionRequest) -> D
     job = loaded.worker.submit(read)
     job.add_done_callback(lambda done: admission.done(ticket, None) if done.cancelled() else None)
     try:
-        return await asyncio.wrap_future(job)
+        return await unless_gone(job, http)
     except (RequestError, InputTooLongError) as exc:
         raise unprocessable(exc) from None

@@ -7,7 +7,9 @@ expected wait, the measured service time times the requests ahead of it (over th
 parallel slots), fits ``max_wait``; past that it is refused at once with a ``Retry-After`` of the
 seconds until it would fit. Until a service time is measured, ``first_guess`` stands in for it,
 or the age of the oldest request in service where that is longer (a service takes at least as
-long as the one running has run).
+long as the one running has run). An estimate can be short (the tier slows under the very load
+that fills its queue): a request that has waited past ``max_wait`` when its service would start
+is refused then (``late``), so an answer never comes later than ``max_wait`` plus one service.
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ class Admission:
             self._inside.append(ticket.entered)
             return ticket
 
+    def late(self, ticket: Ticket) -> QueueFullError | None:
+        """The refusal of a request that has already waited past ``max_wait`` when its service
+        would start (the estimate that admitted it was short: the tier slowed under the load),
+        or None. Refused then, an answer never comes later than ``max_wait`` plus one service;
+        the caller releases its ticket (``done(ticket, None)``)."""
+        with self._lock:
+            waited = self.clock() - ticket.entered
+            if waited <= self.max_wait:
+                return None
+            retry = max(1, math.ceil(waited - self.max_wait))  # the queue is behind by about that
+        return QueueFullError(f"{self.what} is busy: this request waited {waited:.1f} s in its queue, past "
+                              f"the {self.max_wait:g} s this server admits; retry after {retry} s",
+                              retry_after=retry)
+
     def started(self) -> float:
         """Mark that a request's service starts (the worker took it); returns the start time."""
         with self._lock:
@@ -91,3 +107,42 @@ class Admission:
         """Requests admitted and not yet done."""
         with self._lock:
             return len(self._inside)
+
+
+class RateAdmission(Admission):
+    """Admission to a server of unknown parallelism (an upstream, which may read one request at a
+    time or many): a request's wait is the requests ahead of it times the measured time between
+    two completions while the queue is busy, ahead over throughput (Little's law). A service time
+    would not do: with calls in flight on a one-slot upstream each call's latency grows with the
+    queue behind the upstream's door, and with many slots it overstates the wait by their number.
+    Until two completions are measured, ``first_guess`` stands in; while nothing completes, the
+    time since the last completion (or since the queue became busy) does, where longer."""
+
+    def __init__(self, max_wait: float, first_guess: float = 1.0, what: str = "the upstream",
+                 clock: Clock = time.monotonic) -> None:
+        super().__init__(max_wait, 1, first_guess, what, clock)
+        self._mark: float | None = None  # the last completion while busy, or when it became busy
+
+    def done(self, ticket: Ticket, started: float | None) -> None:
+        with self._lock:
+            self._inside.remove(ticket.entered)
+            if started is not None:
+                self._started.remove(started)
+                now = self.clock()
+                if self._mark is not None:
+                    gap = now - self._mark
+                    self.service = gap if self.service is None else \
+                        (1 - SMOOTHING) * self.service + SMOOTHING * gap
+                self._mark = now
+            if not self._inside:
+                self._mark = None
+
+    def _expected_wait(self, ahead: int) -> float:
+        now = self.clock()
+        if ahead == 0:
+            self._mark = now  # the queue becomes busy with this request
+            return 0.0
+        per = self.service if self.service is not None else self.first_guess
+        if self._mark is not None:
+            per = max(per, now - self._mark)
+        return per * ahead

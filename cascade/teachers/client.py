@@ -58,12 +58,15 @@ _FALLBACK = {"zstd": "gzip", "gzip": "identity"}
 
 @dataclass
 class UpstreamReply:
-    """A 2xx answer: its JSON, headers and the seconds the call took (retries and waits included)."""
+    """A 2xx answer: its JSON, headers and the seconds the call took (retries and waits included);
+    ``content`` and ``status`` as the upstream sent them (a pass-through returns them unchanged)."""
 
     data: Any
     headers: dict[str, str]
     seconds: float
     tries: int = 1
+    content: bytes = b""
+    status: int = 200
 
 
 @dataclass
@@ -106,12 +109,16 @@ class UpstreamClient:
         ``authorization``: the caller's header, sent on with ``forward_auth``; ``deadline``:
         seconds for the whole call (default the settings'); ``headers``: more to send (a request id).
         """
+        return self.send(json.dumps(body, ensure_ascii=False).encode(), authorization, deadline, headers)
+
+    def send(self, payload: bytes, authorization: str | None = None, deadline: float | None = None,
+             headers: dict[str, str] | None = None) -> UpstreamReply:
+        """``post`` of a body already serialised (a pass-through forwards the client's bytes)."""
         if not self.settings.forward_auth:
             key = self.settings.key.read() if self.settings.key is not None else None
             authorization = f"Bearer {key}" if key else None
         seconds = self.settings.deadline if deadline is None else min(deadline, self.settings.deadline)
-        call = _Call(json.dumps(body, ensure_ascii=False).encode(), authorization,
-                     time.monotonic() + seconds, dict(headers or {}))
+        call = _Call(payload, authorization, time.monotonic() + seconds, dict(headers or {}))
         if not self._slots.acquire(timeout=max(0.0, call.left())):
             raise UpstreamFailed(f"{self.settings.max_in_flight} calls to the upstream {self.settings.url} "
                                  f"were in flight for the whole {seconds:g} s deadline; retry shortly",
@@ -120,6 +127,25 @@ class UpstreamClient:
             return self._run(call)
         finally:
             self._slots.release()
+
+    def get(self, url: str, authorization: str | None = None) -> tuple[int, bytes, str | None]:
+        """One GET beside the System One route (the upstream's ``/v1/models``), not retried: its
+        status, body and content type, or ``UpstreamUnreachable`` / ``UpstreamTimeout``."""
+        if not self.settings.forward_auth:
+            key = self.settings.key.read() if self.settings.key is not None else None
+            authorization = f"Bearer {key}" if key else None
+        call = _Call(b"", authorization, time.monotonic() + self.settings.deadline, {})
+        timeout = httpx.Timeout(connect=self.settings.connect_timeout, read=self.settings.read_timeout,
+                                write=self.settings.deadline, pool=self.settings.deadline)
+        try:
+            response = self._http.get(url, headers={"Authorization": authorization} if authorization else {},
+                                      timeout=timeout)
+        except httpx.TimeoutException as exc:
+            raise self._timed_out(exc, call) from None
+        except httpx.TransportError as exc:
+            raise UpstreamUnreachable(f"the upstream {url} is unreachable ({type(exc).__name__}: {exc}); "
+                                      "check that it runs", retry_after=1) from None
+        return response.status_code, response.content, response.headers.get("content-type")
 
     def _run(self, call: _Call) -> UpstreamReply:
         """Try, and retry where safe, until an answer, an error to pass on, or the deadline."""
@@ -159,7 +185,7 @@ class UpstreamClient:
         if 200 <= status < 300:
             self.accepted.accept(call.authorization)
             return UpstreamReply(_json(response, url), dict(response.headers),
-                                 time.monotonic() - call.started, call.tries)
+                                 time.monotonic() - call.started, call.tries, response.content, status)
         if call.encoding != "identity" and self._declined_encoding(response, call):
             return None
         wait = retry_after(response.headers.get("retry-after"))

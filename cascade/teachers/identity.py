@@ -101,8 +101,18 @@ class IdentityWatch:
             if held is not None and changed:
                 what = "the teacher this cascade was certified against" if self.pinned is None else \
                     "the teacher it answered as before"
-                raise TeacherChangedError(
+                error = TeacherChangedError(
                     f"the upstream {self.url} is no longer {what} ({held.describe()}): "
                     f"{'; '.join(changed)}. Its answers are refused; point at that teacher again, "
                     "or recalibrate against this one")
+                error.changes = tuple(changed)
+                raise error
             self.pinned = held.merged(seen) if held is not None else seen
+
+    def reset(self) -> None:
+        """Expect nothing: the next answer pins the identity it states. A server calls it once it
+        has voided the certificate of the teacher that changed (every answer then comes from the
+        upstream, marked), so that the new teacher's answers are taken, and a later change of
+        that one is caught again."""
+        with self._lock:
+            self.expected = self.pinned = None

@@ -84,6 +84,8 @@ class Tier(ABC):
     batch_sensitive: ClassVar[bool] = False
     meters_tokens: ClassVar[bool] = False
     reads_any_question: ClassVar[bool] = False
+    remote: ClassVar[bool] = False
+    """Its answers come from another server (an upstream System One URL), not from this process."""
 
     @property
     def ran_on(self) -> str:

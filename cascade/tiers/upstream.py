@@ -10,8 +10,10 @@ against) or from ``Cascade.load(teacher="http://host:port/v1/systemone")`` in pl
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -60,6 +62,7 @@ class UpstreamTier(Tier):
     (up to the client's in-flight bound), every answer's identity checked."""
 
     reads_any_question = True
+    remote = True
 
     def __init__(self, name: str, client: UpstreamClient, expected: EndpointIdentity | None = None) -> None:
         """``expected``: the teacher's identity the answers must state (None: pinned from the first)."""
@@ -70,6 +73,7 @@ class UpstreamTier(Tier):
         self._last_seen: EndpointIdentity | None = None
         self._wires: dict[str, tuple[Question, dict[str, Any]]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._caller = threading.local()
 
     @property
     def ran_on(self) -> str:
@@ -95,7 +99,8 @@ class UpstreamTier(Tier):
                 for i, (item, qids) in enumerate(zip(items, asked, strict=True)) if qids]
         if len(jobs) == 1:
             i, item, qids = jobs[0]
-            one = self.ask(item, {q: questions[q] for q in qids})
+            caller = getattr(self._caller, "authorization", None)
+            one = self.ask(item, {q: questions[q] for q in qids}, caller)
             out.answers[i], out.usage[i] = one.distributions, one.usage
             return out
         pool = self._pool or ThreadPoolExecutor(self.settings.max_in_flight, "cascade-upstream")
@@ -122,8 +127,24 @@ class UpstreamTier(Tier):
             self.watch.check(identity)
             self._last_seen = identity
         answers = distributions(response, questions, self.settings.url)
-        usage = Usage.model_construct(questions=len(questions), input_tokens=response.input_tokens)
+        usage = Usage.model_construct(questions=len(questions), input_tokens=response.input_tokens,
+                                      seconds=reply.seconds)
         return UpstreamAnswers(answers, usage, identity)
+
+    @contextmanager
+    def on_behalf_of(self, authorization: str | None) -> Iterator[None]:
+        """Calls of one state made by this thread inside the block carry ``authorization`` (a
+        server auditing a caller's item with forwarded auth)."""
+        self._caller.authorization = authorization
+        try:
+            yield
+        finally:
+            self._caller.authorization = None
+
+    def reset_identity(self) -> None:
+        """Take the next answer's identity as the teacher's (``IdentityWatch.reset``)."""
+        self._last_seen = None
+        self.watch.reset()
 
     def request(self, item: Item, questions: Mapping[str, Question]) -> dict[str, Any]:
         """The System One body for ``questions`` about ``item``."""

@@ -35,6 +35,7 @@ def calibration_section(result: CalibrationResult) -> CalibrationSection:
                for cost in [*result.costs.values(), *filter(None, [result.teacher_cost])]},
         flops_per_second=result.flops_per_second, payoffs=result.payoffs,
         source=None if result.source == "calibration" else result.source, audits=result.audits,
+        certificate=result.certificate,
     )
 
 

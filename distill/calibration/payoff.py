@@ -2,8 +2,10 @@
 
 On the calibration items, with the new thresholds, a middle tier (a small GGUF between the encoder
 and the teacher) costs its measured seconds on every state that reaches it and saves the teacher
-the questions it keeps. One that costs more is taken out of the cascade unless the caller keeps
-it; that only sends more to the teacher, so the certificate still holds. See docs/distilling.md.
+the questions it keeps; where too few states reach it to say (MIN_REACHED), it is weighed on every
+state it read, figures that exist, rather than taken out on none. One that costs more is taken
+out of the cascade unless the caller keeps it; that only sends more to the teacher, so the
+certificate still holds. See docs/distilling.md.
 """
 
 from __future__ import annotations
@@ -20,23 +22,52 @@ from distill.calibration.results import TierCost
 
 Fits = Mapping[str, Mapping[str, Fit]]
 """question id -> tier -> fit, as ``fit_all`` returns them."""
+MIN_REACHED = 20
+"""Fewest calibration states reaching a tier for its payoff to be weighed on them alone: with
+none, it would be taken out on "costs 0 s, saves 0 s", though it answers escalations in use."""
 
 
 def tier_payoffs(tiers: Sequence[str], fits: Fits, items: Sequence[Item], costs: Mapping[str, TierCost],
-                 top: TierPricing, questions: Mapping[str, Question], keep: bool) -> dict[str, TierPayoff]:
+                 top: TierPricing, questions: Mapping[str, Question], keep: bool,
+                 min_reached: int = MIN_REACHED) -> dict[str, TierPayoff]:
     """The payoff of every cheap tier after the first, cheapest first; a tier taken out is absent
-    from the tiers below the next one. ``keep``: record the figures but take nothing out."""
+    from the tiers below the next one. ``keep``: record the figures but take nothing out;
+    ``min_reached``: fewest states reaching a tier for them alone to weigh it."""
     texts = {item.id: render_state(item.state) for item in items}
     payoffs: dict[str, TierPayoff] = {}
     for k, tier in enumerate(tiers[1:], start=1):
         below = [name for name in tiers[:k] if payoffs.get(name) is None or payoffs[name].kept]
-        payoffs[tier] = _payoff(tier, below, fits, texts, costs[tier], top, questions, keep)
+        payoffs[tier] = _payoff(tier, below, fits, texts, costs[tier], top, questions, keep, min_reached)
     return payoffs
 
 
 def _payoff(tier: str, below: list[str], fits: Fits, texts: Mapping[str, str], cost: TierCost,
-            top: TierPricing, questions: Mapping[str, Question], keep: bool) -> TierPayoff:
+            top: TierPricing, questions: Mapping[str, Question], keep: bool, min_reached: int) -> TierPayoff:
+    """The tier weighed on the calibration states that reach it; where fewer than ``min_reached``
+    do, on every state it read, as if each reached it (those figures exist: it was run on all)."""
     per_state = cost.seconds / max(cost.states, 1)
+    reached, resolved, saved = _weigh(tier, below, fits, texts, top, questions)
+    basis = f"on {reached} calibration states that reached it"
+    if reached < min_reached:
+        read, resolved, saved = _weigh(tier, [], fits, texts, top, questions)
+        basis = (f"only {reached} calibration states reached it (fewer than {min_reached}), so it is "
+                 f"weighed on all {read} it read, as if each reached it: on those")
+        spent = read * per_state
+    else:
+        spent = reached * per_state
+    pays = saved > spent
+    words = (f"{basis}, it costs {spent:.3g} s and saves the top tier {saved:.3g} s (it answered every "
+             f"question of {resolved} of them)")
+    reason = (f"kept: {words}" if pays else
+              f"kept as asked, though it costs more than it saves: {words}" if keep else
+              f"taken out of the cascade: {words}; keep it with --keep-costly-tiers")
+    return TierPayoff(states_reached=reached, states_resolved=resolved, seconds_cost=spent,
+                      seconds_saved=saved, scored_states=cost.states, kept=pays or keep, reason=reason)
+
+
+def _weigh(tier: str, below: list[str], fits: Fits, texts: Mapping[str, str], top: TierPricing,
+           questions: Mapping[str, Question]) -> tuple[int, int, float]:
+    """States that reach ``tier`` past ``below``, those it answers whole, the top tier's seconds saved."""
     reached = resolved = 0
     saved = 0.0
     for item, labelled in _labelled(fits).items():
@@ -48,15 +79,7 @@ def _payoff(tier: str, below: list[str], fits: Fits, texts: Mapping[str, str], c
         resolved += not escalated
         saved += _top_seconds(top, texts[item], reach, questions) - _top_seconds(
             top, texts[item], escalated, questions)
-    spent = reached * per_state
-    pays = saved > spent
-    words = (f"on {reached} calibration states that reached it, it costs {spent:.3g} s and saves the "
-             f"top tier {saved:.3g} s (it answered every question of {resolved} of them)")
-    reason = (f"kept: {words}" if pays else
-              f"kept as asked, though it costs more than it saves: {words}" if keep else
-              f"taken out of the cascade: {words}; keep it with --keep-costly-tiers")
-    return TierPayoff(states_reached=reached, states_resolved=resolved, seconds_cost=spent,
-                      seconds_saved=saved, scored_states=cost.states, kept=pays or keep, reason=reason)
+    return reached, resolved, saved
 
 
 def _labelled(fits: Fits) -> dict[str, list[str]]:

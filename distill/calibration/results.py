@@ -14,6 +14,11 @@ from cascade.bundle.sections import AuditSpan, QuestionFacts, TierPayoff, droppe
 from distill.calibration.inputs import Source
 from distill.teacher_check import QuestionCheck
 
+Certificate = Literal["joint", "split"]
+"""How the thresholds of several cheap tiers are certified: together against the system's
+agreement (``distill.calibration.joint``), or each at its share of the target and delta."""
+CERTIFICATES: tuple[Certificate, ...] = ("joint", "split")
+
 FACTS = tuple(QuestionFacts.model_fields)
 """The fields of a QuestionTier that go into the manifest (the figures stay in the report)."""
 
@@ -114,7 +119,8 @@ class CalibrationResult(BaseModel):
     certified about items like them, though the router still answers them. ``source`` says which
     labelled items certified (``distill.calibration.inputs.Source``), ``audits`` the audited ones
     among them. ``teacher_checks``: the teacher check on the labels that certified (a flagged one
-    certified only because it was accepted).
+    certified only because it was accepted). ``certificate``: how several cheap tiers shared the
+    target and delta (``Certificate``; with one cheap tier both are the same).
     """
 
     bundle: str
@@ -142,6 +148,7 @@ class CalibrationResult(BaseModel):
     source: Source = "calibration"
     audits: AuditSpan | None = None
     teacher_checks: list[QuestionCheck] = []
+    certificate: Certificate = "split"
 
     def dropped(self) -> set[str]:
         """Cheap tiers taken out of the cascade because they cost more than they saved."""

@@ -12,7 +12,7 @@ docs/distilling.md for the run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from cascade.bundle.manifest import Bundle
 from cascade.checks import is_finite
@@ -35,10 +35,11 @@ from distill.calibration.inputs import (
     check_teacher,
     merged,
 )
+from distill.calibration.joint import certify_chains
 from distill.calibration.manifest import updated_manifest
 from distill.calibration.maths import CalibrationError
 from distill.calibration.payoff import tier_payoffs
-from distill.calibration.results import CalibrationResult, TierCost
+from distill.calibration.results import CERTIFICATES, CalibrationResult, Certificate, TierCost
 from distill.calibration.scoring import score_tier
 from distill.options import CorpusInput, RunOptions, option
 from distill.store import LabelStore
@@ -67,6 +68,9 @@ def calibrate_bundle(
     source: Source = "calibration",
     audits_since: float | None = None,
     accept_degenerate_teacher: bool = False,
+    certificate: Certificate = "joint",
+    held_out: Collection[str] | None = None,
+    save: bool = True,
 ) -> CalibrationResult:
     """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
 
@@ -88,11 +92,19 @@ def calibrate_bundle(
     ``corpus``), the store's audits (those audited at or after ``audits_since``, a Unix time,
     where given; no corpus needed) or both. The teacher check (``distill.teacher_check``) runs on
     the labels that certify: degenerate ones are refused unless ``accept_degenerate_teacher``.
+    ``certificate``: "joint" certifies the thresholds of all cheap tiers together against the
+    system's agreement at the full target and delta (``distill.calibration.joint``); "split" gives
+    each of m cheap tiers (1 - target) / m and delta / m, as before issue 34 (one cheap tier: the
+    same). ``held_out``: the item ids that certify in place of the bundle's calibration part (a
+    candidate's held-out evidence, ``distill.promote``; none may have trained the bundle);
+    ``save``: write the result into the bundle (False: only return it).
     """
     run = option("calibrate_bundle", "run", run, RunOptions, RunOptions())
     if corpus is not None:
         corpus = option("calibrate_bundle", "corpus", corpus, CorpusInput)
     _check_arguments(target, delta, escalation_fraction, family_wise)
+    if certificate not in CERTIFICATES:
+        raise CalibrationError(f"certificate must be one of {', '.join(CERTIFICATES)}; got {certificate!r}")
     if source not in SOURCES:
         raise CalibrationError(f"source must be one of {', '.join(SOURCES)}; got {source!r}")
     if not isinstance(teacher_items, int) or isinstance(teacher_items, bool) or teacher_items < 0:
@@ -109,7 +121,8 @@ def calibrate_bundle(
             raise CalibrationError(f"calibrating on {source!r} reads the calibration part's states from "
                                    "the corpus the bundle was trained on: give it (--corpus), or "
                                    "calibrate on the audits alone (--calibrate-on audit)")
-        labels = calibration_labels(store, questions, bundle.split_ids()["calibration"], manifest.name)
+        ids = bundle.split_ids()["calibration"] if held_out is None else sorted(held_out)
+        labels = calibration_labels(store, questions, ids, manifest.name)
         items, unlabelled = calibration_items(corpus, manifest.training.text_field, labels, manifest.split)
     if source != "calibration":
         audited, audit_items, audits = audit_inputs(store, questions, audits_since)
@@ -120,8 +133,9 @@ def calibrate_bundle(
         raise CalibrationError(f"bundle {manifest.name!r} has only its top tier: there is no cheap "
                                "tier to calibrate; train one with `cascade train`")
     family = sum(1 for rows in labels.values() if rows)
-    tier_target = 1 - (1 - target) / len(cheap)
-    tier_delta = delta / len(cheap) / (family if family_wise else 1)
+    shares = len(cheap) if certificate == "split" else 1
+    tier_target = 1 - (1 - target) / shares
+    tier_delta = delta / shares / (family if family_wise else 1)
     build = Build(device=run.device, cache_dir=run.cache_dir, placements=run.placement, encoder=encoder,
                   threads=run.threads, scorers=scorers or {})
     tiers = _open(bundle, build)
@@ -140,6 +154,8 @@ def calibrate_bundle(
     names, teacher = [spec.name for spec in cheap], manifest.tiers[-1].name
     fits, skipped = fit_all(names, [probs for probs, _ in scored], labels, list(questions),
                             tier_target, tier_delta, escalation_fraction)
+    if certificate == "joint" and escalation_fraction is None:
+        certify_chains(fits, names, tier_target, tier_delta)
     flops = run.flops_per_second if run.flops_per_second is not None else measure_cpu_flops()
     costs = {cost.tier: cost for _, cost in scored}
     payoffs = tier_payoffs(names, fits, items, costs, _top_pricing(bundle, teacher_cost, flops),
@@ -155,9 +171,10 @@ def calibrate_bundle(
         skipped=skipped, costs=costs, flops_per_second=flops, payoffs=payoffs,
         family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
         teacher_cost=teacher_cost, teacher_cost_note=teacher_note, source=source, audits=audits,
-        teacher_checks=checks,
+        teacher_checks=checks, certificate=certificate,
     )
-    Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
+    if save:
+        Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
     return result
 
 

@@ -17,10 +17,13 @@ from cascade.errors import CascadeError
 from distill.cli import (
     audit,
     calibrate,
+    collected,
     decide,
     demo,
     evaluate,
     label,
+    promote,
+    retrain,
     roofline,
     score,
     serve,
@@ -32,7 +35,8 @@ Command = Callable[[argparse.Namespace], int]
 COMMANDS = {"score": score.add_parser, "roofline": roofline.add_parser, "label": label.add_parser,
             "train": train.add_parser, "decide": decide.add_parser, "evaluate": evaluate.add_parser,
             "calibrate": calibrate.add_parser, "demo": demo.add_parser,
-            "teacher-model": teacher_model.add_parser, "serve": serve.add_parser, "audit": audit.add_parser}
+            "teacher-model": teacher_model.add_parser, "serve": serve.add_parser, "audit": audit.add_parser,
+            "collected": collected.add_parser, "retrain": retrain.add_parser, "promote": promote.add_parser}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,8 +46,10 @@ that costs more on the calibration items than it saves the teacher is taken out 
 with the figures printed (--keep-costly-tiers keeps it). First, the teacher check: per question,
 the answer distribution, how far answers move with the input, the first-listed option's share and
 the letter mass; labels that collapse onto one answer or ignore the input are refused
-(--accept-degenerate-teacher). Writes report.html (self-contained) and
-report.json.
+(--accept-degenerate-teacher). With several cheap tiers (a GGUF or mid-layer tier between the
+encoder and the teacher) their thresholds are certified together, one Learn-then-Test test of the
+whole system's agreement (--certificate split: each tier its share). Writes report.html
+(self-contained) and report.json.
 
 Recalibrating from the audit: `cascade serve` and `cascade decide --audit-store S` keep a seeded
 uniform share of live traffic in the store, each item answered by the teacher on every question.
@@ -79,6 +81,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             family_wise=args.family_wise, teacher_items=args.teacher_items,
             keep_costly_tiers=args.keep_costly_tiers, source=args.calibrate_on,
             audits_since=args.audits_since, accept_degenerate_teacher=args.accept_degenerate_teacher,
+            certificate=args.certificate,
         )
     path = write_report(result, Bundle.load(args.bundle), args.report)
     for check in result.teacher_checks:
@@ -164,6 +167,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--escalation-fraction", type=float, metavar="F",
                    help="budget mode: each cheap tier escalates this share of the items that reach "
                    "it, in [0, 1], instead of meeting a target")
+    p.add_argument("--certificate", choices=("joint", "split"), default="joint",
+                   help="with several cheap tiers: certify their thresholds together against the whole "
+                   "system's agreement at the full target and delta (default), or give each tier "
+                   "(1 - target) / m and delta / m of them (as before)")
     p.add_argument("--family-wise", action="store_true",
                    help="one guarantee for all questions at once: split delta over the questions "
                    "(default: each question holds on its own at 1 - delta)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distill.cli.common import (
     add_accept_other_teacher_argument,
@@ -20,7 +21,11 @@ from distill.cli.common import (
     budget_of,
     corpus_input,
     placement_of,
+    teacher_argument,
 )
+
+if TYPE_CHECKING:
+    from cascade.routing.endpoint import Teacher
 
 DESCRIPTION = """\
 Route every item of a JSONL corpus through a model bundle's tiers, cheapest first: a question is
@@ -31,10 +36,13 @@ A budget bounds the predicted cost per item (--budget-ms, pooled over each batch
 of questions the top tier answers (--max-escalation); when it cannot pay for every escalation,
 the least confident questions escalate first. Items already in --out are skipped, so a stopped
 run continues where it ended."""
+UPSTREAM_KEY_ENV = "CASCADE_UPSTREAM_KEY"
 EPILOG = """\
 example:
   cascade decide --bundle models/support-v1 --corpus emails.jsonl --out decisions.jsonl \\
-      --max-escalation 0.1 --teacher qwen3.5-4b-q4_k_m.gguf"""
+      --max-escalation 0.1 --teacher qwen3.5-4b-q4_k_m.gguf
+  cascade decide --bundle models/support-v1 --corpus emails.jsonl --out decisions.jsonl \\
+      --teacher https://decide.example.com/v1/systemone     # the teacher behind a URL"""
 
 
 def _cmd_decide(args: argparse.Namespace) -> int:
@@ -44,8 +52,8 @@ def _cmd_decide(args: argparse.Namespace) -> int:
 
     with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
                      bundle=args.bundle) as audits, \
-            Cascade.load(args.bundle, teacher=args.teacher, device=args.device, threads=args.threads,
-                         placement=placement_of(args),
+            Cascade.load(args.bundle, teacher=_teacher(args.teacher), device=args.device,
+                         threads=args.threads, placement=placement_of(args),
                          accept_other_teacher=args.accept_other_teacher) as cascade:
         auditor = audits(cascade)
         decided = decide_corpus(cascade, corpus_input(args), args.out, budget_of(args), args.batch_size,
@@ -63,6 +71,16 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     return 0
 
 
+def _teacher(teacher: str | Path | None) -> Teacher | None:
+    """A URL teacher's settings, its key from CASCADE_UPSTREAM_KEY; a path or None as given."""
+    if not isinstance(teacher, str):
+        return teacher
+    from cascade.teachers.keys import KeySource
+    from cascade.teachers.settings import UpstreamSettings
+
+    return UpstreamSettings(teacher, key=KeySource(env=UPSTREAM_KEY_ENV))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "decide",
@@ -76,8 +94,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, metavar="D.jsonl",
                    help="decisions JSONL to write (appended; ids already there are skipped)")
     add_budget_arguments(p)
-    p.add_argument("--teacher", type=Path, metavar="PATH.gguf",
-                   help="GGUF to run as the top tier of a bundle whose teacher is external labels")
+    p.add_argument("--teacher", type=teacher_argument, metavar="PATH.gguf|URL",
+                   help="the top tier: a GGUF to run here, or an http(s)://.../v1/systemone URL to call "
+                   "(its key from $CASCADE_UPSTREAM_KEY; default: the bundle's pinned GGUF); it must "
+                   "be the teacher the bundle was certified against, or --accept-other-teacher")
     add_text_field_argument(p, bundle=True)
     add_on_error_argument(p)
     add_batch_size_argument(p, 32, "items routed together: one encoder batch and one budget (default 32)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from cascade.errors import CascadeError
 from cascade.serve.lifecycle import API_KEY_VARIABLE
@@ -16,6 +17,7 @@ from distill.cli.common import (
     teacher_argument,
     whole_number,
 )
+from distill.cli.serve_upstream import add_upstream_arguments, upstream_price, upstream_settings
 
 DESCRIPTION = f"""\
 Serve a bundle's cascade at POST /v1/systemone, the System One API that existing SDKs call
@@ -34,37 +36,74 @@ Needs the serve extra: pip install -e '.[serve]'.
 
 Without --bundle, --teacher PATH.gguf serves the teacher's raw logit readout alone (every
 question any client asks; audits carry the GGUF's sha256 and each prompt's hash), so that a GPU
-box and the CPU cascade run the same program and the cascade takes the box's URL as --teacher.
-Its queue admits a request only while the expected wait fits --max-wait."""
+box and the CPU cascade run the same program and the cascade takes the box's URL as --teacher;
+--teacher URL is a transparent pass-through to that URL (its answers unchanged), which with
+--collect records the traffic it forwards, to train a cascade from.
+
+With a bundle and --teacher URL, the questions no local tier is sure of and those the bundle does
+not hold go upstream in ONE request holding only them (x_routing.upstream says which answers came
+from there); an upstream answer that names another teacher than the bundle's voids the
+certificate at once: every question then goes upstream, marked x_routing.demoted with the reason.
+The top tier's queue admits a request only while the expected wait fits --max-wait.
+--bundle may be a link or a pointer file that `cascade promote` replaces: the server then serves
+the promoted bundle (at once on SIGHUP), finishing the requests in flight on the old one."""
 EPILOG = """\
 examples:
   cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --port 8080 \\
       --gpu-layers 99 --device cuda
   cascade serve --teacher qwen3.5-4b-q4_k_m.gguf --host 0.0.0.0 --port 9000 --gpu-layers 99   # on a GPU box
   cascade serve --bundle models/support-v1 --teacher http://gpu-box:9000/v1/systemone
+  cascade serve --teacher https://decide.example.com/v1/systemone --collect traffic.sqlite   # pass-through
   curl -s localhost:8080/v1/systemone -d '{"state": "Charged twice!", "questions": {...}}'"""
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from cascade.serve.lifecycle import ServeOptions, serve, serve_teacher
+    from cascade.serve.lifecycle import ServeOptions, serve, serve_proxy, serve_teacher
     from distill.auditing import StoreAudits
 
+    url = isinstance(args.teacher, str)
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body=args.max_body,
                            grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
-                           teacher_queue=args.teacher_queue, overload=args.overload,
-                           audit_queue=args.audit_queue, max_wait=args.max_wait)
+                           overload=args.overload, audit_queue=args.audit_queue, max_wait=args.max_wait,
+                           forward_auth=args.forward_auth, watch=args.watch_bundle,
+                           upstream_price=upstream_price(args))
+    _check_combination(args, url)
+    if args.bundle is None and url:
+        _serve_proxy(args, options, serve_proxy)
+        return 0
     if args.bundle is None:
-        if args.teacher is None or isinstance(args.teacher, str):
-            raise CascadeError("give --bundle DIR to serve a cascade, or --teacher PATH.gguf alone to "
-                               "serve the teacher's readout (a pass-through in front of a URL teacher, "
-                               "with no bundle, is not built yet)")
         serve_teacher(args.teacher, options, placement=placement_of(args), layout=args.layout)
         return 0
+    from cascade.serve.swap import resolve
+
+    teacher = upstream_settings(args) if url else args.teacher
     with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift, poll=args.audit_poll,
-                     bundle=args.bundle) as audit:
-        serve(args.bundle, options, teacher=args.teacher, device=args.device, threads=args.threads,
+                     bundle=resolve(args.bundle)) as audit:
+        serve(args.bundle, options, teacher=teacher, device=args.device, threads=args.threads,
               placement=placement_of(args), accept_other_teacher=args.accept_other_teacher, audit=audit)
     return 0
+
+
+def _check_combination(args: argparse.Namespace, url: bool) -> None:
+    if args.bundle is None and args.teacher is None:
+        raise CascadeError("give --bundle DIR to serve a cascade, --teacher PATH.gguf alone to serve the "
+                           "teacher's readout, or --teacher URL alone for a pass-through to that URL")
+    if args.forward_auth and not url:
+        raise CascadeError("--forward-auth passes callers' keys to an upstream teacher: give --teacher URL")
+    if args.collect is not None and (args.bundle is not None or not url):
+        raise CascadeError("--collect records a pass-through's traffic: give --teacher URL without --bundle "
+                           "(with a bundle, --audit-store keeps the teacher's answers to audited items)")
+
+
+def _serve_proxy(args: argparse.Namespace, options: Any, serve_proxy: Any) -> None:
+    from distill.collected import StoreTraffic
+
+    sink = StoreTraffic(args.collect) if args.collect is not None else None
+    try:
+        serve_proxy(upstream_settings(args), options, sink, args.collect_share, args.collect_max)
+    finally:
+        if sink is not None:
+            sink.close()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -82,9 +121,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="prompt layout of a teacher served alone (default state-first): the one its "
                    "labels were read with, so that answers match them")
     p.add_argument("--max-wait", type=positive_seconds, default=8.0, metavar="S",
-                   help="a teacher served alone admits a request only while its expected wait (measured "
-                   "seconds per request x requests ahead) is at most S (default 8, below the SDKs' 10 s "
-                   "timeout); past it, 503 with Retry-After at once")
+                   help="the top tier's queue (a GGUF here, an upstream URL, or a teacher served alone) "
+                   "admits a request only while its expected wait (measured seconds per request x "
+                   "requests ahead) is at most S (default 8, below the SDKs' 10 s timeout); past it, 503 "
+                   "with Retry-After at once (or see --overload)")
+    p.add_argument("--watch-bundle", type=float, default=2.0, metavar="S",
+                   help="look at --bundle every S seconds (default 2; 0: only on SIGHUP) and serve a "
+                   "promoted bundle when it changes: --bundle may be a bundle folder, a link to one, or a "
+                   "file naming one; requests in flight finish on the old bundle, none is refused")
     add_accept_other_teacher_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; "
                    "0.0.0.0 for every interface)")
@@ -94,11 +138,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "neither: no auth, and a Bearer header is ignored)")
     p.add_argument("--max-body", type=whole_number(1), default=32 * 1024 * 1024, metavar="BYTES",
                    help="largest request body, after inflating gzip or zstd (default 32 MiB): 413 above")
-    p.add_argument("--teacher-queue", type=whole_number(1), default=32, metavar="N",
-                   help="most requests waiting for the top tier (default 32); past it see --overload")
     p.add_argument("--overload", choices=("refuse", "keep"), default="refuse",
-                   help="when the top tier's queue is full: refuse with 503 and Retry-After (default), "
-                   "or keep the best cheaper answer, marked budget_limited, overloaded and uncertified")
+                   help="past --max-wait: refuse with 503 and Retry-After (default), or keep the best "
+                   "cheaper answer, marked budget_limited, overloaded and uncertified")
     p.add_argument("--no-batch", action="store_true",
                    help="route each request alone instead of batching those waiting at the encoder")
     p.add_argument("--max-batch", type=whole_number(1), default=64, metavar="N",
@@ -115,6 +157,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audit-poll", type=float, default=1.0, metavar="S",
                    help="seconds between reads of the audit store for other replicas' audits (default 1): "
                    "a demotion raised on any replica sharing --audit-store holds here within S plus one read")
+    add_upstream_arguments(p)
     p.set_defaults(run=_cmd_serve)
 
 

@@ -158,7 +158,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_argument(p, "where the encoder runs (default cpu; cuda needs onnxruntime-gpu)")
     p.add_argument("--teacher-model", type=Path, metavar="MODEL.gguf",
                    help="the teacher's GGUF, pinned as the top tier (needed when the store's "
-                   "teacher is a GGUF; its sha256 must match the store's)")
+                   "teacher is a GGUF; its sha256 must match the store's). A store labelled through a "
+                   "URL (label --teacher URL, or collected traffic) needs none: the bundle records the "
+                   "endpoint's identity, and decide/serve --teacher URL answer its top tier, checked")
     p.add_argument("--teacher-gpu-layers", type=whole_number(0), metavar="N",
                    help="record N GPU layers as the teacher tier's default placement (decide, "
                    "calibrate and evaluate use it unless given --gpu-layers); default: none (CPU)")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cascade.audit.record import AuditRecord, SystemAnswer
+from cascade.collect.record import CollectedItem
 from distill.store.backend import foreign_tables
 from distill.store.location import StoreLocation, StoreURL, store_location
 from distill.store.places import connect, drop, exists
@@ -39,6 +40,7 @@ from distill.store.records import (
     conflict_message,
     policy_of,
 )
+from distill.store.traffic import TRAFFIC_PAGE, put_traffic, traffic_after, traffic_count
 
 CLAIM_LEASE_S = 3600.0
 """How long a claim keeps other writers off an item when its writer cannot be told dead (a
@@ -303,6 +305,22 @@ class LabelStore:
             prompt_hashes={q: h for q, _, h in sorted(labels.get(item_id, [])) if h},
             system={q: SystemAnswer.model_validate(a) for q, a in json.loads(system).items()})
             for item_id, state, version, system, created in rows]
+
+    def put_traffic(self, item: CollectedItem) -> None:
+        """Append one request a pass-through collected (``distill.store.traffic``), in one
+        transaction, numbered in the order the store commits them."""
+        with self._transaction():
+            self._db.serialise()
+            put_traffic(self._db, item, made=getattr(self, "_traffic_made", False))
+        self._traffic_made = True
+
+    def traffic_after(self, position: int, limit: int = TRAFFIC_PAGE) -> list[tuple[int, CollectedItem]]:
+        """Up to ``limit`` collected requests past ``position``, in the store's order."""
+        return traffic_after(self._db, position, limit)
+
+    def traffic_count(self) -> int:
+        """Collected requests in the store."""
+        return traffic_count(self._db)
 
     def labels(self, question_id: str) -> dict[str, dict[str, float]]:
         """item_id -> probabilities for one question (empty if the store has none)."""

@@ -1,0 +1,208 @@
+"""A transparent pass-through in front of an upstream System One URL: ``cascade serve --teacher
+URL`` with no bundle, where a user with only a URL and a key starts from zero data.
+
+Every request is forwarded as the client sent it (its body, inflated; its request id), and the
+upstream's answer comes back unchanged: status, body, and the upstream's own request-id and
+rate-limit headers. What the proxy adds is what a client can act on when the upstream fails
+(502 unreachable, 504 timeout, 429 and 503 with their ``Retry-After``, another 4xx passed back
+unchanged: ``cascade.teachers.client``), one admission rule for its queue (a request is admitted
+only while its expected wait fits ``max_wait``; past it 503 with ``Retry-After`` at once:
+``cascade.teachers.admission``), dropping requests whose client has gone before they are sent,
+and, with a ``Collector``, a record of each request's state, questions and the upstream's answers
+and identity, to train a cascade from (``cascade.collect``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cascade.collect.collector import Collector
+from cascade.collect.record import CollectedItem, collected_item
+from cascade.cost.upstream import UpstreamLedger
+from cascade.questions import load_json, parse_request
+from cascade.serve.app import add_wire, authorize, request_body
+from cascade.serve.engine import DEFAULT_MAX_WAIT
+from cascade.serve.gone import unless_gone
+from cascade.serve.metrics import CONTENT_TYPE
+from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem
+from cascade.teachers.admission import Admission, RateAdmission
+from cascade.teachers.client import UpstreamClient, UpstreamReply
+from cascade.teachers.wire import distributions, read_response
+
+_PASSED = ("content-type", "retry-after")
+"""Headers of the upstream's answer passed back besides every ``x-`` and ``ratelimit`` one."""
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """``api_key``: the key clients must send (None: none; with the client's ``forward_auth``,
+    the upstream checks each caller's own instead); ``max_body`` in bytes after inflating;
+    ``max_wait``: the expected wait past which a request is refused; ``collector``: where
+    forwarded traffic is collected (None: nowhere); ``ledger``: what the upstream cost."""
+
+    api_key: str | None = None
+    max_body: int = DEFAULT_MAX_BODY
+    max_wait: float = DEFAULT_MAX_WAIT
+    collector: Collector | None = None
+    ledger: UpstreamLedger | None = None
+
+
+class _ProxyMetrics:
+    """The pass-through's Prometheus metrics (a registry of its own)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("cascade_requests", "Requests answered, by HTTP status code", ["code"],
+                                registry=self.registry)
+        self.seconds = Histogram("cascade_request_seconds", "Seconds from a request's body read to its "
+                                 "answer", registry=self.registry)
+        self.waiting = Gauge("cascade_queue_depth", "Requests admitted and not yet answered", ["tier"],
+                             registry=self.registry)
+        self.upstream = Gauge("cascade_upstream", "Since the server started: requests answered, questions "
+                              "in them, calls and questions sent upstream", ["count"], registry=self.registry)
+        self.collect = Gauge("cascade_collect", "Forwarded requests by what collection made of them: "
+                             "collected, not_chosen (outside --collect-share), full (--collect-max reached), "
+                             "dropped (the writer's queue was full), unreadable, failed", ["outcome"],
+                             registry=self.registry)
+
+
+def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) -> FastAPI:
+    """A System One app forwarding every request to ``client``'s upstream (see the module)."""
+    config = config or ProxyConfig()
+    settings = client.settings
+    admission = RateAdmission(config.max_wait, what=f"the upstream {settings.url}")
+    pool = ThreadPoolExecutor(settings.max_in_flight, "cascade-proxy")
+    metrics, ledger = _ProxyMetrics(), config.ledger or UpstreamLedger()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> Any:
+        yield
+        pool.shutdown(wait=True)
+        if config.collector is not None:
+            config.collector.close()
+        client.close()
+
+    app = FastAPI(title="cascade serve (pass-through)", version="1", lifespan=lifespan,
+                  description=f"A pass-through to the System One server at {settings.url}.")
+
+    @app.get("/health", include_in_schema=False)
+    @app.get("/healthz", include_in_schema=False)
+    async def health() -> Response:
+        return JSONResponse({"status": "ok", "waiting": admission.inside})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def scrape() -> Response:
+        _scraped(metrics, ledger, admission, config.collector)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authorization = _caller(request, config, client)
+        url = settings.url.removesuffix("/systemone") + "/models"
+        status, content, kind = await _in_pool(pool, client.get, url, authorization)
+        return Response(content, status, media_type=kind)
+
+    @app.post("/v1/systemone")
+    async def systemone(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            authorization = _caller(request, config, client)
+            body = await request_body(request, config.max_body)
+            reply = await _forwarded(request, body, authorization, client, admission, pool)
+        except HttpProblem as problem:
+            metrics.requests.labels(str(problem.status)).inc()
+            raise
+        except Exception as exc:  # an upstream's failure: its status is the ServiceError's
+            metrics.requests.labels(str(getattr(exc, "status", 500))).inc()
+            raise
+        asked = _question_count(body)
+        ledger.request(asked, asked, reply.seconds)
+        metrics.requests.labels(str(reply.status)).inc()
+        metrics.seconds.observe(time.perf_counter() - started)
+        if config.collector is not None:
+            rid = request.state.request_id
+            config.collector.offer(lambda: _item(rid, body, reply, settings.url))
+        return Response(reply.content, reply.status, _passed(reply.headers))
+
+    add_wire(app)
+    return app
+
+
+def _caller(request: Request, config: ProxyConfig, client: UpstreamClient) -> str | None:
+    """The Authorization to send on: the caller's own with forwarded auth (the upstream checks
+    it), else this server's key is checked here and the client sends the upstream's."""
+    if client.settings.forward_auth:
+        return request.headers.get("authorization")
+    authorize(request, config.api_key)
+    return None
+
+
+async def _forwarded(request: Request, body: bytes, authorization: str | None, client: UpstreamClient,
+                     admission: Admission, pool: ThreadPoolExecutor) -> UpstreamReply:
+    """The upstream's reply, once admitted (``QueueFullError`` when not); a request whose client
+    goes before its call starts is never sent."""
+    ticket = admission.enter()
+    rid = request.state.request_id
+
+    def call() -> UpstreamReply:
+        late = admission.late(ticket)
+        if late is not None:  # waited past max_wait for a slot: refused now rather than answered too late
+            admission.done(ticket, None)
+            raise late
+        start = admission.started()
+        try:
+            return client.send(body, authorization, headers={"X-Request-Id": rid})
+        finally:
+            admission.done(ticket, start)
+
+    job = pool.submit(call)
+    job.add_done_callback(lambda done: admission.done(ticket, None) if done.cancelled() else None)
+    return await unless_gone(job, request)
+
+
+async def _in_pool(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
+    return await asyncio.wrap_future(pool.submit(fn, *args))
+
+
+def _passed(headers: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in headers.items()
+            if name in _PASSED or name.startswith(("x-", "ratelimit"))}
+
+
+def _question_count(body: bytes) -> int:
+    try:
+        questions = json.loads(body).get("questions")
+    except (ValueError, AttributeError):
+        return 0
+    return len(questions) if isinstance(questions, dict) else 0
+
+
+def _item(request_id: str, body: bytes, reply: UpstreamReply, url: str) -> CollectedItem:
+    """The collected record of one forwarded request (on the collector's thread): a body that is
+    not a System One request, or an answer of the wrong shape, raises and is not collected."""
+    parsed = parse_request(load_json(body))
+    response = read_response(reply.data, url)
+    found = distributions(response, parsed.questions, url)
+    return collected_item(request_id, parsed.questions, parsed.state, found, response.identity(), time.time())
+
+
+def _scraped(metrics: _ProxyMetrics, ledger: UpstreamLedger, admission: Admission,
+             collector: Collector | None) -> None:
+    metrics.waiting.labels("upstream").set(admission.inside)
+    book = ledger.ledger()
+    for name, value in (("requests", book.requests), ("asked_questions", book.asked),
+                        ("calls", book.calls), ("sent_questions", book.sent)):
+        metrics.upstream.labels(name).set(value)
+    if collector is not None:
+        for outcome, n in collector.counts.items():
+            metrics.collect.labels(outcome).set(n)

@@ -1,0 +1,74 @@
+"""``cascade promote``: a retrained bundle replaces the serving one only where, on the same held-out
+evidence, it certifies at least as much; every decision goes to the promotions log."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from distill.cli.common import (
+    add_bundle_argument,
+    add_cache_dir_argument,
+    add_device_argument,
+    add_placement_arguments,
+    add_store_argument,
+    run_options,
+)
+
+KEPT_ASIDE = 1
+"""Exit status when the candidate is kept aside (a decision, not an error: a script can branch)."""
+
+DESCRIPTION = """\
+Weigh a bundle made by `cascade retrain` (--candidate) against the serving one (--bundle) on the
+same evidence: the held-out items that certified the candidate, less any the serving bundle
+trained on. Both are certified afresh on those items at the candidate's target and delta, and the
+share of answers their cheap tiers keep (averaged over the questions) is compared. The rule: the
+candidate replaces the serving bundle only if its share is at least the serving one's. Promoted,
+it is copied over the serving folder in one swap (the replaced bundle kept as NAME.previous
+beside it), which a running `cascade serve` watching the folder picks up; kept aside, it stays
+where it is with the reason in its promotion.json. Every decision, promoted or not, is one line
+of NAME.promotions.jsonl beside the serving folder: both bundles' names, manifest hashes and
+calibration versions, when, and the figures. Exit status 0 promoted, 1 kept aside."""
+EPILOG = """\
+example:
+  cascade retrain --bundle models/support --store labels.sqlite --out models/support-r2
+  cascade promote --bundle models/support --candidate models/support-r2 --store labels.sqlite"""
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    from distill.promote import promote, promotions_log
+    from distill.store import LabelStore
+
+    with LabelStore.open_existing(args.store) as store:
+        record = promote(args.bundle, args.candidate, store, run=run_options(args), log=args.log)
+    gate = record.gate
+    rows = [("question", "serving keeps", "candidate keeps")]
+    rows += [(qid, f"{share['serving']:.1%}", f"{share['candidate']:.1%}")
+             for qid, share in gate.shares.items()]
+    rows.append(("mean", f"{gate.serving_share:.1%}", f"{gate.candidate_share:.1%}"))
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    if gate.excluded:
+        print(f"{gate.excluded} held-out items of the candidate trained the serving bundle: left out of both")
+    print(record.reason)
+    if record.previous:
+        print(f"the replaced bundle is kept at {record.previous}")
+    print(f"log: {args.log or promotions_log(args.bundle)}")
+    return 0 if record.promoted else KEPT_ASIDE
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("promote", help="swap a retrained bundle in only if it certifies at least as much",
+                       description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bundle_argument(p, "the serving bundle's folder (replaced if the candidate passes)")
+    p.add_argument("--candidate", type=Path, required=True, metavar="DIR",
+                   help="the bundle `cascade retrain` wrote (--out)")
+    add_store_argument(p, "the label store both bundles were trained from")
+    p.add_argument("--log", type=Path, metavar="FILE",
+                   help="promotions log to append to (default: NAME.promotions.jsonl beside --bundle)")
+    add_device_argument(p)
+    add_cache_dir_argument(p)
+    add_placement_arguments(p)
+    p.set_defaults(run=_cmd_promote)

@@ -1,0 +1,130 @@
+"""``cascade retrain``: a new bundle trained on everything the serving bundle's store holds, calibrated
+on held-out evidence, ready for ``cascade promote``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distill.cli.calibrate import TEACHER_ITEMS
+from distill.cli.common import (
+    THREADS_DEFAULT,
+    add_bundle_argument,
+    add_cache_dir_argument,
+    add_corpus_argument,
+    add_device_argument,
+    add_on_error_argument,
+    add_placement_arguments,
+    add_store_argument,
+    add_text_field_argument,
+    optional_corpus_input,
+    run_options,
+    whole_number,
+)
+
+if TYPE_CHECKING:
+    from distill.finetune import FinetuneConfig
+    from distill.retrain import RetrainResult
+
+DESCRIPTION = """\
+Retrain the serving bundle's fast tier on every teacher-labelled state its label store holds: the
+corpus labels (their states read from --corpus), the audits, and what serving adds (escalations,
+collected traffic). Each state counts once (the same state audited twice, or seen in the corpus
+and again as traffic, is one item); the store's teacher must be the bundle's. Items keep the part
+the serving bundle's split gives their id, so an item never moves as traffic grows; escalations
+and what the serving bundle trained on go to the train part. The new bundle is calibrated on the
+calibration part's uniform draws (--calibrate-on: all of them, traffic only, or the corpus only):
+escalations are chosen by the serving cascade, so they train but never certify. It is written to
+--out with its evidence (evidence.jsonl) and lineage (lineage.json); the serving bundle is not
+touched: `cascade promote` swaps the new one in only if it certifies at least as much."""
+EPILOG = """\
+example:
+  cascade retrain --bundle models/support --store labels.sqlite --corpus emails.jsonl \\
+      --out models/support-r2 --finetune
+  cascade promote --bundle models/support --candidate models/support-r2 --store labels.sqlite"""
+
+
+def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
+    from distill.finetune import FinetuneConfig, FinetuneError
+
+    if not args.finetune:
+        if args.epochs is not None or args.seed is not None:
+            raise FinetuneError("--epochs and --seed set how the encoder is fine-tuned; add --finetune")
+        return None
+    defaults = FinetuneConfig()
+    return FinetuneConfig(epochs=args.epochs or defaults.epochs, seed=args.seed or defaults.seed,
+                          threads=args.threads)
+
+
+def _cmd_retrain(args: argparse.Namespace) -> int:
+    from cascade.bundle.manifest import Bundle
+    from cascade.serve.swap import resolve
+    from distill.retrain import retrain_bundle
+    from distill.store import LabelStore
+
+    serving = Bundle.load(resolve(args.bundle))  # a folder, a link to one, or a pointer file
+    with LabelStore.open_existing(args.store) as store:
+        result = retrain_bundle(serving, store, args.out, optional_corpus_input(args),
+                                finetune=_finetune_config(args), target=args.target_agreement,
+                                delta=args.delta, calibrate_on=args.calibrate_on,
+                                certificate=args.certificate, run=run_options(args),
+                                teacher_items=args.teacher_items)
+    _print(result, args)
+    return 0
+
+
+def _print(result: RetrainResult, args: argparse.Namespace) -> None:
+    evidence, calibration = result.lineage["evidence"], result.calibration
+    origins = ", ".join(f"{n} {origin}" for origin, n in sorted(evidence["origins"].items()))
+    print(f"evidence: {evidence['items']} labelled states ({origins}); {evidence['duplicates']} repeats "
+          "counted once")
+    print("parts: " + ", ".join(f"{part} {n}" for part, n in evidence["parts"].items())
+          + f"; certified on {len(result.lineage['certified_on'])} held-out items ({args.calibrate_on})")
+    for qid, shares in calibration.cascades.items():
+        cheap = 1 - shares.answered_by.get(calibration.teacher_tier, 1.0)
+        tiers = ", ".join(f"{tier} {share:.1%}" for tier, share in shares.answered_by.items())
+        print(f"{qid}: cheap tiers keep {cheap:.1%} ({tiers}), agreement {shares.agreement:.4f} at target "
+              f"{calibration.target} / delta {calibration.delta} ({calibration.certificate} certificate)")
+    for fit in calibration.calibrations:
+        if not fit.reachable:
+            print(f"{fit.question} / {fit.tier}: {fit.message}")
+    print(f"bundle: {result.bundle.directory.resolve()}")
+    print(f"next: cascade promote --bundle {args.bundle} --candidate {args.out} --store {args.store}")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("retrain", help="retrain the fast tier on everything the label store holds, into a "
+                       "new calibrated bundle", description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bundle_argument(p, "the serving bundle: its folder, a link to it or a pointer file, as `cascade "
+                        "serve --bundle` takes it (read, never written)")
+    add_store_argument(p, "the serving bundle's label store: corpus labels, audits, escalations, traffic")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="folder of the new bundle (created; an earlier bundle there is replaced)")
+    add_corpus_argument(p, "the corpus of the store's corpus labels (needed where it holds any)",
+                        required=False)
+    add_text_field_argument(p, bundle=True)
+    add_on_error_argument(p)
+    p.add_argument("--target-agreement", type=float, metavar="P",
+                   help="agreement to certify, in (0, 1) (default: the serving bundle's)")
+    p.add_argument("--delta", type=float, metavar="D", help="in (0, 1) (default: the serving bundle's)")
+    p.add_argument("--calibrate-on", choices=("all", "traffic", "corpus"), default="all",
+                   help="which held-out uniform draws certify: the corpus and the audited or collected "
+                   "traffic pooled (default), the traffic only, or the corpus only")
+    p.add_argument("--certificate", choices=("joint", "split"), default="joint",
+                   help="several cheap tiers: one certificate for the chain (default), or each tier its "
+                   "share of the target and delta")
+    p.add_argument("--teacher-items", type=whole_number(0), default=TEACHER_ITEMS, metavar="N",
+                   help=f"calibration items to time a GGUF teacher on (default {TEACHER_ITEMS}; 0: price it "
+                   "on the roofline)")
+    p.add_argument("--finetune", action="store_true",
+                   help="fine-tune the encoder too (the finetune extra: pip install -e '.[finetune]')")
+    p.add_argument("--epochs", type=whole_number(1), metavar="N", help="with --finetune: most epochs")
+    p.add_argument("--seed", type=whole_number(0), metavar="S", help="with --finetune: the seed")
+    p.add_argument("--threads", type=whole_number(1), metavar="N",
+                   help=f"CPU threads of every model {THREADS_DEFAULT}")
+    add_device_argument(p)
+    add_cache_dir_argument(p)
+    add_placement_arguments(p, threads=False)
+    p.set_defaults(run=_cmd_retrain)

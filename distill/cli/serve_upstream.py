@@ -1,0 +1,64 @@
+"""``cascade serve``'s flags for a URL teacher (the upstream's client, forwarded auth, its price)
+and for the traffic a pass-through collects, and what they build."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from distill.cli.common import STORE_METAVAR, store_argument, whole_number
+
+if TYPE_CHECKING:
+    from cascade.cost.upstream import UpstreamPrice
+    from cascade.teachers.settings import UpstreamSettings
+
+
+def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
+    url = p.add_argument_group("a URL teacher (--teacher http://host:port/v1/systemone)")
+    url.add_argument("--upstream-model", metavar="NAME",
+                     help="the model name each request to the upstream carries, where it requires one")
+    url.add_argument("--upstream-key-env", default="CASCADE_UPSTREAM_KEY", metavar="VAR",
+                     help="environment variable holding the upstream's key (default CASCADE_UPSTREAM_KEY)")
+    url.add_argument("--upstream-key-file", type=Path, metavar="PATH",
+                     help="file holding the upstream's key, re-read when it changes (wins over the variable)")
+    url.add_argument("--upstream-timeout", type=float, default=8.0, metavar="S",
+                     help="seconds to wait for one upstream answer (default 8; every call, retries "
+                     "included, ends within 9 s, below the SDKs' 10 s)")
+    url.add_argument("--upstream-in-flight", type=whole_number(1), default=32, metavar="N",
+                     help="most calls to the upstream at once (default 32)")
+    url.add_argument("--forward-auth", action="store_true",
+                     help="send each caller's Authorization to the upstream instead of a key of this "
+                     "server's; answers computed here go only to keys the upstream accepted in the last "
+                     "5 minutes (others get every question from the upstream, which checks them), and a "
+                     "401/403 from it revokes the key at once")
+    url.add_argument("--upstream-price", metavar="SPEC",
+                     help="what the upstream costs: request=X,question=Y,unit=NAME (e.g. "
+                     "request=0.002,question=0.0005,unit=USD); /metrics then says what was spent and "
+                     "saved in that unit (default: priced by its measured latency, in seconds)")
+    collect = p.add_argument_group("collecting traffic (a pass-through: --teacher URL without --bundle)")
+    collect.add_argument("--collect", type=store_argument, metavar=STORE_METAVAR,
+                         help="label store to record forwarded requests in: state, questions, the upstream's "
+                         "answers and identity (`cascade collected` turns them into a training set)")
+    collect.add_argument("--collect-share", type=float, default=1.0, metavar="F",
+                         help="seeded share of forwarded requests recorded, in [0, 1] (default 1)")
+    collect.add_argument("--collect-max", type=whole_number(0), default=None, metavar="N",
+                         help="stop recording once the store holds N requests (default: no limit)")
+
+
+def upstream_settings(args: argparse.Namespace) -> UpstreamSettings:
+    """The upstream client's settings from the parsed flags (``--teacher`` is the URL)."""
+    from cascade.teachers.keys import KeySource
+    from cascade.teachers.settings import UpstreamSettings
+
+    timeout = args.upstream_timeout
+    return UpstreamSettings(args.teacher, model=args.upstream_model, forward_auth=args.forward_auth,
+                            key=KeySource(env=args.upstream_key_env, file=args.upstream_key_file),
+                            read_timeout=timeout, deadline=max(9.0, timeout + 1.0),
+                            max_in_flight=args.upstream_in_flight)
+
+
+def upstream_price(args: argparse.Namespace) -> UpstreamPrice | None:
+    from cascade.cost.upstream import UpstreamPrice
+
+    return UpstreamPrice.parse(args.upstream_price) if args.upstream_price else None

@@ -1,0 +1,141 @@
+"""Everything a label store holds that a teacher labelled, as evidence to retrain on: each state
+once, with where it came from.
+
+A deployed cascade's store fills from several places: the corpus it was first trained on (its
+states in that corpus, its labels in the store), audits (a seeded uniform share of traffic, each
+with its state), collected traffic (every request a pass-through forwarded to the teacher,
+``cascade serve --teacher URL --collect S``, labelled by ``cascade collected --out``: its states in
+the store's ``traffic`` table) and, as serving grows, escalations (what the cascade sent up: the
+hard items). Each is told apart by the prefix of its item id (``ORIGINS``).
+
+The same state may arrive twice (an item audited in two runs, a corpus item seen again as
+traffic): it is one observation, so it is kept once, under the first id met (corpus items
+first, then records in the store's order), and every later copy is counted as a duplicate.
+Which origins may certify a threshold: uniform draws only (``CERTIFYING``); escalations train
+(distill.calibration.traffic says why, and what would let them certify).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cascade.errors import CascadeError
+from cascade.questions import Question, State
+from distill.options import CorpusInput
+from distill.store import LabelStore
+
+Origin = Literal["corpus", "audit", "collected", "escalation"]
+ORIGINS: dict[str, Origin] = {"audit:": "audit", "traffic:": "collected", "escalation:": "escalation"}
+"""A stored item id's prefix -> its origin (``distill.collected.item_id`` names collected states;
+an audit record of no known prefix is an audit)."""
+CERTIFYING: dict[str, frozenset[Origin]] = {
+    "all": frozenset({"corpus", "audit", "collected"}),
+    "traffic": frozenset({"audit", "collected"}),
+    "corpus": frozenset({"corpus"}),
+}
+"""Which origins certify, by the name ``cascade retrain --calibrate-on`` gives them: uniform draws
+of the corpus or of traffic. Escalations are chosen by the serving cascade, so never."""
+
+
+class EvidenceError(CascadeError, ValueError):
+    """The store's evidence cannot be gathered: states missing, nothing labelled."""
+
+
+@dataclass(frozen=True)
+class EvidenceItem:
+    """One labelled state: the id its labels are stored under, the state, where it came from."""
+
+    id: str
+    state: State
+    origin: Origin
+
+    @property
+    def content(self) -> str:
+        return state_sha256(self.state)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The labelled states, each once, in the order met; and the copies left out."""
+
+    items: list[EvidenceItem]
+    duplicates: int = 0
+    origins: Counter[str] = field(default_factory=Counter)
+
+    def ids(self, origins: Iterable[Origin] | None = None) -> set[str]:
+        wanted = set(origins) if origins is not None else None
+        return {item.id for item in self.items if wanted is None or item.origin in wanted}
+
+    def write(self, path: Path) -> Path:
+        """The states as a JSONL corpus (``{"id", "text"}``), which training and calibration read."""
+        with path.open("w", encoding="utf-8") as handle:
+            for item in self.items:
+                handle.write(json.dumps({"id": item.id, "text": item.state}, ensure_ascii=False) + "\n")
+        return path
+
+
+def state_sha256(state: State) -> str:
+    """A state's content hash, as the drift watch counts audits (``AuditRecord.state_sha256``)."""
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def origin_of(item_id: str, otherwise: Origin = "audit") -> Origin:
+    """An item's origin by its id's prefix (a corpus ``cascade collected`` wrote holds collected
+    states); ``otherwise`` where it has none of ``ORIGINS``."""
+    return next((origin for prefix, origin in ORIGINS.items() if item_id.startswith(prefix)), otherwise)
+
+
+def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusInput | None,
+           trained_field: str | None = None) -> Evidence:
+    """Every item the store labelled for any of ``questions`` whose state is known here: the
+    corpus's (``trained_field``: the field read unless the corpus names one) and the store's
+    records'. Labelled corpus items without ``corpus`` are refused: a retrain must count them."""
+    labelled = set().union(*(store.labels(qid) for qid in questions))
+    if not labelled:
+        raise EvidenceError(f"label store {store.path} holds no teacher label for the questions "
+                            f"{sorted(questions)}; label a corpus or audit traffic first")
+    met: list[EvidenceItem] = []
+    if corpus is not None:
+        met += [EvidenceItem(row.id, row.state, origin_of(row.id, "corpus"))
+                for row in corpus.read(trained_field) if row.id in labelled]
+    met += [EvidenceItem(r.item_id, r.state, origin_of(r.item_id)) for r in store.audits()
+            if r.item_id in labelled]
+    met += [EvidenceItem(ident, state, "collected") for ident, state in _collected(store)
+            if ident in labelled]
+    stateless = labelled - {item.id for item in met}
+    if stateless:
+        where = ("in --corpus" if corpus is not None else
+                 "here: give the corpus they were labelled from (--corpus)")
+        raise EvidenceError(f"{len(stateless)} items labelled in {store.path} have no state {where} (for "
+                            f"example {min(stateless)!r}); every labelled item is counted once")
+    return _once(met)
+
+
+def _collected(store: LabelStore) -> list[tuple[str, State]]:
+    """Each collected state under the id its labels are stored under, first copy first."""
+    from distill.collected import item_id
+
+    out: dict[str, State] = {}
+    position = 0
+    while page := store.traffic_after(position):
+        position = page[-1][0]
+        for _, item in page:
+            out.setdefault(item_id(item.state_sha256), item.state)
+    return list(out.items())
+
+
+def _once(met: list[EvidenceItem]) -> Evidence:
+    """The first copy of each state; later ones counted as duplicates."""
+    seen: set[str] = set()
+    kept: list[EvidenceItem] = []
+    for item in met:
+        if item.content not in seen:
+            seen.add(item.content)
+            kept.append(item)
+    return Evidence(kept, len(met) - len(kept), Counter(item.origin for item in kept))

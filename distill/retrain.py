@@ -1,0 +1,154 @@
+"""Retraining a serving bundle on everything its label store holds, into a new bundle, calibrated
+on held-out evidence (``cascade retrain``).
+
+The store is the serving cascade's: corpus labels, audits, and as serving grows its escalations
+and collected traffic (``distill.evidence``). Every labelled state is counted once; the store's
+teacher must be the bundle's (a certificate names one teacher); the new bundle's fast tier is
+trained (frozen encoder, or fine-tuned) on its train part and certified on its calibration part,
+which never trained it. The parts are placed as the serving bundle's were (a hash of the id with
+its salt, so an item keeps its part as traffic grows), except that what can only train goes to
+the train part: escalations (chosen by the serving cascade, they may not certify) and anything
+the serving bundle itself trained on (so that ``distill.promote`` can weigh both bundles on the
+same held-out items). Of the calibration part, the origins ``calibrate_on`` names certify.
+
+The new bundle holds ``evidence.jsonl`` (the states, which calibration and the promotion gate
+read) and ``lineage.json`` (its parent, the evidence's counts, and the ids that certified).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from cascade.bundle.manifest import Bundle
+from cascade.encoder.onnx_encoder import Encoder
+from cascade.errors import CascadeError
+from cascade.hashing import file_sha256
+from cascade.tiers.gguf import GgufSpec
+from cascade.tiers.mid_layer import MidLayerSpec
+from distill.calibration.inputs import check_teacher
+from distill.calibration.results import CalibrationResult, Certificate
+from distill.calibration.run import TEACHER_ITEMS, calibrate_bundle
+from distill.evidence import CERTIFYING, Evidence, EvidenceItem, gather
+from distill.finetune import FinetuneConfig
+from distill.mid_layer import MidLayerConfig
+from distill.options import CorpusInput, RunOptions, option
+from distill.split import PARTS, part_of
+from distill.store import LabelStore
+from distill.train import train_bundle
+
+EVIDENCE_NAME = "evidence.jsonl"
+LINEAGE_NAME = "lineage.json"
+
+
+class RetrainError(CascadeError, ValueError):
+    """A retrain cannot start: the store's teacher differs, the output is the serving bundle."""
+
+
+@dataclass(frozen=True)
+class RetrainResult:
+    """The new bundle, calibrated; the evidence it was made from; its lineage as written."""
+
+    bundle: Bundle
+    evidence: Evidence
+    calibration: CalibrationResult
+    lineage: dict[str, Any]
+
+
+def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: CorpusInput | None = None, *,
+                   finetune: FinetuneConfig | None = None, target: float | None = None,
+                   delta: float | None = None, calibrate_on: str = "all", certificate: Certificate = "joint",
+                   run: RunOptions | None = None, encoder: Encoder | None = None,
+                   teacher_items: int = TEACHER_ITEMS) -> RetrainResult:
+    """Train a new bundle at ``out`` on every labelled state ``store`` holds and calibrate it.
+
+    ``corpus``: the corpus of the store's corpus labels (needed where it holds any); ``target`` and
+    ``delta``: the serving bundle's by default, so that ``distill.promote`` compares like with
+    like; ``calibrate_on``: which origins certify (``distill.evidence.CERTIFYING``: all uniform
+    draws, traffic only, or the corpus only). The rest as ``train_bundle`` and
+    ``calibrate_bundle`` take them.
+    """
+    run = option("retrain_bundle", "run", run, RunOptions, RunOptions())
+    if calibrate_on not in CERTIFYING:
+        raise RetrainError(f"calibrate_on must be one of {', '.join(CERTIFYING)}; got {calibrate_on!r}")
+    out = Path(out)
+    if out.resolve() == serving.directory.resolve():
+        raise RetrainError(f"--out {out} is the serving bundle; retrain into a new folder and let "
+                           "`cascade promote` swap it in if it certifies more")
+    try:
+        check_teacher(serving.manifest, store)
+    except CascadeError as exc:
+        raise RetrainError(str(exc)) from None
+    manifest = serving.manifest
+    questions = manifest.parsed_questions()
+    evidence = gather(store, questions, corpus, manifest.training.text_field)
+    parts = place(evidence, serving)
+    held = sorted(set(parts["calibration"]) & evidence.ids(CERTIFYING[calibrate_on]))
+    if not held:
+        raise RetrainError(f"none of the {len(parts['calibration'])} calibration-part items is of an origin "
+                           f"that certifies under calibrate_on={calibrate_on!r} ({dict(evidence.origins)} "
+                           "in all); audit more traffic, or certify on another origin")
+    target = target if target is not None else manifest.calibration.target or 0.98
+    delta = delta if delta is not None else manifest.calibration.delta or 0.05
+    with tempfile.TemporaryDirectory() as work:
+        states = CorpusInput(evidence.write(Path(work) / EVIDENCE_NAME))
+        training = replace(run, placement=None, flops_per_second=None)  # what training takes of it
+        bundle = train_bundle(questions, states, store, out, encoder, manifest.split.fractions,
+                              manifest.training.C or 1.0, run=training, finetune=finetune, parts=parts,
+                              ngrams=manifest.training.ngrams is not False, **_tiers_of(serving))
+    states = CorpusInput(evidence.write(out / EVIDENCE_NAME))
+    calibration = calibrate_bundle(bundle, states, store, target, delta, run=run, encoder=encoder,
+                                   certificate=certificate, held_out=held, teacher_items=teacher_items)
+    lineage = _lineage(serving, evidence, parts, held, calibrate_on)
+    (out / LINEAGE_NAME).write_text(json.dumps(lineage, indent=2) + "\n", encoding="utf-8")
+    return RetrainResult(Bundle.load(out), evidence, calibration, lineage)
+
+
+def place(evidence: Evidence, serving: Bundle) -> dict[str, list[str]]:
+    """Each item's part: by a hash of its id with the serving bundle's fractions and salt, except
+    escalations and what the serving bundle trained on, which train."""
+    split = serving.manifest.split
+    trained = set(serving.split_ids().get("train", []))
+    parts: dict[str, list[str]] = {part: [] for part in PARTS}
+    for item in evidence.items:
+        parts[_part(item, trained, split.fractions, split.salt)].append(item.id)
+    return parts
+
+
+def _part(item: EvidenceItem, trained: set[str], fractions: Mapping[str, float], salt: str) -> str:
+    if item.origin == "escalation" or item.id in trained:
+        return "train"
+    return part_of(item.id, fractions, salt)
+
+
+def _tiers_of(serving: Bundle) -> dict[str, Any]:
+    """``train_bundle``'s arguments that rebuild the serving bundle's other tiers: its middle GGUF
+    tiers as they are, its mid-layer tier trained again, its teacher pinned again."""
+    tiers = serving.manifest.tiers
+    top = tiers[-1]
+    middle: Sequence[GgufSpec] = [tier for tier in tiers[1:-1] if isinstance(tier, GgufSpec)]
+    mids = [tier for tier in tiers[1:-1] if isinstance(tier, MidLayerSpec)]
+    mid_layer = None if not mids else MidLayerConfig(layer=mids[0].layer, reader=mids[0].reader,
+                                                     placement=mids[0].placement, n_ctx=mids[0].n_ctx,
+                                                     name=mids[0].name)
+    teacher = Path(top.model.path) if isinstance(top, GgufSpec) else None
+    return {"middle": middle, "mid_layer": mid_layer, "teacher_model": teacher,
+            "teacher_placement": top.placement if isinstance(top, GgufSpec) else None}
+
+
+def _lineage(serving: Bundle, evidence: Evidence, parts: Mapping[str, list[str]], held: list[str],
+             calibrate_on: str) -> dict[str, Any]:
+    """What the new bundle came from: its parent's version, the evidence, the ids that certified."""
+    manifest = serving.manifest
+    return {
+        "parent": {"name": manifest.name, "path": str(serving.directory.resolve()),
+                   "manifest_sha256": file_sha256(serving.directory / "manifest.json"),
+                   "calibration_version": manifest.calibration.version()},
+        "evidence": {"items": len(evidence.items), "duplicates": evidence.duplicates,
+                     "origins": dict(evidence.origins), "parts": {p: len(ids) for p, ids in parts.items()}},
+        "calibrate_on": calibrate_on, "certified_on": held,
+    }

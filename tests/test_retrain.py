@@ -1,0 +1,198 @@
+"""Retraining from the store and promoting with a gate (``cascade retrain``, ``cascade promote``).
+
+The serving bundle is the session's, trained on the generated corpus of ``corpora``; a copy of its
+store then holds what serving would add: every one of the first 40 corpus states audited again
+(duplicates, to be counted once), 120 new states audited, and 10 escalations (an ``escalation:``
+record), whose labels are the generator's as the corpus's are.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from corpora import HEADED, QUESTIONS, TEACHER, corpus_items
+
+from cascade.audit.record import AuditRecord
+from cascade.bundle.manifest import Bundle
+from cascade.encoder.onnx_encoder import Encoder
+from distill.cli import main
+from distill.evidence import EvidenceError, state_sha256
+from distill.options import CorpusInput, RunOptions
+from distill.promote import PromoteError, latest_promotion, promote, promotions_log
+from distill.retrain import RetrainError, RetrainResult, retrain_bundle
+from distill.store import LabelStore, Teacher
+from distill.synthetic import SyntheticItem, generate
+
+TARGET = 0.85
+START = 1_800_000_000.0
+
+
+def record(prefix: str, item: SyntheticItem, n: int) -> AuditRecord:
+    return AuditRecord(item_id=f"{prefix}:{item.id}", state=item.text, calibration_version="v0", at=START + n,
+                       teacher={qid: item.labels[qid] for qid in HEADED})
+
+
+@pytest.fixture(scope="module")
+def served(labelled: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the session's store after some serving (see the module's docstring)."""
+    path = tmp_path_factory.mktemp("served") / "labels.sqlite"
+    shutil.copy(labelled[1], path)
+    with LabelStore(path, TEACHER) as store:
+        for n, item in enumerate(corpus_items()[:40]):
+            store.put_audit(record("audit:r1", item, n))
+        for n, item in enumerate(generate(130, seed=5)):
+            store.put_audit(record("audit:r2" if n < 120 else "escalation:r2", item, 100 + n))
+    return path
+
+
+def run(cache: Path) -> RunOptions:
+    return RunOptions(progress=False, cache_dir=cache, flops_per_second=1e11)
+
+
+def retrain(serving: Bundle, store_path: Path, out: Path, corpus: Path | None, encoder: Encoder, cache: Path,
+            **kwargs: object) -> RetrainResult:
+    with LabelStore.open_existing(store_path) as store:
+        return retrain_bundle(serving, store, out, None if corpus is None else CorpusInput(corpus),
+                              target=TARGET, run=run(cache), encoder=encoder, teacher_items=0,
+                              **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def retrained(trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
+              embedding_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> RetrainResult:
+    out = tmp_path_factory.mktemp("retrained") / "support-r2"
+    return retrain(trained_bundle, served, out, labelled[0], encoder, embedding_cache)
+
+
+def test_every_labelled_state_counts_once_and_keeps_its_part(retrained: RetrainResult,
+                                                              trained_bundle: Bundle) -> None:
+    evidence = retrained.evidence
+    assert len(evidence.items) == 300 + 130 and evidence.duplicates == 40
+    assert dict(evidence.origins) == {"corpus": 300, "audit": 120, "escalation": 10}
+    assert len({state_sha256(item.state) for item in evidence.items}) == len(evidence.items)
+    parts = retrained.bundle.split_ids()
+    assert set(trained_bundle.split_ids()["train"]) <= set(parts["train"])
+    old_held = set(trained_bundle.split_ids()["calibration"])
+    assert old_held <= set(parts["calibration"])  # an item keeps its part as traffic grows
+    escalations = {item.id for item in evidence.items if item.origin == "escalation"}
+    assert escalations <= set(parts["train"])  # escalations train, never certify
+    certified_on = set(retrained.lineage["certified_on"])
+    assert certified_on == set(parts["calibration"]) and not certified_on & set(parts["train"])
+    assert any(i.startswith("audit:r2:") for i in certified_on)
+
+
+def test_the_new_bundle_is_calibrated_on_its_held_out_items_and_names_its_parent(
+        retrained: RetrainResult, trained_bundle: Bundle) -> None:
+    manifest = retrained.bundle.manifest
+    assert manifest.calibration.target == TARGET and manifest.calibration.certificate == "joint"
+    assert retrained.calibration.items == len(retrained.lineage["certified_on"])
+    assert any(manifest.threshold(qid, "encoder") is not None for qid in HEADED)
+    lineage = json.loads((retrained.bundle.directory / "lineage.json").read_text(encoding="utf-8"))
+    assert lineage["parent"]["name"] == trained_bundle.manifest.name
+    assert lineage["evidence"]["duplicates"] == 40
+    lines = (retrained.bundle.directory / "evidence.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 430
+
+
+def test_a_retrain_refuses_another_teacher_missing_states_and_its_own_serving_folder(
+        trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
+        embedding_cache: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.sqlite"
+    with LabelStore(other, Teacher(kind="external", model="someone else")) as store:
+        store.put_item("x", {"urgent": {"true": 1.0, "false": 0.0}})
+    with pytest.raises(RetrainError, match="holds labels of the teacher"):
+        retrain(trained_bundle, other, tmp_path / "a", labelled[0], encoder, embedding_cache)
+    with pytest.raises(EvidenceError, match="have no state here: give the corpus"):
+        retrain(trained_bundle, served, tmp_path / "b", None, encoder, embedding_cache)
+    with pytest.raises(RetrainError, match="is the serving bundle"):
+        retrain(trained_bundle, served, trained_bundle.directory, labelled[0], encoder, embedding_cache)
+
+
+def test_a_candidate_that_certifies_more_is_promoted_and_the_pointer_moves(
+        retrained: RetrainResult, trained_bundle: Bundle, served: Path, encoder: Encoder,
+        embedding_cache: Path, tmp_path: Path) -> None:
+    pointer = tmp_path / "current"
+    pointer.write_text(str(trained_bundle.directory.resolve()) + "\n", encoding="utf-8")
+    with LabelStore.open_existing(served) as store:
+        decision = promote(pointer, retrained.bundle.directory, store, run=run(embedding_cache),
+                           encoder=encoder)
+    gate = decision.gate
+    assert decision.promoted and gate.candidate_share >= gate.serving_share > 0
+    assert gate.items == len(retrained.lineage["certified_on"]) and set(gate.shares) == set(HEADED)
+    assert decision.reason.startswith("promoted: on the same")
+    named = (pointer.parent / pointer.read_text(encoding="utf-8").strip()).resolve()
+    assert named == retrained.bundle.directory.resolve()
+    assert latest_promotion(promotions_log(pointer)) == decision
+    assert decision.serving.name == trained_bundle.manifest.name
+    assert decision.candidate.calibration_version == retrained.bundle.manifest.calibration.version()
+
+
+def test_a_candidate_that_certifies_less_is_kept_aside_with_the_reason(
+        trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
+        embedding_cache: Path, tmp_path: Path) -> None:
+    weak = trained_bundle.manifest.model_copy(update={"training": trained_bundle.manifest.training.model_copy(
+        update={"C": 1e-6})})
+    parent = Bundle(weak, trained_bundle.directory).save(tmp_path / "weak-parent")
+    candidate = retrain(parent, served, tmp_path / "weak", labelled[0], encoder, embedding_cache).bundle
+    serving = Bundle(trained_bundle.manifest, trained_bundle.directory).save(tmp_path / "serving")
+    log = tmp_path / "promotions.jsonl"
+    status = main(["promote", "--bundle", str(serving.directory), "--candidate", str(candidate.directory),
+                   "--store", str(served), "--log", str(log), "--cache-dir", str(embedding_cache)])
+    assert status == 1
+    [line] = log.read_text(encoding="utf-8").splitlines()
+    decision = json.loads(line)
+    assert not decision["promoted"] and decision["reason"].startswith("kept aside:")
+    assert decision["gate"]["candidate_share"] < decision["gate"]["serving_share"]
+    kept = json.loads((candidate.directory / "promotion.json").read_text(encoding="utf-8"))
+    assert kept["reason"] == decision["reason"]
+    assert Bundle.load(serving.directory).manifest.name == trained_bundle.manifest.name  # untouched
+    assert latest_promotion(log) is None
+
+
+def test_promote_refuses_a_bundle_retrain_did_not_make(trained_bundle: Bundle, served: Path,
+                                                        tmp_path: Path) -> None:
+    copy = Bundle(trained_bundle.manifest, trained_bundle.directory).save(tmp_path / "copy")
+    with (LabelStore.open_existing(served) as store,
+          pytest.raises(PromoteError, match="made by `cascade retrain`")):
+        promote(trained_bundle.directory, copy.directory, store)
+
+
+def test_the_command_retrains_through_a_link_and_says_what_comes_next(
+        trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path], embedding_cache: Path,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    link = tmp_path / "support"
+    link.symlink_to(trained_bundle.directory.resolve(), target_is_directory=True)
+    out = tmp_path / "support-r2"
+    assert main(["retrain", "--bundle", str(link), "--store", str(served), "--corpus", str(labelled[0]),
+                 "--out", str(out), "--target-agreement", str(TARGET), "--teacher-items", "0",
+                 "--cache-dir", str(embedding_cache), "--calibrate-on", "traffic"]) == 0
+    printed = capsys.readouterr().out
+    assert "evidence: 430 labelled states (120 audit, 300 corpus, 10 escalation); 40 repeats" in printed
+    assert f"next: cascade promote --bundle {link} --candidate {out}" in printed
+    lineage = json.loads((out / "lineage.json").read_text(encoding="utf-8"))
+    assert lineage["calibrate_on"] == "traffic"
+    assert all(i.startswith("audit:") for i in lineage["certified_on"])
+
+
+def test_collected_traffic_counts_as_collected_and_each_state_once(tmp_path: Path) -> None:
+    from cascade.collect.record import CollectedItem
+    from cascade.teachers.identity import EndpointIdentity
+    from distill.collected import item_id
+    from distill.evidence import gather
+
+    question = {"type": "noul", "instructions": "Is this urgent?"}
+    answer = {"true": 0.9, "false": 0.1}
+    with LabelStore(tmp_path / "s.sqlite", TEACHER) as store:
+        for n, text in enumerate(["help now", "help now", "lunch?"]):
+            store.put_traffic(CollectedItem(request_id=f"r{n}", state=text, questions={"urgent": question},
+                                            answers={"urgent": answer}, identity=EndpointIdentity(),
+                                            at=START))
+            store.put_many({item_id(state_sha256(text)): {"urgent": answer}})
+        store.put_audit(AuditRecord(item_id="audit:r:1", state="lunch?", calibration_version="v0", at=START,
+                                    teacher={"urgent": answer}))
+        evidence = gather(store, {"urgent": QUESTIONS["urgent"]}, None)
+    assert [item.origin for item in evidence.items] == ["audit", "collected"]  # records first, then traffic
+    assert evidence.duplicates == 1  # "lunch?" audited and collected: one item

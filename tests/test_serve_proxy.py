@@ -1,0 +1,142 @@
+"""``cascade serve --teacher URL`` without a bundle: a transparent pass-through that may collect.
+
+Real upstreams on loopback: jevcompat 0.1.1's reference mock (deterministic, so its answers can be
+compared byte for byte) and the project's own teacher server (a tiny llama: fast to load, and it
+states an identity of its own, unlike the mock). A published SDK's own code calls the proxy.
+The collected store is read back as a trainer reads it (``distill.collected``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from servers import MOCK_MODEL, free_port, jevcompat_mock, mock_at, serving, teacher_server, until, upstream
+from tinymodels import tiny_llama_path
+
+from cascade.collect.collector import Collector
+from cascade.serve.proxy import ProxyConfig, create_proxy_app
+from cascade.teachers.connect import open_client
+from cascade.teachers.settings import UpstreamSettings
+from distill.collected import StoreTraffic, census, collected, training_set
+
+STATE = "Help! My payouts have been failing for three days."
+URGENT: dict[str, Any] = {"type": "noul", "instructions": "Does this convey urgency?"}
+TEAM: dict[str, Any] = {"type": "choice", "instructions": "Which team should handle this?",
+        "criteria": {"billing": "Payments, refunds", "technical": "Bugs, outages"}}
+RARE = {"type": "score", "instructions": "How severe is it?", "criteria": ["Minor", "Degraded", "Blocking"]}
+
+
+def body(state: str = STATE, **questions: Any) -> dict[str, Any]:
+    return {"state": state, "model": MOCK_MODEL, "questions": questions or {"urgent": URGENT, "team": TEAM}}
+
+
+@contextmanager
+def proxy(url: str, store: Path | None = None, share: float = 1.0, max_items: int | None = None,
+          **settings: Any) -> Iterator[str]:
+    """A pass-through to ``url`` on loopback (collecting into ``store`` where given); the
+    collector has written everything once the block ends."""
+    collector = Collector(StoreTraffic(store), share, max_items) if store is not None else None
+    app = create_proxy_app(open_client(UpstreamSettings(url, **settings)), ProxyConfig(collector=collector))
+    try:
+        with serving(app) as base:
+            yield base
+    finally:
+        if collector is not None:
+            collector.sink.close()  # type: ignore[attr-defined]
+
+
+def test_the_upstreams_answers_come_back_unchanged(tmp_path: Path) -> None:
+    with mock_at() as (url, cfg), proxy(url) as base:
+        direct = httpx.post(url, json=body(), timeout=30)
+        through = httpx.post(f"{base}/v1/systemone", json=body(), timeout=30)
+        refused = httpx.post(f"{base}/v1/systemone", json={**body(), "model": "no-such-model"}, timeout=30)
+        refused_direct = httpx.post(url, json={**body(), "model": "no-such-model"}, timeout=30)
+        models = httpx.get(f"{base}/v1/models", timeout=30)
+    assert (through.status_code, through.content) == (200, direct.content)
+    assert through.headers["x-typesafe-request-id"] == direct.headers["x-typesafe-request-id"] == "req_mock"
+    assert (refused.status_code, refused.content) == (refused_direct.status_code, refused_direct.content) \
+        and refused.status_code == 400
+    assert models.status_code == 200 and cfg.requests >= 2
+
+
+def test_a_published_sdk_calls_the_proxy(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from avrik_sdk import Client, choice, noul
+
+    tiny = tiny_llama_path(tmp_path_factory.mktemp("tiny"))
+    with upstream(teacher_server(tiny)) as server, proxy(server.url) as base, Client(base) as client:
+        decision = client.decide(STATE, {"urgent": noul(URGENT["instructions"]),
+                                         "team": choice(TEAM["instructions"], TEAM["criteria"])},
+                                 request_id="sdk-1")
+        direct = httpx.post(server.url, json={"state": STATE, "questions": {"urgent": URGENT}}, timeout=60)
+    urgent = decision["urgent"].noul
+    assert urgent is not None and 0 <= urgent <= 1 and decision["team"].choice in TEAM["criteria"]
+    assert decision.audit.model_hash == direct.json()["audit"]["model_hash"]  # the teacher's own answer
+
+
+def test_collected_traffic_is_counted_by_question_content_and_becomes_a_training_set(tmp_path: Path) -> None:
+    store = tmp_path / "traffic.sqlite"
+    with mock_at() as (url, _), proxy(url, store) as base:
+        for k in range(6):
+            ids = ("urgent", "team") if k % 2 else ("is_urgent", "dept")  # one question, two names
+            asked = {ids[0]: URGENT, ids[1]: TEAM} | ({"sev": RARE} if k == 0 else {})
+            assert httpx.post(f"{base}/v1/systemone", json=body(f"{STATE} Case {k % 5}.", **asked),
+                              timeout=30).status_code == 200
+        httpx.post(f"{base}/v1/systemone", content=b"not json", timeout=30)  # forwarded, not collected
+    items = list(collected(store))
+    assert len(items) == 6 and items[0].identity.model == "jevcompat-mock-0.1"
+    assert items[0].answers["is_urgent"].keys() == {"true", "false"}
+    found = census(items, min_count=3)
+    assert [(q.id, q.count) for q in found.heads] == [("dept", 5), ("is_urgent", 5)] or \
+        [(q.id, q.count) for q in found.heads] == [("team", 5), ("urgent", 5)]
+    assert [(q.question.type, q.count) for q in found.rest] == [("score", 1)]
+    assert found.states == 5
+    again = training_set(store, tmp_path / "train", min_count=3)
+    questions = json.loads((tmp_path / "train" / "questions.json").read_text())
+    corpus = (tmp_path / "train" / "corpus.jsonl").read_text().splitlines()
+    assert set(questions) == {q.id for q in again.heads} and len(corpus) == 5
+    done = subprocess.run([sys.executable, "-m", "distill.cli", "collected", "--store", str(store),
+                           "--min-count", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "6 collected request(s), 5 distinct state(s)" in done.stdout
+
+
+def test_collection_keeps_its_share_and_size_and_stops_at_another_teacher(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    store = tmp_path / "traffic.sqlite"
+    with mock_at() as (url, _), proxy(url, store, share=1.0, max_items=3) as base:
+        codes = [httpx.post(f"{base}/v1/systemone", json=body(f"{STATE} {k}"), timeout=30).status_code
+                 for k in range(5)]
+        counts = httpx.get(f"{base}/metrics", timeout=30).text
+    assert codes == [200] * 5 and len(list(collected(store))) == 3
+    assert 'cascade_collect{outcome="full"} 2.0' in counts
+    tiny = tiny_llama_path(tmp_path_factory.mktemp("tiny"))
+    with upstream(teacher_server(tiny)) as server, proxy(server.url, store) as base:
+        other = httpx.post(f"{base}/v1/systemone", json={"state": STATE, "questions": {"urgent": URGENT}},
+                           timeout=60)
+        failed = 'cascade_collect{outcome="failed"} 1.0'
+        until(lambda: failed in httpx.get(f"{base}/metrics", timeout=30).text,
+              "the store refused another teacher's answer")
+    assert other.status_code == 200  # the client is answered; the store refuses another teacher
+    assert len(list(collected(store))) == 3
+
+
+def test_the_proxy_passes_failures_on_with_retry_after(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/systemone"
+    with proxy(url, read_timeout=1.0, deadline=2.0) as base:
+        with upstream(jevcompat_mock(port=port)) as server:
+            ok = httpx.post(f"{base}/v1/systemone", json=body(), timeout=30)
+            server.pause()
+            slow = httpx.post(f"{base}/v1/systemone", json=body(), timeout=30)
+            server.kill()
+        dead = httpx.post(f"{base}/v1/systemone", json=body(), timeout=30)
+    assert ok.status_code == 200
+    assert (slow.status_code, slow.headers["retry-after"]) == (504, "1")
+    assert (dead.status_code, dead.headers["retry-after"]) == (502, "1")

@@ -1,0 +1,141 @@
+"""A running ``cascade serve`` takes a promoted bundle without dropping a request.
+
+``--bundle`` is a link (or a pointer file) that a promotion replaces in one rename
+(``cascade.serve.swap``). Requests are driven through the swap from several clients and counted:
+every one is answered (none refused, none lost), by exactly one version, each client sees the old
+version and then only the new one, and /metrics counts the same. The drift watch starts again on
+the new calibration version. Through the command, SIGHUP takes the promotion at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from corpora import QUESTIONS_JSON, corpus_items
+from servers import KEPT, free_port, serving, serving_bundle, until
+
+from cascade.bundle.manifest import Bundle
+from cascade.routing.router import Cascade
+from cascade.serve.app import BundleSource, ServeConfig, create_app
+from cascade.serve.engine import EngineSettings
+from distill.auditing import auditor_for
+
+STATE = corpus_items()[5].text
+CLIENTS, MOST = 4, 2500  # each client stops after MOST requests at the latest
+
+
+@pytest.fixture(scope="module")
+def versions(trained_bundle: Bundle, gemma_path: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, Path]:
+    """Two calibrations of one bundle, in folders side by side (as promotions leave them)."""
+    root = tmp_path_factory.mktemp("promoted")
+    first = serving_bundle(trained_bundle, root / "v1", gemma_path)
+    bundle = Bundle.load(first)
+    data = bundle.manifest.model_dump(mode="json")
+    data["calibration"]["calibrated_at"] = "2026-12-02T00:00:00Z"
+    Bundle(type(bundle.manifest).model_validate(data), first).save(root / "v2")
+    return first, root / "v2"
+
+
+def point(link: Path, target: Path) -> None:
+    """Replace the link in one rename, as ``cascade promote`` does."""
+    fresh = link.with_name(link.name + ".tmp")
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(target.name)
+    os.replace(fresh, link)
+
+
+def drive(base: str, stop: threading.Event, seen: list[tuple[int, int, str]], client: int) -> None:
+    body = {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+    with httpx.Client(timeout=120) as http:
+        for _ in range(MOST):
+            if stop.is_set():
+                return
+            reply = http.post(f"{base}/v1/systemone", json=body)
+            version = reply.json()["audit"]["calibration_version"] if reply.status_code == 200 else ""
+            seen.append((client, reply.status_code, version))
+
+
+def test_requests_driven_through_a_swap_are_each_answered_by_exactly_one_version(
+        versions: tuple[Path, Path], gemma_path: Path, tmp_path: Path) -> None:
+    first, second = versions
+    link = first.parent / "current"
+    point(link, first)
+    old, new = (Bundle.load(v).manifest.calibration.version() for v in versions)
+    source = BundleSource(link, lambda d: Cascade.load(d, teacher=gemma_path, threads=1), interval=0.05)
+    audit = lambda cascade: auditor_for(cascade, tmp_path / "audits.sqlite", 0.05, "s", "alarm")[0]  # noqa: E731
+    app = create_app(None, ServeConfig(bundle=source, audit=audit, engine=EngineSettings(max_wait=600.0)))
+    seen: list[tuple[int, int, str]] = []
+    stop = threading.Event()
+    with serving(app) as base:
+        clients = [threading.Thread(target=drive, args=(base, stop, seen, k)) for k in range(CLIENTS)]
+        for client in clients:
+            client.start()
+        until(lambda: len(seen) >= 20, "requests answered by the first version")
+        point(link, second)
+        until(lambda: sum(v == new for _, _, v in list(seen)) >= 20 or not any(c.is_alive() for c in clients),
+              "requests answered by the promoted version")
+        stop.set()
+        for client in clients:
+            client.join(timeout=300)
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        watch = app.state.loaded.serving.engine.auditor.watch
+    assert [status for _, status, _ in seen] == [200] * len(seen)  # none refused, none lost
+    by_version = Counter(v for _, _, v in seen)
+    assert set(by_version) == {old, new} and by_version[new] >= 20
+    for k in range(CLIENTS):  # each client: the old version, then only the new one
+        mine = [v for c, _, v in seen if c == k]
+        assert mine == sorted(mine, key=lambda v: v == new)
+    for version, n in by_version.items():  # both folders hold the bundle named v1
+        line = f'cascade_version_requests_total{{bundle="v1",calibration_version="{version}"}} {float(n)}'
+        assert line in text
+    assert 'cascade_bundle_swaps{outcome="taken"} 1.0' in text
+    assert watch is not None and watch.calibration_version == new
+
+
+def test_sighup_takes_a_promoted_bundle_named_by_a_pointer_file(versions: tuple[Path, Path],
+                                                                gemma_path: Path) -> None:
+    first = versions[0]
+    pointer = first.parent / "CURRENT"
+    pointer.write_text("v1\n")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "distill.cli", "serve", "--bundle", str(pointer),
+                               "--teacher", str(gemma_path), "--port", str(port), "--threads", "1",
+                               "--watch-bundle", "0"], stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        until(lambda: _status(base) == "ok", "the server loaded")
+        before = _version(base)
+        fresh = pointer.with_name("CURRENT.tmp")
+        fresh.write_text("v2\n")
+        os.replace(fresh, pointer)
+        server.send_signal(signal.SIGHUP)
+        until(lambda: _version(base) != before, "the promoted bundle serving after SIGHUP")
+        after = _version(base)
+    finally:
+        server.terminate()
+        _, stderr = server.communicate(timeout=120)
+    assert server.returncode == 0, stderr
+    assert (before, after) == tuple(Bundle.load(v).manifest.calibration.version() for v in versions)
+    assert "bundle_swapped" in stderr
+
+
+def _status(base: str) -> str:
+    try:
+        return str(httpx.get(f"{base}/health", timeout=5).json()["status"])
+    except httpx.TransportError:
+        return "down"
+
+
+def _version(base: str) -> Any:
+    body = {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+    return httpx.post(f"{base}/v1/systemone", json=body, timeout=60).json()["audit"]["calibration_version"]
