@@ -155,8 +155,8 @@ def training_set(path: StoreLocation | str, out: Path, min_count: int = DEFAULT_
                 texts.setdefault(ident, item.state)
     out.mkdir(parents=True, exist_ok=True)
     questions = {q.id: q.question.model_dump(mode="json", exclude_none=True) for q in found.heads}
-    (out / "questions.json").write_text(json.dumps(questions, indent=2, ensure_ascii=False) + "\n",
-                                        encoding="utf-8")
+    text = json.dumps({"questions": questions}, indent=2, ensure_ascii=False)  # as `cascade train` reads
+    (out / "questions.json").write_text(text + "\n", encoding="utf-8")
     with (out / "corpus.jsonl").open("w", encoding="utf-8") as corpus:
         for ident, state in texts.items():
             corpus.write(json.dumps({"id": ident, "text": state}, ensure_ascii=False) + "\n")

@@ -22,12 +22,14 @@ from cascade.answers import Answer, DecisionResponse, Routing
 from cascade.bundle.manifest import Bundle, Manifest
 from cascade.checks import is_int
 from cascade.corpus import CorpusItem
+from cascade.cost.upstream import UpstreamPrice
 from cascade.errors import CascadeError
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
 from distill.options import CorpusInput, RunOptions, option, refuse
 from distill.store import LabelStore
+from distill.teacher_traffic import TeacherTraffic
 
 EVALUATION = "evaluation"
 BATCH_ITEMS = 256
@@ -78,11 +80,9 @@ class Evaluation(BaseModel):
     questions: dict[str, QuestionEvaluation]
     spend: list[TierSpend] = []
     over_budget: float = 0.0
-    teacher_calls: int = 0
-    """Items with any answer from the top tier: the calls an upstream teacher would get (one per
-    item, holding only its escalated questions), against one per item forwarded whole."""
-    teacher_questions: int = 0
-    """Answers from the top tier: the questions an upstream teacher would be sent."""
+    teacher_traffic: TeacherTraffic | None = None
+    """The calls a teacher behind a URL would get (one per item with any answer from the top tier,
+    holding only those questions) against one per item forwarded whole."""
 
 
 def evaluate_bundle(
@@ -205,8 +205,8 @@ def _summarise(
                    for qid, rows in per_question.items() if rows},
         spend=_spend(tier_names, responses),
         over_budget=_mean(over),
-        teacher_calls=sum(1 for n in top if n),
-        teacher_questions=sum(top),
+        teacher_traffic=TeacherTraffic(items=len(responses), asked=sum(len(r.answers) for r in responses),
+                                       calls=sum(1 for n in top if n), sent=sum(top)),
     )
 
 
@@ -252,8 +252,9 @@ def _mean(values: Iterable[bool]) -> float:
     return sum(flags) / len(flags) if flags else float("nan")
 
 
-def format_evaluation(evaluation: Evaluation) -> str:
-    """The table ``cascade evaluate`` prints: one row per question, then the totals."""
+def format_evaluation(evaluation: Evaluation, price: UpstreamPrice | None = None) -> str:
+    """The table ``cascade evaluate`` prints: one row per question, then the totals (what a teacher
+    behind a URL would be sent, at ``price`` where given)."""
     names = [tier.name for tier in evaluation.tiers]
     header = ["question", "n", "agreement", "target", *names, "budget-limited"]
     rows = [header]
@@ -269,11 +270,8 @@ def format_evaluation(evaluation: Evaluation) -> str:
     lines.append(f"{evaluation.items} evaluation items; predicted cost {evaluation.cascade_seconds:.3g} s "
                  f"vs teacher alone {evaluation.teacher_seconds:.3g} s: cost ratio "
                  f"{evaluation.cost_ratio:.3f}")
-    if evaluation.items:
-        calls, sent = evaluation.teacher_calls, evaluation.teacher_questions
-        lines.append(f"with the teacher as an upstream URL: {calls} calls for {evaluation.items} items "
-                     f"({1 - calls / evaluation.items:.1%} saved), {sent} of {evaluation.answers} questions "
-                     f"sent ({1 - sent / max(1, evaluation.answers):.1%} saved)")
+    if evaluation.teacher_traffic is not None and evaluation.teacher_traffic.items:
+        lines.append(evaluation.teacher_traffic.line(price))
     if evaluation.over_budget > 0:
         lines.append(f"over budget: {evaluation.over_budget:.1%} of answers went up although the "
                      "budget could not pay (no lower tier had an answer to keep)")

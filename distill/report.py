@@ -64,6 +64,7 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
         "cascades": {qid: c.model_dump() for qid, c in result.cascades.items()},
         "skipped": [s.model_dump() for s in result.skipped],
         "teacher_checks": [check.model_dump() for check in result.teacher_checks],
+        "teacher_traffic": None if result.teacher_traffic is None else result.teacher_traffic.model_dump(),
         "figures": [figure.as_json() for figure in figures],
         **({"figures_note": note} if (note := figures_note()) else {}),
     }
@@ -331,12 +332,20 @@ def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
         not_promised="".join(f"<li>{_e(text)}</li>" for text in _NOT_PROMISED),
         summary=_summary_table(data["summary"]), costs=_costs_table(data["costs"]),
         payoffs="".join(f'<p class="message {"ok" if p.kept else "warn"}"><b>tier {_e(tier)}:</b> '
-                        f'{_e(p.reason)}</p>' for tier, p in result.payoffs.items()),
+                        f'{_e(p.reason)}</p>' for tier, p in result.payoffs.items()) + _traffic_note(result),
         cost_assumption=_e(data["cost_assumption"]), sections="\n".join(sections),
         figures_note=(f'\n<p class="message warn">{_e(data["figures_note"])}</p>'
                       if "figures_note" in data else ""),
         teacher_check=_teacher_check_box(result),
     )
+
+
+def _traffic_note(result: CalibrationResult) -> str:
+    """What the thresholds would send a teacher behind a URL, on the certifying items."""
+    traffic = result.teacher_traffic
+    if traffic is None or not traffic.items:
+        return ""
+    return f'<p class="message ok">On the certifying items, {_e(traffic.line())}.</p>'
 
 
 def _teacher_check_box(result: CalibrationResult) -> str:

@@ -328,6 +328,10 @@ def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None,
     """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only; either
     reads states with the input policy the store's labels were read with (context, excerpt)."""
     excerpt = policy.excerpt if policy is not None else None
+    if teacher.kind == "endpoint" and model is not None:
+        raise TrainError(f"the store's labels came from the System One endpoint {teacher.model!r}, not a "
+                         f"GGUF: leave out --teacher-model {model}; the bundle's top tier is answered by "
+                         "--teacher URL when it runs, every answer checked against that endpoint's identity")
     if teacher.kind in ("external", "endpoint"):  # an endpoint answers through --teacher URL, checked
         return ExternalSpec(name=TEACHER_TIER, labels=teacher.model, excerpt=excerpt,
                             n_ctx=policy.n_ctx if policy is not None else None)

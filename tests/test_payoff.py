@@ -7,10 +7,11 @@ import pytest
 
 from cascade.cost.pricing import TierCost as PriceCost
 from cascade.cost.pricing import TierPricing, estimate_tokens
+from cascade.cost.upstream import UpstreamPrice
 from cascade.questions import NoulQuestion
 from cascade.tiers.base import Item
 from distill.calibration.fits import Fit
-from distill.calibration.payoff import tier_payoffs
+from distill.calibration.payoff import teacher_traffic, tier_payoffs
 from distill.calibration.results import QuestionTier, TierCost
 
 QUESTIONS = {"q1": NoulQuestion(type="noul", instructions="First?"),
@@ -83,3 +84,19 @@ def test_a_tier_too_few_states_reach_is_weighed_on_every_state_it_read_not_taken
     kept = tier_payoffs(["encoder", "middle"], tier, ITEMS, {"middle": MIDDLE}, top(10.0), QUESTIONS,
                         keep=False)["middle"]
     assert kept.kept and kept.seconds_saved == 30.0 and kept.states_resolved == 3
+
+
+@pytest.mark.parametrize(("top_seconds", "calls", "sent"), [(10.0, 1, 1), (1.5, 2, 3)])
+def test_the_teacher_is_sent_one_call_per_item_with_a_question_left_holding_only_those(
+        top_seconds: float, calls: int, sent: int) -> None:
+    payoffs = tier_payoffs(["encoder", "middle"], FITS, ITEMS, {"middle": MIDDLE}, top(top_seconds),
+                           QUESTIONS, keep=False, min_reached=1)
+    traffic = teacher_traffic(["encoder", "middle"], FITS, payoffs)
+    # the middle tier kept: only c's q2 goes up; taken out: b's q2 and c's q1 and q2
+    assert (traffic.items, traffic.asked, traffic.calls, traffic.sent) == (3, 6, calls, sent)
+    price = UpstreamPrice(per_request=0.01, per_question=0.001, unit="EUR")
+    spent, saved = traffic.spent_and_saved(price)
+    assert spent == pytest.approx(calls * 0.01 + sent * 0.001)
+    assert spent + saved == pytest.approx(3 * 0.01 + 6 * 0.001)
+    assert traffic.line(price).endswith(f"{spent:.4g} EUR spent, {saved:.4g} EUR saved")
+    assert f"{calls} calls for 3 items ({1 - calls / 3:.1%} saved)" in traffic.line()

@@ -99,7 +99,7 @@ def test_collected_traffic_is_counted_by_question_content_and_becomes_a_training
     assert [(q.question.type, q.count) for q in found.rest] == [("score", 1)]
     assert found.states == 5
     again = training_set(store, tmp_path / "train", min_count=3)
-    questions = json.loads((tmp_path / "train" / "questions.json").read_text())
+    questions = json.loads((tmp_path / "train" / "questions.json").read_text())["questions"]
     corpus = (tmp_path / "train" / "corpus.jsonl").read_text().splitlines()
     assert set(questions) == {q.id for q in again.heads} and len(corpus) == 5
     done = subprocess.run([sys.executable, "-m", "distill.cli", "collected", "--store", str(store),
@@ -140,3 +140,44 @@ def test_the_proxy_passes_failures_on_with_retry_after(tmp_path: Path) -> None:
     assert ok.status_code == 200
     assert (slow.status_code, slow.headers["retry-after"]) == (504, "1")
     assert (dead.status_code, dead.headers["retry-after"]) == (502, "1")
+
+
+def test_from_zero_data_collected_traffic_trains_a_bundle_served_in_front_of_the_same_url(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's path: pass through and collect, `cascade collected`, train and calibrate with
+    no teacher model, then the bundle escalates to the same URL, certified."""
+    from cascade.routing.router import Cascade
+    from distill.cli import main
+
+    store, data, bundle = tmp_path / "traffic.sqlite", tmp_path / "data", tmp_path / "support-v1"
+    topics = ["payout failed", "invoice is wrong", "the app crashes", "login is broken", "refund please",
+              "server down", "charged twice", "export has a bug"]
+    with mock_at() as (url, _):
+        with proxy(url, store) as base:
+            for k in range(120):
+                state = f"Ticket {k}: {topics[k % 8]} and {topics[(k * 3) % 8]}."
+                assert httpx.post(f"{base}/v1/systemone", json=body(state), timeout=30).status_code == 200
+        assert main(["collected", "--store", str(store), "--min-count", "50", "--out", str(data)]) == 0
+        assert main(["train", "--questions", str(data / "questions.json"), "--corpus",
+                     str(data / "corpus.jsonl"), "--store", str(store), "--bundle", str(bundle)]) == 0
+        assert main(["calibrate", "--bundle", str(bundle), "--corpus", str(data / "corpus.jsonl"), "--store",
+                     str(store), "--target-agreement", "0.6", "--delta", "0.2", "--report",
+                     str(tmp_path / "report"), "--upstream-price", "request=0.01,unit=EUR"]) == 0
+        said = capsys.readouterr().out
+        traffic = json.loads((tmp_path / "report" / "report.json").read_text())["teacher_traffic"]
+        assert traffic["items"] > traffic["calls"] > 0 and traffic["asked"] == 2 * traffic["items"]
+        spent, saved = 0.01 * traffic["calls"], 0.01 * (traffic["items"] - traffic["calls"])
+        assert (f"a teacher behind a URL gets {traffic['calls']} calls for {traffic['items']} items" in said
+                and said.count(f"{spent:.4g} EUR spent, {saved:.4g} EUR saved") == 1)
+        assert main(["evaluate", "--bundle", str(bundle), "--corpus", str(data / "corpus.jsonl"), "--store",
+                     str(store), "--json", str(tmp_path / "e.json"), "--upstream-price", "question=1"]) == 0
+        evaluated = json.loads((tmp_path / "e.json").read_text())["teacher_traffic"]
+        line = next(x for x in capsys.readouterr().out.splitlines() if "a teacher behind a URL" in x)
+        assert line.endswith(f"{evaluated['sent']:.4g} USD spent, "
+                             f"{evaluated['asked'] - evaluated['sent']:.4g} USD saved")
+        with Cascade.load(bundle, teacher=UpstreamSettings(url, model=MOCK_MODEL), threads=1) as cascade:
+            answers = [a for k in range(20)
+                       for a in cascade.decide(f"Ticket {k}: {topics[k % 8]}.").answers.values()]
+    routings = [a.routing for a in answers if a.routing is not None]
+    assert len(routings) == len(answers) == 40 and all(r.certified for r in routings)
+    assert all(r.upstream == (r.tier == "teacher") for r in routings)

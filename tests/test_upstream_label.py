@@ -26,7 +26,7 @@ from distill.calibration.run import calibrate_bundle
 from distill.label_endpoint import EndpointRun, label_through_endpoint
 from distill.options import CorpusInput
 from distill.store import LabelStore, StoreMismatchError, Teacher
-from distill.train import train_bundle
+from distill.train import TrainError, train_bundle
 
 QUESTIONS_JSON = {"questions": {
     "urgent": {"type": "noul", "instructions": "Does this convey urgency?"},
@@ -129,6 +129,8 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
         url = f"{server.url}/v1/systemone"
         label(url, corpus, store_path, concurrency=4)
         with LabelStore.open_existing(store_path) as store:
+            with pytest.raises(TrainError, match=r"not a GGUF: leave out --teacher-model"):
+                train_bundle(QUESTIONS, CorpusInput(corpus), store, tmp_path / "gguf", teacher_model=corpus)
             bundle = train_bundle(QUESTIONS, CorpusInput(corpus), store, tmp_path / "bundle")
             calibrate_bundle(bundle, CorpusInput(corpus), store, 0.6, 0.2)
         assert bundle.manifest.teacher.kind == "endpoint"  # the store's identity, checked at every answer

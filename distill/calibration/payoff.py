@@ -5,7 +5,8 @@ and the teacher) costs its measured seconds on every state that reaches it and s
 the questions it keeps; where too few states reach it to say (MIN_REACHED), it is weighed on every
 state it read, figures that exist, rather than taken out on none. One that costs more is taken
 out of the cascade unless the caller keeps it; that only sends more to the teacher, so the
-certificate still holds. See docs/distilling.md.
+certificate still holds. ``teacher_traffic`` counts, with the tiers kept, what a teacher behind
+a URL would be sent. See docs/distilling.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from cascade.readout.prompts import render_state
 from cascade.tiers.base import Item
 from distill.calibration.fits import Fit, keeps
 from distill.calibration.results import TierCost
+from distill.teacher_traffic import TeacherTraffic
 
 Fits = Mapping[str, Mapping[str, Fit]]
 """question id -> tier -> fit, as ``fit_all`` returns them."""
@@ -80,6 +82,17 @@ def _weigh(tier: str, below: list[str], fits: Fits, texts: Mapping[str, str], to
         saved += _top_seconds(top, texts[item], reach, questions) - _top_seconds(
             top, texts[item], escalated, questions)
     return reached, resolved, saved
+
+
+def teacher_traffic(tiers: Sequence[str], fits: Fits, payoffs: Mapping[str, TierPayoff]) -> TeacherTraffic:
+    """On the certifying items, with the cheap tiers the payoffs kept: the calls a teacher behind a
+    URL gets (one per item with any question left, holding only those) and the questions sent."""
+    kept = [tier for tier in tiers if tier not in payoffs or payoffs[tier].kept]
+    items = asked = calls = sent = 0
+    for item, labelled in _labelled(fits).items():
+        left = [q for q in labelled if not any(keeps(fits[q].get(t), item) for t in kept)]
+        items, asked, calls, sent = items + 1, asked + len(labelled), calls + bool(left), sent + len(left)
+    return TeacherTraffic(items=items, asked=asked, calls=calls, sent=sent)
 
 
 def _labelled(fits: Fits) -> dict[str, list[str]]:

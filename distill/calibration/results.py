@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from cascade.bundle.sections import AuditSpan, QuestionFacts, TierPayoff, dropped_tiers
 from distill.calibration.inputs import Source
 from distill.teacher_check import QuestionCheck
+from distill.teacher_traffic import TeacherTraffic
 
 Certificate = Literal["joint", "split"]
 """How the thresholds of several cheap tiers are certified: together against the system's
@@ -120,7 +121,8 @@ class CalibrationResult(BaseModel):
     labelled items certified (``distill.calibration.inputs.Source``), ``audits`` the audited ones
     among them. ``teacher_checks``: the teacher check on the labels that certified (a flagged one
     certified only because it was accepted). ``certificate``: how several cheap tiers shared the
-    target and delta (``Certificate``; with one cheap tier both are the same).
+    target and delta (``Certificate``; with one cheap tier both are the same). ``teacher_traffic``:
+    on the certifying items, the calls and questions a teacher behind a URL would get.
     """
 
     bundle: str
@@ -149,6 +151,7 @@ class CalibrationResult(BaseModel):
     audits: AuditSpan | None = None
     teacher_checks: list[QuestionCheck] = []
     certificate: Certificate = "split"
+    teacher_traffic: TeacherTraffic | None = None
 
     def dropped(self) -> set[str]:
         """Cheap tiers taken out of the cascade because they cost more than they saved."""

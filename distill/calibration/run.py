@@ -38,7 +38,7 @@ from distill.calibration.inputs import (
 from distill.calibration.joint import certify_chains
 from distill.calibration.manifest import updated_manifest
 from distill.calibration.maths import CalibrationError
-from distill.calibration.payoff import tier_payoffs
+from distill.calibration.payoff import teacher_traffic, tier_payoffs
 from distill.calibration.results import CERTIFICATES, CalibrationResult, Certificate, TierCost
 from distill.calibration.scoring import score_tier
 from distill.options import CorpusInput, RunOptions, option
@@ -171,7 +171,7 @@ def calibrate_bundle(
         skipped=skipped, costs=costs, flops_per_second=flops, payoffs=payoffs,
         family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
         teacher_cost=teacher_cost, teacher_cost_note=teacher_note, source=source, audits=audits,
-        teacher_checks=checks, certificate=certificate,
+        teacher_checks=checks, certificate=certificate, teacher_traffic=teacher_traffic(names, fits, payoffs),
     )
     if save:
         Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()

@@ -18,6 +18,7 @@ from distill.cli.common import (
     run_options,
     whole_number,
 )
+from distill.cli.serve_upstream import add_upstream_price_argument
 
 TEACHER_ITEMS = 16
 """``distill.calibration.run.TEACHER_ITEMS``, repeated so that --help imports no library (a test
@@ -88,6 +89,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         if check.flagged:  # certified only because it was accepted: said before anything else
             print(f"{check.line()}\n  certified anyway (--accept-degenerate-teacher)", file=sys.stderr)
     _print_table(result)
+    if result.teacher_traffic is not None and result.teacher_traffic.items:
+        print(f"on the certifying items, {result.teacher_traffic.line(args.upstream_price)}")
     for check in result.teacher_checks:
         print(check.line())
     if note := figures_note():
@@ -167,6 +170,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--escalation-fraction", type=float, metavar="F",
                    help="budget mode: each cheap tier escalates this share of the items that reach "
                    "it, in [0, 1], instead of meeting a target")
+    add_upstream_price_argument(p)
     p.add_argument("--certificate", choices=("joint", "split"), default="joint",
                    help="with several cheap tiers: certify their thresholds together against the whole "
                    "system's agreement at the full target and delta (default), or give each tier "

@@ -21,6 +21,7 @@ from distill.cli.common import (
     corpus_input,
     run_options,
 )
+from distill.cli.serve_upstream import add_upstream_price_argument
 
 DESCRIPTION = """\
 Route the bundle's "evaluation" items (never its train or calibration items) through its tiers,
@@ -43,7 +44,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
                                      batch_items=args.batch_size, run=run_options(args))
     args.json.write_text(json.dumps(evaluation.model_dump(mode="json"), indent=2) + "\n",
                          encoding="utf-8")
-    print(format_evaluation(evaluation))
+    print(format_evaluation(evaluation, args.upstream_price))
     print(f"report: {args.json}")
     return 0
 
@@ -69,4 +70,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            "(default: ~/.cache/cascade, as cascade train)")
     add_device_argument(p)
     add_placement_arguments(p)
+    add_upstream_price_argument(p)
     p.set_defaults(run=_cmd_evaluate)

@@ -17,7 +17,7 @@ from distill.cli.common import (
     teacher_argument,
     whole_number,
 )
-from distill.cli.serve_upstream import add_upstream_arguments, upstream_price, upstream_settings
+from distill.cli.serve_upstream import add_upstream_arguments, upstream_settings
 
 DESCRIPTION = f"""\
 Serve a bundle's cascade at POST /v1/systemone, the System One API that existing SDKs call
@@ -66,7 +66,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                            grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
                            overload=args.overload, audit_queue=args.audit_queue, max_wait=args.max_wait,
                            forward_auth=args.forward_auth, watch=args.watch_bundle,
-                           upstream_price=upstream_price(args))
+                           upstream_price=args.upstream_price)
     _check_combination(args, url)
     if args.bundle is None and url:
         _serve_proxy(args, options, serve_proxy)

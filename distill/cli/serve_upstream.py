@@ -32,10 +32,8 @@ def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
                      "server's; answers computed here go only to keys the upstream accepted in the last "
                      "5 minutes (others get every question from the upstream, which checks them), and a "
                      "401/403 from it revokes the key at once")
-    url.add_argument("--upstream-price", metavar="SPEC",
-                     help="what the upstream costs: request=X,question=Y,unit=NAME (e.g. "
-                     "request=0.002,question=0.0005,unit=USD); /metrics then says what was spent and "
-                     "saved in that unit (default: priced by its measured latency, in seconds)")
+    add_upstream_price_argument(url, "/metrics then says what was spent and saved in that unit (default: "
+                                "priced by its measured latency, in seconds)")
     collect = p.add_argument_group("collecting traffic (a pass-through: --teacher URL without --bundle)")
     collect.add_argument("--collect", type=store_argument, metavar=STORE_METAVAR,
                          help="label store to record forwarded requests in: state, questions, the upstream's "
@@ -58,7 +56,21 @@ def upstream_settings(args: argparse.Namespace) -> UpstreamSettings:
                             max_in_flight=args.upstream_in_flight)
 
 
-def upstream_price(args: argparse.Namespace) -> UpstreamPrice | None:
-    from cascade.cost.upstream import UpstreamPrice
+def add_upstream_price_argument(
+        p: argparse.ArgumentParser | argparse._ArgumentGroup,
+        then: str = "the calls and questions a teacher behind a URL would get are also priced in that unit",
+) -> None:
+    p.add_argument("--upstream-price", type=price_argument, metavar="SPEC",
+                   help=f"what the upstream costs: request=X,question=Y,unit=NAME (e.g. "
+                   f"request=0.002,question=0.0005,unit=USD); {then}")
 
-    return UpstreamPrice.parse(args.upstream_price) if args.upstream_price else None
+
+def price_argument(text: str) -> UpstreamPrice:
+    """An ``--upstream-price`` SPEC, refused before any work starts."""
+    from cascade.cost.upstream import UpstreamPrice
+    from cascade.errors import CascadeError
+
+    try:
+        return UpstreamPrice.parse(text)
+    except CascadeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--upstream-price: ")) from None
