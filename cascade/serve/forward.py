@@ -47,6 +47,7 @@ class Forwarded(Protocol):
     authorization: str | None
     foreign: Foreign | None
 
+
 log = logging.getLogger("cascade.serve")
 J = TypeVar("J")
 A = TypeVar("A")
