@@ -200,12 +200,15 @@ def test_an_upstream_slow_past_the_timeout_is_a_504_then_answers_again() -> None
 
 
 def test_an_upstream_killed_mid_burst_leaves_no_request_lost_or_hanging() -> None:
-    """48 calls from 16 threads: 16 answered, then the server stops answering with calls in
-    flight and is killed. Every call ends answered or with a 502/504 and Retry-After."""
+    """48 calls: 16 answered (4 at a time: the mock listens with a backlog of 5, and a connect it
+    drops is sent again by the kernel after 1 s, past the 1 s connect timeout), then 32 from 16
+    threads while the server stops answering and is killed. Every call ends answered or with a
+    502/504 and Retry-After."""
     limits = {"connect_timeout": 1.0, "read_timeout": 2.0, "deadline": 3.0, "max_in_flight": 16}
     with upstream(jevcompat_mock()) as server, tier_at(server.url, **limits) as tier, \
             ThreadPoolExecutor(16) as pool:
-        answered = [pool.submit(ask, tier, "team", state=f"{STATE} {n}") for n in range(16)]
+        with ThreadPoolExecutor(4) as first:
+            answered = [first.submit(ask, tier, "team", state=f"{STATE} {n}") for n in range(16)]
         wait(answered, timeout=60)
         server.pause()
         burst = [pool.submit(ask, tier, "team", state=f"{STATE} {n}") for n in range(16, 48)]
