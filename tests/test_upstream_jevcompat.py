@@ -217,8 +217,11 @@ def test_an_upstream_killed_mid_burst_leaves_no_request_lost_or_hanging() -> Non
         _, pending = wait(answered + burst, timeout=120)
     assert not pending
     outcomes = [_outcome(future.exception()) for future in answered + burst]
-    assert outcomes[:16] == ["answered"] * 16
-    assert set(outcomes[16:]) <= {"502 retry 1", "504 retry 1"} and len(outcomes) == 48
+    assert outcomes[:16] == ["answered"] * 16 and len(outcomes) == 48
+    # the kill continues the paused server for an instant (SIGCONT, then SIGKILL), in which it may
+    # answer a call of the burst: answered is an outcome too, and the rest end with a status
+    failed = [outcome for outcome in outcomes[16:] if outcome != "answered"]
+    assert failed and set(failed) <= {"502 retry 1", "504 retry 1"}
 
 
 def _outcome(error: BaseException | None) -> str:
