@@ -18,41 +18,15 @@ is whether the store behind it shows in the answered requests.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 
 from bench.common import EASY, argument_parser, markdown, postgres_databases, support_bundle, support_messages
-
-TIMEOUT = 120.0
-
-
-@contextmanager
-def server(bundle: Path, teacher: Path, port: int, *extra: str) -> Iterator[str]:
-    command = [sys.executable, "-m", "distill.cli", "serve", "--bundle", str(bundle), "--teacher",
-               str(teacher), "--port", str(port), "--threads", "1", *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise TimeoutError(f"cascade serve on port {port} did not get ready")
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+from bench.serve_load import TIMEOUT, server
 
 
 def audited(url: str) -> float:
@@ -77,10 +51,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, postgres_databases() as new_database, ExitStack() as stack:
         bundle = support_bundle(Path(tmp), teacher, args.items)
         urls = {
-            "no audit": stack.enter_context(server(bundle, teacher, args.port, "--audit-share", "0")),
-            "audits into SQLite": stack.enter_context(server(bundle, teacher, args.port + 1, *audit,
+            "no audit": stack.enter_context(server(bundle, teacher, args.port, 1, "--audit-share", "0")),
+            "audits into SQLite": stack.enter_context(server(bundle, teacher, args.port + 1, 1, *audit,
                                                              "--audit-store", str(Path(tmp) / "a.sqlite"))),
-            "audits into PostgreSQL": stack.enter_context(server(bundle, teacher, args.port + 2, *audit,
+            "audits into PostgreSQL": stack.enter_context(server(bundle, teacher, args.port + 2, 1, *audit,
                                                                  "--audit-store", new_database())),
         }
         asked = {EASY: QUESTIONS_JSON[EASY]}
