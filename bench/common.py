@@ -616,3 +616,36 @@ def postgres_databases() -> Iterator[Callable[[], str]]:
                 conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         if server is not None:
             server.stop()
+
+
+SERVE_TIMEOUT = 120.0
+"""Seconds a benchmark waits for a server to get ready, and for one of its answers."""
+
+
+@contextmanager
+def server(bundle: Path, teacher: Path, port: int, threads: int, *extra: str) -> Iterator[str]:
+    """``cascade serve --bundle --teacher`` in a process of its own on loopback, until it is
+    healthy (at most SERVE_SERVE_TIMEOUT seconds); yields its base URL, and ends it after the block."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    command = [sys.executable, "-m", "distill.cli", "serve", "--bundle", str(bundle), "--teacher",
+               str(teacher), "--port", str(port), "--threads", str(threads), *extra]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        else:
+            raise TimeoutError(f"cascade serve on port {port} did not get ready")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

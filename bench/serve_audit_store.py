@@ -25,8 +25,16 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import EASY, argument_parser, markdown, postgres_databases, support_bundle, support_messages
-from bench.serve_load import TIMEOUT, server
+from bench.common import (
+    EASY,
+    SERVE_TIMEOUT,
+    argument_parser,
+    markdown,
+    postgres_databases,
+    server,
+    support_bundle,
+    support_messages,
+)
 
 
 def audited(url: str) -> float:
@@ -64,12 +72,12 @@ def main() -> None:
         with httpx.Client() as client:
             for body in bodies[:20]:  # warm
                 for url in urls.values():
-                    client.post(f"{url}/v1/systemone", json=body, timeout=TIMEOUT)
+                    client.post(f"{url}/v1/systemone", json=body, timeout=SERVE_TIMEOUT)
             for turn, body in enumerate(bodies):
                 shift = turn % len(names)
                 for name in names[shift:] + names[:shift]:
                     started = time.perf_counter()
-                    reply = client.post(f"{urls[name]}/v1/systemone", json=body, timeout=TIMEOUT)
+                    reply = client.post(f"{urls[name]}/v1/systemone", json=body, timeout=SERVE_TIMEOUT)
                     latencies[name].append(time.perf_counter() - started)
                     route = reply.json()["answers"][EASY]["x_routing"]
                     assert reply.status_code == 200 and route["tier"] == "encoder"

@@ -22,52 +22,25 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.common import EASY, HARD, argument_parser, support_bundle, support_messages
+from bench.common import EASY, HARD, SERVE_TIMEOUT, argument_parser, server, support_bundle, support_messages
 from cascade.readout.llama import default_gguf_path
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
 from distill.synthetic import QUESTIONS_JSON
 
-TIMEOUT = 120.0
-
 
 def body(state: str, question: str) -> dict[str, Any]:
     return {"state": state, "questions": {question: QUESTIONS_JSON[question]}}
-
-
-@contextmanager
-def server(bundle: Path, teacher: Path, port: int, threads: int, *extra: str) -> Iterator[str]:
-    command = [sys.executable, "-m", "distill.cli", "serve", "--bundle", str(bundle), "--teacher",
-               str(teacher), "--port", str(port), "--threads", str(threads), *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise TimeoutError(f"cascade serve on port {port} did not get ready")
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 def run_clients(clients: int, bodies: list[dict[str, Any]], call: Callable[[Any, dict[str, Any]], bool],
@@ -101,7 +74,7 @@ def run_clients(clients: int, bodies: list[dict[str, Any]], call: Callable[[Any,
 def over_http(url: str) -> tuple[Callable[[Any, dict[str, Any]], bool], Callable[[], Any]]:
     def call(client: httpx.Client, one: dict[str, Any]) -> bool:
         try:
-            return client.post(f"{url}/v1/systemone", json=one, timeout=TIMEOUT).status_code == 200
+            return client.post(f"{url}/v1/systemone", json=one, timeout=SERVE_TIMEOUT).status_code == 200
         except httpx.HTTPError:
             return False
     return call, httpx.Client
@@ -126,7 +99,7 @@ def saturated(url: str, easy: list[dict[str, Any]], hard: list[dict[str, Any]]) 
             for one in hard:
                 if stop.is_set():
                     return
-                client.post(f"{url}/v1/systemone", json=one, timeout=TIMEOUT)
+                client.post(f"{url}/v1/systemone", json=one, timeout=SERVE_TIMEOUT)
 
     pressure = [threading.Thread(target=keep_busy) for _ in range(8)]
     for thread in pressure:
