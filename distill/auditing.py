@@ -10,9 +10,7 @@ demoted. It also turns a store's audits into the per-question table and plot of 
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from cascade.audit.watch import OnDrift
 from cascade.bundle.manifest import Bundle, Manifest
 from cascade.routing.router import Cascade
 from distill.store import LabelStore, StoreError, StoreLocation, Teacher, is_url, store_exists, store_location
+from distill.store.shared import SharedStore
 
 DEFAULT_POLL_S = 1.0
 """How often a server reads the audit stream for other replicas' audits: a demotion raised on one
@@ -39,50 +38,27 @@ class StoreSink:
     the store's order (an ``AuditStream``). A SQLite file is made on the first write (no audit, no
     file); one call at a time whatever the thread (the server's top-tier worker writes, the stream
     follower reads, the command closes); a call that failed (a PostgreSQL server restarting, say)
-    reconnects on the next."""
+    reconnects on the next (``distill.store.shared``)."""
 
     def __init__(self, path: StoreLocation | str, teacher: Teacher) -> None:
-        self.path, self.teacher = store_location(path), teacher
-        self._store: LabelStore | None = None
-        self._lock = threading.Lock()
+        self.shared = SharedStore(path, teacher)
+        self.path, self.teacher = self.shared.path, teacher
 
     def __call__(self, record: AuditRecord) -> None:
-        with self._lock:
-            try:
-                self._opened().put_audit(record)
-            except StoreError:
-                self._drop()
-                raise
+        with self.shared.use() as store:
+            store.put_audit(record)
 
     append = __call__
 
     def read_after(self, position: int) -> list[tuple[int, AuditRecord]]:
         """The stream's next records past ``position`` (none while there is no store yet)."""
-        with self._lock:
-            if self._store is None and not is_url(self.path) and not store_exists(self.path):
-                return []
-            try:
-                return self._opened().audits_after(position)
-            except StoreError:
-                self._drop()
-                raise
-
-    def _opened(self) -> LabelStore:
-        if self._store is None:
-            self._store = LabelStore(self.path, self.teacher, any_thread=True)
-        return self._store
-
-    def _drop(self) -> None:
-        if self._store is not None:
-            with contextlib.suppress(Exception):  # the connection is already gone
-                self._store.close()
-            self._store = None
+        if not self.shared.made():
+            return []
+        with self.shared.use() as store:
+            return store.audits_after(position)
 
     def close(self) -> None:
-        with self._lock:
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+        self.shared.close()
 
 
 def stored_audits(path: StoreLocation | str) -> list[AuditRecord]:

@@ -30,10 +30,11 @@ DEFAULT_MIN_COUNT = 50
 
 
 class StoreTraffic:
-    """A ``cascade.collect.TrafficSink`` on the label store at ``path``: opened at the first item,
-    bound to the teacher that item's answer named (an existing store must hold that teacher's
-    labels). An item from another teacher raises ``StoreMismatchError``: the collector then
-    stops, since a store never mixes two teachers' answers."""
+    """A ``cascade.collect.collector.Sink`` of collected items on the label store at ``path``:
+    opened at the first item, bound to the teacher that item's answer named (an existing store
+    must hold that teacher's labels). An item from another teacher raises
+    ``StoreMismatchError``: the collector then stops, since a store never mixes two teachers'
+    answers."""
 
     def __init__(self, path: StoreLocation | str) -> None:
         self.path = store_location(path)

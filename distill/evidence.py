@@ -5,12 +5,15 @@ A deployed cascade's store fills from several places: the corpus it was first tr
 states in that corpus, its labels in the store), audits (a seeded uniform share of traffic, each
 with its state), collected traffic (every request a pass-through forwarded to the teacher,
 ``cascade serve --teacher URL --collect S``, labelled by ``cascade collected --out``: its states in
-the store's ``traffic`` table) and, as serving grows, escalations (what the cascade sent up: the
-hard items). Each is told apart by the prefix of its item id (``ORIGINS``).
+the store's ``traffic`` table) and escalations (what a serving cascade sent up, the hard items,
+kept by ``cascade serve --escalation-share``: the store's ``escalations`` table). Each is told
+apart by the prefix of its item id (``ORIGINS``).
 
 The same state may arrive twice (an item audited in two runs, a corpus item seen again as
-traffic): it is one observation, so it is kept once, under the first id met (corpus items
-first, then records in the store's order), and every later copy is counted as a duplicate.
+traffic): it is one observation, so it is kept once, under the first id met (corpus items first,
+then audits and collected traffic, escalations last, each in the store's order, so that a state
+both escalated and drawn uniformly keeps the origin that may certify), and every later copy is
+counted as a duplicate.
 Which origins may certify a threshold: uniform draws only (``CERTIFYING``); escalations train
 (distill.calibration.traffic says why, and what would let them certify).
 """
@@ -27,6 +30,7 @@ from typing import Literal
 
 from cascade.errors import CascadeError
 from cascade.questions import Question, State
+from distill.escalations import escalations
 from distill.options import CorpusInput
 from distill.store import LabelStore
 
@@ -108,6 +112,8 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
             if r.item_id in labelled]
     met += [EvidenceItem(ident, state, "collected") for ident, state in _collected(store)
             if ident in labelled]
+    met += [EvidenceItem(r.item_id, r.state, "escalation") for r in escalations(store)
+            if r.item_id in labelled]
     stateless = labelled - {item.id for item in met}
     if stateless:
         where = ("in --corpus" if corpus is not None else

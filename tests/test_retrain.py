@@ -2,8 +2,8 @@
 
 The serving bundle is the session's, trained on the generated corpus of ``corpora``; a copy of its
 store then holds what serving would add: every one of the first 40 corpus states audited again
-(duplicates, to be counted once), 120 new states audited, and 10 escalations (an ``escalation:``
-record), whose labels are the generator's as the corpus's are.
+(duplicates, to be counted once), 120 new states audited, and 10 escalations (kept as ``cascade
+serve --escalation-share`` keeps them), whose labels are the generator's as the corpus's are.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from corpora import HEADED, QUESTIONS, TEACHER, corpus_items
 
 from cascade.audit.record import AuditRecord
 from cascade.bundle.manifest import Bundle
+from cascade.collect.escalation import EscalationRecord
 from cascade.encoder.onnx_encoder import Encoder
 from distill.cli import main
 from distill.evidence import EvidenceError, state_sha256
@@ -44,7 +45,13 @@ def served(labelled: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         for n, item in enumerate(corpus_items()[:40]):
             store.put_audit(record("audit:r1", item, n))
         for n, item in enumerate(generate(130, seed=5)):
-            store.put_audit(record("audit:r2" if n < 120 else "escalation:r2", item, 100 + n))
+            if n < 120:
+                store.put_audit(record("audit:r2", item, 100 + n))
+            else:  # as `cascade serve --escalation-share` keeps them
+                store.put_escalation(EscalationRecord(
+                    item_id=f"escalation:r2.{item.id}", request_id=item.id, state=item.text,
+                    calibration_version="v0", at=START + 100 + n,
+                    teacher={q: item.labels[q] for q in HEADED}))
     return path
 
 

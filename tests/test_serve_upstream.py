@@ -35,10 +35,14 @@ from servers import (
 from tinymodels import tiny_llama_path
 
 from cascade.bundle.manifest import Bundle
+from cascade.collect.collector import Collector
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import EngineSettings
 from cascade.teachers.settings import UpstreamSettings
+from distill.auditing import bundle_teacher
+from distill.escalations import StoreEscalations
+from distill.store import LabelStore
 
 STATE = corpus_items()[5].text  # like the training messages, so that the encoder's gate lets it in
 FOREIGN = {"type": "score", "instructions": "How severe is the problem?", "criteria": ["Minor", "Blocking"]}
@@ -117,15 +121,26 @@ def test_a_model_swapped_behind_the_url_voids_the_certificate_and_demotes_every_
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/systemone"
     tiny = tiny_llama_path(tmp_path_factory.mktemp("tiny"))
-    with running(loader(bundle_dir, url)) as base:
-        with upstream(teacher_server(gemma_path, port)):
-            before = post(base, KEPT, ESCALATED)
-        with upstream(teacher_server(tiny, port)), caplog.at_level(logging.ERROR, "cascade.serve"):
-            after = post(base, KEPT, ESCALATED)
-            later = post(base, KEPT)
-        void = metric(base, "cascade_certificate_void")
-        marked = metric(base, 'cascade_uncertified_answers_total{reason="teacher_changed"}')
+    store = tmp_path_factory.mktemp("kept") / "labels.sqlite"
+    sink = StoreEscalations(store, bundle_teacher(Bundle.load(bundle_dir).manifest))
+    kept = Collector(sink, what="escalations")  # the certified teacher's escalations only
+    try:
+        with running(loader(bundle_dir, url), ServeConfig(escalations=kept)) as base:
+            with upstream(teacher_server(gemma_path, port)):
+                before = post(base, KEPT, ESCALATED)
+            with upstream(teacher_server(tiny, port)), caplog.at_level(logging.ERROR, "cascade.serve"):
+                after = post(base, KEPT, ESCALATED)
+                later = post(base, KEPT)
+            void = metric(base, "cascade_certificate_void")
+            marked = metric(base, 'cascade_uncertified_answers_total{reason="teacher_changed"}')
+    finally:
+        sink.close()
     assert [r.status_code for r in (before, after, later)] == [200] * 3
+    with LabelStore.open_existing(store) as opened:
+        escalated = [record for _, record in opened.escalations_after(0)]
+    assert len(escalated) == 1 and kept.counts["collected"] == 1  # none from the tiny llama
+    answered = before.json()["answers"][ESCALATED]["probabilities"]
+    assert escalated[0].teacher[ESCALATED] == pytest.approx(answered, abs=1e-9)
     assert before.json()["answers"][ESCALATED]["x_routing"]["certified"] is True
     for reply in (after, later):
         for answer in reply.json()["answers"].values():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cascade.collect.escalation import EscalationRecord
 from cascade.errors import CascadeError
 from cascade.questions import parse_request
 from distill.label_transfer import export_labels, import_labels
@@ -345,3 +346,25 @@ def test_a_store_of_another_schema_version_is_refused_on_open(place: Place) -> N
     sql(path, "UPDATE meta SET value='0' WHERE key='schema_version'")
     with pytest.raises(StoreError, match=r"schema version '0'.*Relabel into a new --store path"):
         LabelStore(path, GGUF)
+
+
+def test_escalations_keep_labels_and_state_in_one_row_apart_from_the_audits(place: Place) -> None:
+    path = place("labels.db")
+    with LabelStore(path, GGUF) as store:  # a store made before the table reads as holding none
+        assert store.escalation_count() == 0 and store.escalations_after(0) == []
+        for n in range(3):
+            store.put_escalation(EscalationRecord(
+                item_id=f"escalation:r{n}.x", request_id=f"r{n}", state=f"state {n}", calibration_version="v",
+                at=1.0 + n, teacher={"team": {"billing": 0.7, "technical": 0.2, "sales": 0.1}},
+                prompt_hashes={"team": "h"}))
+        with pytest.raises(StoreError, match="already has different labels"):  # never changed silently
+            store.put_escalation(EscalationRecord(
+                item_id="escalation:r0.x", request_id="r0", state="state 0", calibration_version="v", at=9.0,
+                teacher={"team": {"billing": 0.1, "technical": 0.2, "sales": 0.7}}))
+    with LabelStore.open_existing(path) as store:
+        kept = store.escalations_after(0)
+        assert [seq for seq, _ in kept] == [1, 2, 3] and store.escalation_count() == 3
+        assert kept[2][1].state == "state 2" and kept[2][1].prompt_hashes == {"team": "h"}
+        assert kept[0][1].teacher == {"team": {"billing": 0.7, "technical": 0.2, "sales": 0.1}}
+        assert store.escalations_after(2, limit=5)[0][1].request_id == "r2"
+        assert store.audits() == [] and set(store.labels("team")) == {f"escalation:r{n}.x" for n in range(3)}

@@ -11,14 +11,12 @@ Records are written by a sink the caller gives (``cascade`` never writes a label
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from cascade.answers import Answer, argmax
-from cascade.questions import State
+from cascade.collect.labelled import LabelledState
 
 
 class SystemAnswer(BaseModel):
@@ -26,24 +24,12 @@ class SystemAnswer(BaseModel):
     tier: str
 
 
-class AuditRecord(BaseModel):
-    """``item_id`` (``audit:<run>:<id>``: unique per auditing run, so it never meets a corpus id
-    nor another run's audit of the same item), the state, the calibration the thresholds came
-    from, the time, and per question the teacher's distribution (with the sha256 of the prompt it
-    read) and the system's answer."""
+class AuditRecord(LabelledState):
+    """``item_id`` is ``audit:<run>:<id>`` (unique per auditing run, so it never meets a corpus id
+    nor another run's audit of the same item); ``teacher`` holds every bundle question, and
+    ``system`` the system's answer to each question the request asked."""
 
-    item_id: str
-    state: State
-    calibration_version: str
-    at: float
-    teacher: dict[str, dict[str, float]]
-    prompt_hashes: dict[str, str] = {}
-    system: dict[str, SystemAnswer] = {}
-
-    @property
-    def state_sha256(self) -> str:
-        """The audited state's content hash: the same item audited twice is one observation."""
-        return hashlib.sha256(json.dumps(self.state, sort_keys=True).encode()).hexdigest()
+    system: dict[str, SystemAnswer] = Field(default_factory=dict)
 
     def agreed(self, qid: str) -> bool:
         """Whether the system's answer to ``qid`` is the teacher's most probable one."""

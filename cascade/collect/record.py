@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -43,17 +43,6 @@ class CollectedItem(BaseModel):
     def state_sha256(self) -> str:
         """The state's content hash: the same state collected twice is one training item."""
         return hashlib.sha256(json.dumps(self.state, sort_keys=True).encode()).hexdigest()
-
-
-class TrafficSink(Protocol):
-    """Where collected items go, in the order they are appended (a label store's ``traffic``)."""
-
-    def append(self, item: CollectedItem) -> None:
-        """Store ``item``; raise (a ``CascadeError``) where it cannot be stored, e.g. when its
-        teacher is not the one the store holds."""
-
-    def count(self) -> int:
-        """Items the sink holds already (a restarted pass-through keeps counting toward its limit)."""
 
 
 def collected_item(request_id: str, questions: Mapping[str, Question], state: State,

@@ -34,6 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
+from cascade.collect.collector import Collector
+from cascade.collect.escalation import EscalationRecord
 from cascade.cost.upstream import UpstreamLedger
 from cascade.errors import CascadeError, InputTooLongError, RequestError, ServiceError
 from cascade.questions import DecisionRequest, load_json, parse_request
@@ -68,7 +70,9 @@ class ServeConfig:
     upstream checks callers' keys instead), ``max_body`` in bytes (after inflating), the engine's
     batching, admission and overload settings, ``audit``, which makes the auditor of a loaded
     cascade (None, or returning None: no audit), ``bundle``: follow promotions of the bundle
-    (None: serve the one ``load`` gives), and ``ledger``: what the upstream costs."""
+    (None: serve the one ``load`` gives), ``ledger``: what the upstream costs, and
+    ``escalations``: where the teacher's answers to escalated questions are kept (None: nowhere;
+    the app closes it when it stops)."""
 
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
@@ -76,6 +80,7 @@ class ServeConfig:
     audit: Callable[[Cascade], Auditor | None] | None = None
     bundle: BundleSource | None = None
     ledger: UpstreamLedger = field(default_factory=UpstreamLedger)
+    escalations: Collector[EscalationRecord] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
     def serving(cascade: Cascade, version: Version | None) -> Serving:
         try:
             auditor = config.audit(cascade) if config.audit is not None else None
-            engine = Engine(cascade, config.engine, auditor, config.ledger)
+            engine = Engine(cascade, config.engine, auditor, config.ledger, config.escalations)
         except BaseException:
             cascade.close()
             raise
@@ -175,6 +180,8 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
             retiring.join()
         if loaded.serving is not None:
             loaded.serving.engine.retire()
+        if config.escalations is not None:
+            config.escalations.close()
 
     def failed(exc: BaseException) -> None:  # reported to the command, which exits with it
         loaded.failure = exc
@@ -221,7 +228,7 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
     async def metrics() -> Response:
         engine = ready().engine
         assert loaded.metrics is not None
-        loaded.metrics.scraped(engine, config.ledger.ledger(), loaded.watch)
+        loaded.metrics.scraped(engine, config.ledger.ledger(), loaded.watch, config.escalations)
         return Response(loaded.metrics.text(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")

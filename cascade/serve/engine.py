@@ -26,7 +26,9 @@ the upstream has not accepted lately gets every question from the upstream (whic
 
 With an ``Auditor``, the answered requests its sample chooses (keyed on the engine's count of
 answered requests) are audited on the top tier's worker at the lowest priority. At most
-``audit_queue`` audits wait; one past it is dropped and counted.
+``audit_queue`` audits wait; one past it is dropped and counted. With an escalation ``Collector``,
+the teacher's answers to the questions a request escalated are handed to it once answered
+(``cascade.serve.escalations``), to be written on its own thread.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ from typing import Literal
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
+from cascade.collect.collector import Collector
+from cascade.collect.escalation import EscalationRecord
 from cascade.cost.upstream import UpstreamLedger
-from cascade.errors import QueueFullError, TeacherChangedError
+from cascade.errors import CascadeError, QueueFullError, TeacherChangedError
 from cascade.questions import State
 from cascade.routing.budget import Budget, Run
 from cascade.routing.router import Cascade
+from cascade.serve.escalations import escalation_of
 from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
@@ -174,13 +179,19 @@ class Engine:
     """The workers of one cascade; ``submit`` a request, get a future of its response."""
 
     def __init__(self, cascade: Cascade, settings: EngineSettings | None = None,
-                 auditor: Auditor | None = None, ledger: UpstreamLedger | None = None) -> None:
+                 auditor: Auditor | None = None, ledger: UpstreamLedger | None = None,
+                 escalations: Collector[EscalationRecord] | None = None) -> None:
         """``auditor``: audits its sampler's share of the answered requests on the top tier's
         worker, at the lowest priority (None: no audit). ``ledger``: counts what went upstream
-        (a server keeps one across bundles)."""
+        and ``escalations`` keeps the teacher's answers to escalated questions (a server keeps
+        both across bundles)."""
+        if escalations is not None and not cascade.tiers[-1].reads_any_question:
+            raise CascadeError(f"keeping escalations needs a live teacher as the top tier; "
+                               f"{cascade.tiers[-1].name!r} replays recorded labels (give --teacher, or "
+                               "--escalation-share 0)")
         self.cascade = cascade
         self.settings = settings or EngineSettings()
-        self.auditor = auditor
+        self.auditor, self.escalations = auditor, escalations
         self.ledger = ledger or UpstreamLedger()
         self.top = len(cascade.tiers) - 1
         top = cascade.tiers[-1]
@@ -375,6 +386,17 @@ class Engine:
         except InvalidStateError:  # the client went while the answer was made
             return
         self._sample(job, response)
+        self._keep_escalation(job)
+
+    def _keep_escalation(self, job: Job) -> None:
+        """Hand the teacher's answers to the job's escalated questions to the collector (built on
+        its thread); none unless the top tier is the teacher the certificate names."""
+        run = job.run
+        if (self.escalations is None or run is None or self.voided or not self.cascade.certified
+                or not run.answered[self.top][0]):
+            return
+        cascade, request, at = self.cascade, job.item.id, time.time()
+        self.escalations.offer(lambda: escalation_of(cascade, run, request, at))
 
     @staticmethod
     def _fail(job: Job, exc: BaseException) -> None:

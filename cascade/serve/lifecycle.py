@@ -26,7 +26,9 @@ from cascade.errors import CascadeError
 
 if TYPE_CHECKING:
     from cascade.audit.auditor import Auditor
-    from cascade.collect.record import TrafficSink
+    from cascade.collect.collector import Collector, Sink
+    from cascade.collect.escalation import EscalationRecord
+    from cascade.collect.record import CollectedItem
     from cascade.cost.upstream import UpstreamPrice
     from cascade.encoder.onnx_encoder import Device
     from cascade.readout.placement import Placements
@@ -86,11 +88,14 @@ def serve(
     placement: Placements = None,
     accept_other_teacher: bool = False,
     audit: AuditHook | None = None,
+    escalations: Collector[EscalationRecord] | None = None,
 ) -> None:
     """Serve ``bundle``'s cascade at POST /v1/systemone until SIGTERM or Ctrl-C.
 
     ``teacher``, ``device``, ``threads``, ``placement`` and ``accept_other_teacher`` load the
-    cascade as ``Cascade.load`` does; ``audit`` makes its auditor once it has loaded. Blocks while
+    cascade as ``Cascade.load`` does; ``audit`` makes its auditor once it has loaded;
+    ``escalations`` keeps the teacher's answers to escalated questions (closed when serving
+    ends; its sink is the caller's to close). Blocks while
     serving; raises ``CascadeError`` without the serve extra, for a folder that is not a bundle,
     and when the bundle failed to load (the server stops then).
     """
@@ -121,7 +126,7 @@ def serve(
 
     config = ServeConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY, engine=settings,
                          audit=audit, bundle=BundleSource(bundle, load, options.watch),
-                         ledger=UpstreamLedger(options.upstream_price))
+                         ledger=UpstreamLedger(options.upstream_price), escalations=escalations)
     run = _Run(options, "the bundle")
     app = create_app(None, config, run.failed)
     follows = f"follows {bundle} every {options.watch:g} s and on SIGHUP" if options.watch > 0 else \
@@ -139,7 +144,8 @@ def _poke(app: Any) -> None:
 
 
 def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
-                collect: TrafficSink | None = None, share: float = 1.0, max_items: int | None = None) -> None:
+                collect: Sink[CollectedItem] | None = None, share: float = 1.0,
+                max_items: int | None = None) -> None:
     """Serve a transparent pass-through to ``upstream`` at POST /v1/systemone until SIGTERM or
     Ctrl-C (``cascade.serve.proxy``); with ``collect``, a seeded ``share`` of the requests it
     forwards, up to ``max_items`` in the sink, is recorded there. Raises ``CascadeError`` as

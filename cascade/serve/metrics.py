@@ -19,6 +19,8 @@ from cascade.audit.watch import DriftWatch
 from cascade.cost.upstream import Ledger
 
 if TYPE_CHECKING:
+    from cascade.collect.collector import Collector
+    from cascade.collect.escalation import EscalationRecord
     from cascade.routing.router import Cascade
     from cascade.serve.engine import Engine
     from cascade.serve.swap import BundleWatch, Version
@@ -84,6 +86,11 @@ class ServerMetrics:
         self.cost = Gauge("cascade_upstream_cost", "What the upstream calls cost and what the cascade "
                           "saved of it, in the --upstream-price unit (s: priced by measured latency)",
                           ["kind", "unit"], registry=self.registry)
+        self.kept = Gauge("cascade_escalations_kept", "Escalated requests since the server started, by "
+                          "what keeping the teacher's answers made of them: collected, not_chosen (outside "
+                          "--escalation-share), full (--escalation-max reached), dropped (the write queue "
+                          "was full), unreadable, failed (the store refused or was down)",
+                          ["outcome"], registry=self.registry)
         self._given = self._escalated = 0
 
     def serving(self, cascade: Cascade, version: Version | None, replaced: Cascade | None = None) -> None:
@@ -95,8 +102,10 @@ class ServerMetrics:
             self.bundle.labels(replaced.manifest.name, replaced.calibration_version,
                                replaced.manifest_sha256).set(0)
 
-    def scraped(self, engine: Engine, ledger: Ledger, watch: BundleWatch | None) -> None:
-        """What is read at a scrape: queues, audits, the certificate, the upstream's ledger."""
+    def scraped(self, engine: Engine, ledger: Ledger, watch: BundleWatch | None,
+                escalations: Collector[EscalationRecord] | None = None) -> None:
+        """What is read at a scrape: queues, audits, the certificate, the upstream's ledger, the
+        escalations kept."""
         self.queues(engine.queue_depths())
         auditor = engine.auditor
         self.watched(engine.audit_counts, auditor.watch if auditor is not None else None)
@@ -113,6 +122,8 @@ class ServerMetrics:
         if watch is not None:
             self.swaps.labels("taken").set(watch.swaps)
             self.swaps.labels("failed").set(watch.failures)
+        for outcome, n in (escalations.counts.items() if escalations is not None else ()):
+            self.kept.labels(outcome).set(n)
 
     def answered(self, response: DecisionResponse, bundle_ids: Mapping[str, str],
                  cascade: Cascade | None = None) -> None:

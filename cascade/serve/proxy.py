@@ -53,7 +53,7 @@ class ProxyConfig:
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     max_wait: float = DEFAULT_MAX_WAIT
-    collector: Collector | None = None
+    collector: Collector[CollectedItem] | None = None
     ledger: UpstreamLedger | None = None
 
 
@@ -197,7 +197,7 @@ def _item(request_id: str, body: bytes, reply: UpstreamReply, url: str) -> Colle
 
 
 def _scraped(metrics: _ProxyMetrics, ledger: UpstreamLedger, admission: Admission,
-             collector: Collector | None) -> None:
+             collector: Collector[CollectedItem] | None) -> None:
     metrics.waiting.labels("upstream").set(admission.inside)
     book = ledger.ledger()
     for name, value in (("requests", book.requests), ("asked_questions", book.asked),

@@ -167,6 +167,17 @@ THREADS_DEFAULT = ("(default: the cores free when a model loads, the cores less 
 """What --threads defaults to, said the same by every command (``cascade.readout.placement``)."""
 
 
+def share(text: str) -> float:
+    """A share in [0, 1], refused at parse time with the value given."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1]; got {text!r}")
+    return value
+
+
 def add_placement_arguments(p: argparse.ArgumentParser, threads: bool = True,
                             gpu_default: str = ": the bundle's per-tier setting, else 0") -> None:
     """Where GGUF models run, spelled the same by every command that opens one."""

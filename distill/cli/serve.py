@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cascade.errors import CascadeError
 from cascade.serve.lifecycle import API_KEY_VARIABLE
@@ -14,10 +15,16 @@ from distill.cli.common import (
     add_device_argument,
     add_placement_arguments,
     placement_of,
+    share,
     teacher_argument,
     whole_number,
 )
 from distill.cli.serve_upstream import add_upstream_arguments, upstream_settings
+
+if TYPE_CHECKING:
+    from cascade.collect.collector import Collector
+    from cascade.collect.escalation import EscalationRecord
+    from distill.escalations import StoreEscalations
 
 DESCRIPTION = f"""\
 Serve a bundle's cascade at POST /v1/systemone, the System One API that existing SDKs call
@@ -45,6 +52,8 @@ not hold go upstream in ONE request holding only them (x_routing.upstream says w
 from there); an upstream answer that names another teacher than the bundle's voids the
 certificate at once: every question then goes upstream, marked x_routing.demoted with the reason.
 The top tier's queue admits a request only while the expected wait fits --max-wait.
+With --escalation-share, the teacher's answers to the questions the cascade escalated are kept in
+--audit-store (the bundle's label store), apart from the audits: `cascade retrain` trains on them.
 --bundle may be a link or a pointer file that `cascade promote` replaces: the server then serves
 the promoted bundle (at once on SIGHUP), finishing the requests in flight on the old one."""
 EPILOG = """\
@@ -53,6 +62,8 @@ examples:
       --gpu-layers 99 --device cuda
   cascade serve --teacher qwen3.5-4b-q4_k_m.gguf --host 0.0.0.0 --port 9000 --gpu-layers 99   # on a GPU box
   cascade serve --bundle models/support-v1 --teacher http://gpu-box:9000/v1/systemone
+  cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --audit-store labels.sqlite \
+      --escalation-share 1   # audits 2% and keeps every escalation, to retrain on
   cascade serve --teacher https://decide.example.com/v1/systemone --collect traffic.sqlite   # pass-through
   curl -s localhost:8080/v1/systemone -d '{"state": "Charged twice!", "questions": {...}}'"""
 
@@ -77,11 +88,42 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cascade.serve.swap import resolve
 
     teacher = upstream_settings(args) if url else args.teacher
-    with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift, poll=args.audit_poll,
-                     bundle=resolve(args.bundle)) as audit:
-        serve(args.bundle, options, teacher=teacher, device=args.device, threads=args.threads,
-              placement=placement_of(args), accept_other_teacher=args.accept_other_teacher, audit=audit)
+    kept = _escalation_store(args, resolve(args.bundle))
+    try:
+        escalations = _escalations(args, kept) if kept is not None else None
+        with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
+                         poll=args.audit_poll, bundle=resolve(args.bundle)) as audit:
+            serve(args.bundle, options, teacher=teacher, device=args.device, threads=args.threads,
+                  placement=placement_of(args), accept_other_teacher=args.accept_other_teacher, audit=audit,
+                  escalations=escalations)
+    finally:
+        if kept is not None:
+            kept.close()
     return 0
+
+
+def _escalation_store(args: argparse.Namespace, bundle: Path) -> StoreEscalations | None:
+    """Where escalations are kept: --audit-store, bound to the bundle's teacher (None: not kept)."""
+    if args.escalation_share == 0:
+        return None
+    from cascade.bundle.manifest import Bundle
+    from distill.auditing import bundle_teacher
+    from distill.escalations import StoreEscalations
+
+    return StoreEscalations(args.audit_store, bundle_teacher(Bundle.load(bundle, verify=False).manifest))
+
+
+def _escalations(args: argparse.Namespace, sink: StoreEscalations) -> Collector[EscalationRecord]:
+    """The collector of escalations; it opens the store now where it exists, so that another
+    teacher's store is refused before a model loads."""
+    from cascade.collect.collector import Collector
+
+    collector = Collector(sink, args.escalation_share, args.escalation_max, seed=args.escalation_seed,
+                          what="escalations")
+    limit = f", up to {args.escalation_max}" if args.escalation_max is not None else ""
+    print(f"escalations: {args.escalation_share:.0%} of escalated requests kept in {args.audit_store}{limit} "
+          f"({collector.held} there already)", file=sys.stderr)
+    return collector
 
 
 def _check_combination(args: argparse.Namespace, url: bool) -> None:
@@ -92,7 +134,14 @@ def _check_combination(args: argparse.Namespace, url: bool) -> None:
         raise CascadeError("--forward-auth passes callers' keys to an upstream teacher: give --teacher URL")
     if args.collect is not None and (args.bundle is not None or not url):
         raise CascadeError("--collect records a pass-through's traffic: give --teacher URL without --bundle "
-                           "(with a bundle, --audit-store keeps the teacher's answers to audited items)")
+                           "(with a bundle, --audit-store keeps the teacher's answers to audited items, and "
+                           "--escalation-share its answers to escalated ones)")
+    if args.escalation_share > 0 and (args.bundle is None or args.audit_store is None):
+        raise CascadeError("--escalation-share keeps a cascade's escalations in the bundle's label store: "
+                           "give --bundle and --audit-store")
+    if args.escalation_share > 0 and args.accept_other_teacher:
+        raise CascadeError("--escalation-share keeps the answers of the teacher the bundle names, and "
+                           "--accept-other-teacher runs another: give --escalation-share 0")
 
 
 def _serve_proxy(args: argparse.Namespace, options: Any, serve_proxy: Any) -> None:
@@ -157,6 +206,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audit-poll", type=float, default=1.0, metavar="S",
                    help="seconds between reads of the audit store for other replicas' audits (default 1): "
                    "a demotion raised on any replica sharing --audit-store holds here within S plus one read")
+    kept = p.add_argument_group("keeping escalations (with --bundle and --audit-store)")
+    kept.add_argument("--escalation-share", type=share, default=0.0, metavar="F",
+                      help="seeded share of escalated requests whose teacher answers are kept in "
+                      "--audit-store, in [0, 1] (default 0: none): the items the fast tier found hard, "
+                      "which `cascade retrain` trains on (they never certify: the cascade chose them)")
+    kept.add_argument("--escalation-max", type=whole_number(0), default=None, metavar="N",
+                      help="stop keeping escalations once the store holds N (default: no limit)")
+    kept.add_argument("--escalation-seed", default="escalations", metavar="TEXT",
+                      help="seed of the escalation share (default 'escalations')")
     add_upstream_arguments(p)
     p.set_defaults(run=_cmd_serve)
 

@@ -23,8 +23,15 @@ from pathlib import Path
 from typing import TypeVar
 
 from cascade.audit.record import AuditRecord, SystemAnswer
+from cascade.collect.escalation import EscalationRecord
 from cascade.collect.record import CollectedItem
 from distill.store.backend import foreign_tables
+from distill.store.escalations import (
+    ESCALATION_PAGE,
+    escalation_count,
+    escalation_rows_after,
+    put_escalation_row,
+)
 from distill.store.location import StoreLocation, StoreURL, store_location
 from distill.store.places import connect, drop, exists
 from distill.store.records import (
@@ -292,19 +299,24 @@ class LabelStore:
 
     def _records(self, rows: list[tuple]) -> list[AuditRecord]:
         """Audit rows (item, state, version, system, time) as records, their labels looked up."""
-        labels: dict[str, list[tuple[str, str, str | None]]] = {}
-        if rows:
-            marks = ",".join("?" * len(rows))
-            for item, qid, text, phash in self._db.execute(
-                    "SELECT item_id, question_id, probabilities, prompt_hash FROM labels "
-                    f"WHERE item_id IN ({marks})", [r[0] for r in rows]):
-                labels.setdefault(item, []).append((qid, text, phash))
+        labels = self._labels_of([r[0] for r in rows])
         return [AuditRecord(
             item_id=item_id, state=json.loads(state), calibration_version=version, at=created,
-            teacher={q: json.loads(p) for q, p, _ in sorted(labels.get(item_id, []))},
-            prompt_hashes={q: h for q, _, h in sorted(labels.get(item_id, [])) if h},
+            teacher={q: json.loads(p) for q, p, _ in labels.get(item_id, [])},
+            prompt_hashes={q: h for q, _, h in labels.get(item_id, []) if h},
             system={q: SystemAnswer.model_validate(a) for q, a in json.loads(system).items()})
             for item_id, state, version, system, created in rows]
+
+    def _labels_of(self, items: list[str]) -> dict[str, list[tuple[str, str, str | None]]]:
+        """Per item, its label rows (question, probabilities JSON, prompt hash) by question id."""
+        labels: dict[str, list[tuple[str, str, str | None]]] = {}
+        if items:
+            marks = ",".join("?" * len(items))
+            for item, qid, text, phash in self._db.execute(
+                    "SELECT item_id, question_id, probabilities, prompt_hash FROM labels "
+                    f"WHERE item_id IN ({marks})", items):
+                labels.setdefault(item, []).append((qid, text, phash))
+        return {item: sorted(rows) for item, rows in labels.items()}
 
     def put_traffic(self, item: CollectedItem) -> None:
         """Append one request a pass-through collected (``distill.store.traffic``), in one
@@ -321,6 +333,33 @@ class LabelStore:
     def traffic_count(self) -> int:
         """Collected requests in the store."""
         return traffic_count(self._db)
+
+    def put_escalation(self, record: EscalationRecord) -> None:
+        """Store an escalated request in one transaction: the teacher's labels of the questions it
+        answered (in ``labels``) and the row naming them an escalation, with the state
+        (``distill.store.escalations``); numbered in the order the store commits them."""
+        with self._transaction():
+            self._db.serialise()
+            conflicts = self._insert(record.item_id, record.teacher, record.prompt_hashes)
+            if conflicts:
+                raise StoreError(conflict_message(record.item_id, conflicts))
+            put_escalation_row(self._db, record, made=getattr(self, "_escalations_made", False))
+        self._escalations_made = True
+
+    def escalations_after(self, position: int, limit: int = ESCALATION_PAGE
+                          ) -> list[tuple[int, EscalationRecord]]:
+        """Up to ``limit`` escalations past ``position``, in the store's order, labels joined back."""
+        rows = escalation_rows_after(self._db, position, limit)
+        labels = self._labels_of([row[1] for row in rows])
+        return [(seq, EscalationRecord(
+            item_id=item, request_id=request, state=json.loads(state), calibration_version=version, at=at,
+            teacher={q: json.loads(p) for q, p, _ in labels.get(item, [])},
+            prompt_hashes={q: h for q, _, h in labels.get(item, []) if h}))
+            for seq, item, request, state, version, at in rows]
+
+    def escalation_count(self) -> int:
+        """Escalated requests the store holds."""
+        return escalation_count(self._db)
 
     def labels(self, question_id: str) -> dict[str, dict[str, float]]:
         """item_id -> probabilities for one question (empty if the store has none)."""

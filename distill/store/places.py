@@ -39,7 +39,7 @@ def drop(location: StoreLocation) -> None:
         return
     with _closing(connect(location)) as db, db.transaction():
         db.serialise()
-        db.execute("DROP TABLE IF EXISTS " + ", ".join((*STORE_TABLES, "traffic")))
+        db.execute("DROP TABLE IF EXISTS " + ", ".join((*STORE_TABLES, "traffic", "escalations")))
 
 
 @contextmanager

@@ -1,0 +1,31 @@
+"""What a served request's escalations teach: the teacher's answers, as a record to keep.
+
+A job's top-tier answers to bundle questions are teacher labels the server paid for anyway; kept
+in the bundle's label store (``cascade serve --escalation-share``), a retrain learns from them the
+items the fast tier found hard. Only answers of the teacher the certificate names are kept: none
+while it is void or another teacher was accepted, since a store never mixes two teachers.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from cascade.collect.escalation import PREFIX, EscalationRecord
+from cascade.routing.budget import Run
+from cascade.routing.router import Cascade
+
+
+def escalation_of(cascade: Cascade, run: Run, request_id: str, at: float) -> EscalationRecord | None:
+    """The teacher's answers in a finished one-item ``run`` (None where it answered none)."""
+    top = len(cascade.tiers) - 1
+    picks = run.picks[0]
+    asked = [qid for qid in run.answered[top][0] if qid in picks and picks[qid].tier == top]
+    if not asked:
+        return None
+    teacher = {qid: dict(zip(cascade.questions[qid].option_keys(), map(float, picks[qid].raw), strict=True))
+               for qid in asked}
+    hashes = {qid: readout.prompt_hash for qid in asked
+              if (readout := picks[qid].readout) is not None and readout.prompt_hash}
+    return EscalationRecord(item_id=f"{PREFIX}{request_id}.{uuid.uuid4().hex[:12]}", request_id=request_id,
+                            state=run.items[0].state, calibration_version=cascade.calibration_version,
+                            at=at, teacher=teacher, prompt_hashes=hashes)

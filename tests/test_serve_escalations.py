@@ -1,0 +1,159 @@
+"""``cascade serve --escalation-share``: the teacher's answers to what the cascade escalated are
+kept in the bundle's label store, apart from the audits, and a retrain reads them as training
+evidence only.
+
+gemma-3-270m is the live teacher; the bundle's routes are fixed (``servers``): "urgent" stays at
+the encoder and "department" always goes to the teacher.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from corpora import QUESTIONS_JSON, corpus_items
+from servers import ESCALATED, KEPT, free_port, running, serving_bundle, until
+
+from cascade.bundle.manifest import Bundle
+from cascade.collect.collector import Collector
+from cascade.collect.escalation import EscalationRecord
+from cascade.errors import CascadeError
+from cascade.routing.router import Cascade
+from cascade.serve.app import ServeConfig
+from cascade.serve.engine import Engine, EngineSettings
+from distill.auditing import auditor_for, bundle_teacher
+from distill.escalations import StoreEscalations, escalations
+from distill.evidence import gather
+from distill.store import LabelStore, Teacher
+
+PATIENT = EngineSettings(max_wait=600.0)
+STATES = [item.text for item in corpus_items()[100:106]]
+SAME = 1e-9
+"""How far a kept label may be from the answer the client got: the same float64 numbers, read
+back from JSON (a temperature of 1 leaves the teacher's distribution as it is)."""
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(trained_bundle: Bundle, gemma_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return serving_bundle(trained_bundle, tmp_path_factory.mktemp("kept") / "support", gemma_path)
+
+
+def kept_in(store: Path, bundle_dir: Path, share: float = 1.0, max_items: int | None = None
+            ) -> Collector[EscalationRecord]:
+    sink = StoreEscalations(store, bundle_teacher(Bundle.load(bundle_dir).manifest))
+    return Collector(sink, share, max_items, seed="s", what="escalations")
+
+
+def ask(base: str, state: str, *qids: str) -> dict[str, Any]:
+    body = {"state": state, "questions": {qid: QUESTIONS_JSON[qid] for qid in qids}}
+    reply = httpx.post(f"{base}/v1/systemone", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def metrics_of(base: str) -> str:
+    return httpx.get(f"{base}/metrics", timeout=30).text
+
+
+def test_the_teachers_answers_to_escalated_questions_are_kept_apart_from_the_audits(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    store = tmp_path / "labels.sqlite"
+    collector = kept_in(store, bundle_dir)
+    config = ServeConfig(engine=PATIENT, escalations=collector,
+                         audit=lambda c: auditor_for(c, store, 1.0, "s", "alarm")[0])
+    load = lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2)  # noqa: E731
+    try:
+        with running(load, config) as base:
+            replies = [ask(base, state, KEPT, ESCALATED) for state in STATES]
+            ask(base, STATES[0], KEPT)  # nothing escalated: nothing kept
+            until(lambda: 'cascade_audits{outcome="audited"} 7.0' in metrics_of(base), "the 7 audits")
+            metrics = metrics_of(base)
+    finally:
+        collector.sink.close()  # type: ignore[attr-defined]
+    assert all(r["answers"][ESCALATED]["x_routing"]["tier"] == "teacher" for r in replies)
+    assert all(r["answers"][KEPT]["x_routing"]["tier"] == "encoder" for r in replies)
+    assert f'cascade_escalations_kept{{outcome="collected"}} {float(len(STATES))}' in metrics
+    with LabelStore.open_existing(store) as opened:
+        kept = [record for _, record in opened.escalations_after(0)]
+        audits = opened.audits()
+        evidence = gather(opened, Bundle.load(bundle_dir).manifest.parsed_questions(), None)
+    assert [record.state for record in kept] == STATES
+    for record, reply in zip(kept, replies, strict=True):
+        assert record.item_id.startswith("escalation:") and set(record.teacher) == {ESCALATED}
+        answered = reply["answers"][ESCALATED]["probabilities"]
+        assert record.teacher[ESCALATED].keys() == answered.keys()
+        assert all(abs(record.teacher[ESCALATED][k] - answered[k]) <= SAME for k in answered)
+        assert record.calibration_version == reply["audit"]["calibration_version"]
+        assert record.prompt_hashes.keys() == {ESCALATED}
+    # the audit saw all 7 requests, and no escalation is among its records (the drift watch's stream)
+    assert len(audits) == len(STATES) + 1 and not any(a.item_id.startswith("escalation:") for a in audits)
+    # each state was audited and escalated (the first one audited twice): one observation each, kept
+    # under the audit (which may certify)
+    assert dict(evidence.origins) == {"audit": len(STATES)} and evidence.duplicates == len(STATES) + 1
+
+
+def test_evidence_reads_escalations_as_training_only(bundle_dir: Path, gemma_path: Path,
+                                                    tmp_path: Path) -> None:
+    store = tmp_path / "labels.sqlite"
+    collector = kept_in(store, bundle_dir, max_items=2)
+    load = lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2)  # noqa: E731
+    try:
+        with running(load, ServeConfig(engine=PATIENT, escalations=collector)) as base:
+            for state in STATES[:3]:
+                ask(base, state, ESCALATED)
+            metrics = metrics_of(base)
+    finally:
+        collector.sink.close()  # type: ignore[attr-defined]
+    assert 'cascade_escalations_kept{outcome="full"} 1.0' in metrics
+    with LabelStore.open_existing(store) as opened:
+        evidence = gather(opened, Bundle.load(bundle_dir).manifest.parsed_questions(), None)
+        assert opened.escalation_count() == 2 and not opened.audits()
+        assert len(list(escalations(opened))) == 2
+    assert dict(evidence.origins) == {"escalation": 2} and not evidence.ids(["audit", "corpus", "collected"])
+
+
+def test_no_escalation_is_kept_from_a_teacher_the_certificate_does_not_name(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    store = tmp_path / "labels.sqlite"
+    collector = kept_in(store, bundle_dir)
+    cascade = Cascade.load(bundle_dir, teacher=gemma_path, threads=2)
+    cascade.certified = False  # as --accept-other-teacher loads another teacher
+    try:
+        with running(lambda: cascade, ServeConfig(engine=PATIENT, escalations=collector)) as base:
+            reply = ask(base, STATES[0], ESCALATED)
+    finally:
+        collector.sink.close()  # type: ignore[attr-defined]
+    assert reply["answers"][ESCALATED]["x_routing"]["tier"] == "teacher"
+    assert collector.counts["collected"] == 0 and not store.exists()
+
+
+def test_keeping_escalations_needs_a_live_teacher(bundle_dir: Path, tmp_path: Path) -> None:
+    with Cascade.load(bundle_dir, labels={KEPT: {}}, threads=1) as replay, \
+            pytest.raises(CascadeError, match="needs a live teacher"):
+        Engine(replay, escalations=kept_in(tmp_path / "labels.sqlite", bundle_dir))
+
+
+def serve_command(*extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "distill.cli", "serve", "--port", str(free_port()), *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_refuses_escalations_it_cannot_keep_before_it_listens(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    common = ["--bundle", str(bundle_dir), "--teacher", str(gemma_path), "--escalation-share", "1"]
+    no_store = serve_command(*common)
+    assert no_store.returncode != 0 and "give --bundle and --audit-store" in no_store.stderr
+    other = serve_command(*common, "--audit-store", "x.sqlite", "--accept-other-teacher")
+    assert other.returncode != 0 and "--accept-other-teacher runs another" in other.stderr
+    bad = serve_command(*common[:-1], "1.5")
+    assert bad.returncode == 2 and "must be a share in [0, 1]; got '1.5'" in bad.stderr
+    foreign = tmp_path / "foreign.sqlite"
+    with LabelStore(foreign, Teacher(kind="external", model="someone else")) as store:
+        store.put_item("x", {KEPT: {"true": 1.0, "false": 0.0}})
+    refused = serve_command(*common, "--audit-store", str(foreign), "--audit-share", "0")
+    assert refused.returncode != 0 and "made by another teacher" in refused.stderr
+    assert "serving" not in refused.stderr  # refused before the port opened
