@@ -126,6 +126,20 @@ def loading_lifespan(load: Callable[[], None], close: Callable[[], None],
     return lifespan
 
 
+def still_loading(what: str) -> HttpProblem:
+    """The 503 a route answers while ``what`` loads (``what``: "the models are", say)."""
+    return HttpProblem(503, "loading", f"{what} still loading; retry shortly",
+                       {"Retry-After": LOADING_RETRY_AFTER}, kind="unavailable_error")
+
+
+def health(ready: bool, failure: BaseException | None, **facts: Any) -> Response:
+    """``/health``: 503 while loading (or failed to load), then ok with ``facts``."""
+    if not ready:
+        status = "failed" if failure is not None else "loading"
+        return JSONResponse({"status": status}, 503, {"Retry-After": LOADING_RETRY_AFTER})
+    return JSONResponse({"status": "ok", **facts})
+
+
 def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = None,
                on_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """An app that loads its cascade in a thread at startup (``load``, or the bundle
@@ -212,17 +226,13 @@ def add_wire(app: FastAPI) -> None:
 def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
     def ready() -> Serving:
         if loaded.serving is None:
-            raise HttpProblem(503, "loading", "the models are still loading; retry shortly",
-                              {"Retry-After": LOADING_RETRY_AFTER}, kind="unavailable_error")
+            raise still_loading("the models are")
         return loaded.serving
 
     @app.get("/health", include_in_schema=False)
     @app.get("/healthz", include_in_schema=False)
-    async def health() -> Response:
-        if loaded.serving is None:
-            status = "failed" if loaded.failure is not None else "loading"
-            return JSONResponse({"status": status}, 503, {"Retry-After": LOADING_RETRY_AFTER})
-        return JSONResponse({"status": "ok"})
+    async def healthy() -> Response:
+        return health(loaded.serving is not None, loaded.failure)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -27,16 +27,17 @@ from cascade.errors import InputTooLongError, RequestError
 from cascade.questions import DecisionRequest, load_json, parse_request
 from cascade.readout.scorer import Scorer
 from cascade.serve.app import (
-    LOADING_RETRY_AFTER,
     add_wire,
     authorize,
+    health,
     loading_lifespan,
     request_body,
+    still_loading,
     unprocessable,
 )
 from cascade.serve.engine import DEFAULT_MAX_WAIT
 from cascade.serve.gone import unless_gone
-from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem
+from cascade.serve.transport import DEFAULT_MAX_BODY
 from cascade.teachers.admission import Admission
 
 
@@ -92,17 +93,13 @@ def create_teacher_app(load: Callable[[], Scorer], config: TeacherConfig | None 
 def _routes(app: FastAPI, loaded: _Loaded, config: TeacherConfig) -> None:
     def ready() -> Scorer:
         if loaded.scorer is None:
-            raise HttpProblem(503, "loading", "the teacher model is still loading; retry shortly",
-                              {"Retry-After": LOADING_RETRY_AFTER}, kind="unavailable_error")
+            raise still_loading("the teacher model is")
         return loaded.scorer
 
     @app.get("/health", include_in_schema=False)
     @app.get("/healthz", include_in_schema=False)
-    async def health() -> Response:
-        if loaded.scorer is None:
-            status = "failed" if loaded.failure is not None else "loading"
-            return JSONResponse({"status": status}, 503, {"Retry-After": LOADING_RETRY_AFTER})
-        return JSONResponse({"status": "ok", "waiting": loaded.admission.inside})
+    async def healthy() -> Response:
+        return health(loaded.scorer is not None, loaded.failure, waiting=loaded.admission.inside)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
