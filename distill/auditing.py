@@ -42,7 +42,6 @@ class StoreSink:
 
     def __init__(self, path: StoreLocation | str, teacher: Teacher) -> None:
         self.shared = SharedStore(path, teacher)
-        self.path, self.teacher = self.shared.path, teacher
 
     def __call__(self, record: AuditRecord) -> None:
         with self.shared.use() as store:

@@ -73,7 +73,7 @@ class Collector(Generic[T]):
         self._numbers = itertools.count()
         self._queue: queue.Queue[Callable[[], T | None] | None] = queue.Queue(QUEUE_SIZE)
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._write, name="cascade-collect", daemon=True)
+        self._thread = threading.Thread(target=self._write, name=f"cascade-{what}", daemon=True)
         self._thread.start()
 
     def offer(self, build: Callable[[], T | None]) -> None:

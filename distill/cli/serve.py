@@ -88,11 +88,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cascade.serve.swap import resolve
 
     teacher = upstream_settings(args) if url else args.teacher
-    kept = _escalation_store(args, resolve(args.bundle))
+    bundle = resolve(args.bundle)
+    kept = _escalation_store(args, bundle)
     try:
         escalations = _escalations(args, kept) if kept is not None else None
         with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
-                         poll=args.audit_poll, bundle=resolve(args.bundle)) as audit:
+                         poll=args.audit_poll, bundle=bundle) as audit:
             serve(args.bundle, options, teacher=teacher, device=args.device, threads=args.threads,
                   placement=placement_of(args), accept_other_teacher=args.accept_other_teacher, audit=audit,
                   escalations=escalations)
