@@ -623,29 +623,41 @@ SERVE_TIMEOUT = 120.0
 
 
 @contextmanager
-def server(bundle: Path, teacher: Path, port: int, threads: int, *extra: str) -> Iterator[str]:
-    """``cascade serve --bundle --teacher`` in a process of its own on loopback, until it is
-    healthy (at most SERVE_SERVE_TIMEOUT seconds); yields its base URL, and ends it after the block."""
+def process(command: list[str], base: str, ready: str = "/health", seconds: float = 600) -> Iterator[None]:
+    """A server process, ready when ``base + ready`` answers 200 (at most ``seconds``; one that
+    exits first is an error); ended when the block ends."""
     import subprocess
-    import sys
 
     import httpx
 
-    command = [sys.executable, "-m", "distill.cli", "serve", "--bundle", str(bundle), "--teacher",
-               str(teacher), "--port", str(port), "--threads", str(threads), *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + SERVE_TIMEOUT
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                if httpx.get(base + ready, timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
-                time.sleep(0.1)
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"{command[:5]} exited {server.returncode}")
+            time.sleep(0.1)
         else:
-            raise TimeoutError(f"cascade serve on port {port} did not get ready")
-        yield url
+            raise TimeoutError(f"{command[:5]} did not get ready in {seconds} s")
+        yield
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        server.terminate()
+        server.wait(timeout=120)
+
+
+@contextmanager
+def server(bundle: Path, teacher: Path, port: int, threads: int, *extra: str) -> Iterator[str]:
+    """``cascade serve --bundle --teacher`` in a process of its own on loopback, until it is
+    healthy (at most SERVE_TIMEOUT seconds); yields its base URL, and ends it after the block."""
+    import sys
+
+    command = [sys.executable, "-m", "distill.cli", "serve", "--bundle", str(bundle), "--teacher",
+               str(teacher), "--port", str(port), "--threads", str(threads), *extra]
+    url = f"http://127.0.0.1:{port}"
+    with process(command, url, seconds=SERVE_TIMEOUT):
+        yield url

@@ -34,15 +34,13 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import CACHE_DIR, TEACHER, TOPIC, argument_parser, markdown, read_rows
+from bench.common import CACHE_DIR, TEACHER, TOPIC, argument_parser, markdown, process, read_rows
 
 LABELS = Path(__file__).resolve().parent / "labels"
 FIRST = LABELS / "ag_news.qwen2.5-coder-1.5b.jsonl"
@@ -101,31 +99,6 @@ def serve_replay(port: int) -> None:
 
 
 # -- processes and calls ---------------------------------------------------------------------------
-
-@contextmanager
-def process(command: list[str], base: str, ready: str = "/health", seconds: float = 600) -> Iterator[None]:
-    """A server process, ready when ``base + ready`` answers 200; ended when the block ends."""
-    import httpx
-
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + ready, timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"{command[:5]} exited {server.returncode}")
-            time.sleep(0.2)
-        else:
-            raise TimeoutError(f"{command[:5]} did not get ready in {seconds} s")
-        yield
-    finally:
-        server.terminate()
-        server.wait(timeout=120)
-
 
 def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "distill.cli", *args], check=True, stdout=subprocess.DEVNULL)

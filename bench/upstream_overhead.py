@@ -22,18 +22,16 @@ contender per round, ``--rounds`` rounds, a timeout on every call) and stops by 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import argument_parser, markdown
+from bench.common import argument_parser, markdown, process
 
 QUESTIONS: dict[str, Any] = {
     "urgent": {"type": "noul", "instructions": "Does this convey urgency?"},
@@ -46,28 +44,6 @@ TIMEOUT = 60.0
 RESETS = {"direct": 0}
 """Connections the upstream reset under the direct calls (jevcompat's mock listens with a backlog
 of 5: at 16 clients some connects are reset), each sent again as the tier's client does."""
-
-
-@contextmanager
-def process(command: list[str], base: str, ready: str) -> Iterator[None]:
-    """A server process, ready when ``base + ready`` answers 200; ended when the block ends."""
-    import httpx
-
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + ready, timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise TimeoutError(f"{command[:3]} did not get ready")
-        yield
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def bodies(n: int, model: str | None) -> list[dict[str, Any]]:
