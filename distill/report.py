@@ -94,13 +94,16 @@ def _teacher_cost(result: CalibrationResult, bundle: Bundle) -> _TeacherCost:
 def _roofline_teacher(result: CalibrationResult, bundle: Bundle) -> _TeacherCost:
     """The roofline of a teacher decision on this machine: 2 x weights x tokens / FLOP/s.
 
-    A GGUF teacher's matmul weights come from its file; an external one is taken to be the 4B
-    decision model (the router's cost model assumes the same). Tokens are the first cheap
-    tier's count per state, which leaves out the prompt's template and question: the teacher's
-    cost, and so the saving shown, are understated.
+    A GGUF teacher's matmul weights come from its file; an external one (labels known by name, or
+    a System One endpoint, named as such) is taken to be the 4B decision model (the router's cost
+    model assumes the same). Tokens are the first cheap tier's count per state, which leaves out
+    the prompt's template and question: the teacher's cost, and so the saving shown, are
+    understated.
     """
-    top = bundle.manifest.tiers[-1]
+    top, teacher = bundle.manifest.tiers[-1], bundle.manifest.teacher
     params, who = kind_of(top).weights(top)
+    if teacher.kind == "endpoint":  # not labels known by name: the URL the bundle escalates to
+        who = f"the System One endpoint of model {teacher.model!r}, taken as a {params / 1e9:.0f}B model"
     first = result.costs[result.cheap_tiers[0]]
     tokens = first.tokens / max(first.states, 1)
     seconds = 2.0 * params * tokens / result.flops_per_second

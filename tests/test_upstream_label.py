@@ -25,6 +25,7 @@ from cascade.teachers.settings import UpstreamSettings
 from distill.calibration.run import calibrate_bundle
 from distill.label_endpoint import EndpointRun, label_through_endpoint
 from distill.options import CorpusInput
+from distill.report import write_report
 from distill.store import LabelStore, StoreMismatchError, Teacher
 from distill.train import TrainError, train_bundle
 
@@ -132,8 +133,15 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
             with pytest.raises(TrainError, match=r"not a GGUF: leave out --teacher-model"):
                 train_bundle(QUESTIONS, CorpusInput(corpus), store, tmp_path / "gguf", teacher_model=corpus)
             bundle = train_bundle(QUESTIONS, CorpusInput(corpus), store, tmp_path / "bundle")
-            calibrate_bundle(bundle, CorpusInput(corpus), store, 0.6, 0.2)
+            result = calibrate_bundle(bundle, CorpusInput(corpus), store, 0.6, 0.2)
         assert bundle.manifest.teacher.kind == "endpoint"  # the store's identity, checked at every answer
+        # the report names the endpoint it cannot time, not "labels only" nor "external"
+        assert result.teacher_cost is None and "the System One endpoint" in result.teacher_cost_note
+        assert "jevcompat-mock-0.1" in result.teacher_cost_note
+        report = write_report(result, bundle, tmp_path / "report").with_name("report.json")
+        assert json.loads(report.read_text())["cost_assumption"].startswith(
+            "Teacher tier 'teacher' (the System One endpoint of model 'jevcompat-mock-0.1', taken as a 4B "
+            "model) estimated")
         with pytest.raises(RouterError, match=r"give --teacher PATH\.gguf or a System One URL"):
             Cascade.load(tmp_path / "bundle")
         with Cascade.load(tmp_path / "bundle", teacher=UpstreamSettings(url, model=MOCK_MODEL),

@@ -16,8 +16,8 @@ from collections.abc import Collection, Mapping
 
 from cascade.bundle.manifest import Bundle
 from cascade.checks import is_finite
+from cascade.cost.pricing import TEACHER_PARAMS, TierPricing
 from cascade.cost.pricing import TierCost as PriceCost
-from cascade.cost.pricing import TierPricing
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import RouterError
@@ -202,9 +202,13 @@ def _time_teacher(bundle: Bundle, build: Build, items: list[Item], labels: Label
     It is asked every question of the bundle per state, as when a whole state escalates; its
     answers are not used (the store's labels are the teacher's).
     """
-    top = bundle.manifest.tiers[-1]
+    top, teacher = bundle.manifest.tiers[-1], bundle.manifest.teacher
     if not items:
         return None, "not timed (teacher_items=0): priced on the roofline"
+    if teacher.kind == "endpoint":
+        return None, (f"the top tier {top.name!r} is the System One endpoint the labels came from "
+                      f"(model {teacher.model!r}), which calibrate does not call: priced on the roofline "
+                      f"as a {TEACHER_PARAMS / 1e9:.0f}B model")
     try:
         kind_of(top).check_top(top, bundle.manifest.name, build)
     except RouterError:
