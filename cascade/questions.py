@@ -98,13 +98,19 @@ def _distribution(probabilities: Sequence[float], keys: list[str]) -> list[float
     if len(values) != len(keys):
         raise ValueError(f"probabilities: expected {len(keys)}, one per option {keys}; "
                          f"got {len(values)}")
+    return renormalised(values)
+
+
+def renormalised(values: Sequence[float], tolerance: float = PROBABILITY_TOLERANCE) -> list[float]:
+    """``values`` renormalised to sum to exactly 1, where they are finite, >= 0 and sum to 1
+    within ``tolerance``; else ValueError. The one check for every source of probabilities (a
+    scorer here, another System One server with its own looser tolerance)."""
     bad = [p for p in values if not math.isfinite(p) or p < 0]
     if bad:
         raise ValueError(f"probabilities: each must be finite and >= 0; got {bad[0]!r}")
     total = math.fsum(values)
-    if abs(total - 1.0) > PROBABILITY_TOLERANCE:
-        raise ValueError(f"probabilities: must sum to 1 within {PROBABILITY_TOLERANCE}; "
-                         f"got sum {total!r}")
+    if abs(total - 1.0) > tolerance:
+        raise ValueError(f"probabilities: must sum to 1 within {tolerance}; got sum {total!r}")
     return [p / total for p in values]
 
 

@@ -62,12 +62,12 @@ def _broken(change: Any) -> dict[str, Any]:
     (lambda a: a["urgent"].update(type="boolean"), r"type 'boolean', for a noul question"),
     (lambda a: a["team"].update(probabilities={"Billing": 0.25, "Tech": 0.75}),
      r"keyed \['Billing', 'Tech'\]"),
-    (lambda a: a["team"].update(probabilities={"billing": 0.45, "tech": 0.75}), r"sum to 1.2"),
+    (lambda a: a["team"].update(probabilities={"billing": 0.45, "tech": 0.75}), r"got sum 1.2"),
     (lambda a: a["team"].update(choice="billing"),
      r"choice 'billing' is not its most probable option 'tech'"),
     (lambda a: a["sev"].update(probabilities={"1": 0.3, "2": 0.5, "3": 0.2}), r"keyed \['1', '2', '3'\]"),
     (lambda a: a["sev"].update(score=1.0), r"score 1.0 is not its probabilities' expectation 0.9000"),
-    (lambda a: a["sev"]["probabilities"].update({"0": float("nan")}), r"probability nan"),
+    (lambda a: a["sev"]["probabilities"].update({"0": float("nan")}), r"finite and >= 0; got nan"),
 ])
 def test_a_wrong_shape_is_refused_naming_the_question(change: Any, says: str) -> None:
     with pytest.raises(UpstreamAnswerError, match=says):

@@ -4,7 +4,7 @@ System One servers answer a noul question with ``noul`` (P(yes)), a choice with
 ``probabilities`` by option key, a score with ``probabilities`` by level "0".."N-1" (see
 cascade.answers). A teacher's distribution is what labels, escalations and audits use, so an
 answer is taken only where it is exactly one: every asked question answered and no other, of its
-type, keys exactly the question's, values finite and in [0, 1], summing to 1 within
+type, keys exactly the question's, values finite and >= 0, summing to 1 within
 ``SUM_TOLERANCE``, the headline value (``choice``, ``score``) agreeing with them. Anything else is
 an ``UpstreamAnswerError`` that names the question and what was wrong; nothing is repaired.
 """
@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cascade.errors import UpstreamAnswerError
-from cascade.questions import Question
+from cascade.questions import Question, renormalised
 from cascade.teachers.identity import EndpointIdentity, identity_of
 
 SUM_TOLERANCE = 1e-3
@@ -110,15 +110,11 @@ def _noul(answer: UpstreamAnswer, where: str) -> list[float]:
 
 
 def _checked(values: list[float], where: str) -> list[float]:
-    """Finite, in [0, 1], summing to 1 within ``SUM_TOLERANCE``: renormalised; else refused."""
-    bad = [v for v in values if not math.isfinite(v) or not 0.0 <= v <= 1.0]
-    if bad:
-        raise UpstreamAnswerError(f"{where}: probability {bad[0]!r} is not a number in [0, 1]")
-    total = math.fsum(values)
-    if abs(total - 1.0) > SUM_TOLERANCE:
-        raise UpstreamAnswerError(f"{where}: probabilities sum to {total:.6g}, not 1 (within "
-                                  f"{SUM_TOLERANCE}): not a distribution")
-    return [v / total for v in values]
+    """``cascade.questions.renormalised`` within ``SUM_TOLERANCE``, refused as the upstream's fault."""
+    try:
+        return renormalised(values, SUM_TOLERANCE)
+    except ValueError as exc:
+        raise UpstreamAnswerError(f"{where}: {exc}: not a distribution") from None
 
 
 def _check_headline(answer: UpstreamAnswer, kind: str, keys: list[str], values: list[float],
