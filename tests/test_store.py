@@ -7,14 +7,19 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
+from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.collect.escalation import EscalationRecord
 from cascade.errors import CascadeError
 from cascade.questions import parse_request
+from distill.auditing import StoreSink
+from distill.escalations import StoreEscalations
 from distill.label_transfer import export_labels, import_labels
 from distill.store import InputPolicy, LabelStore, StoreError, StoreMismatchError, Teacher, is_url
 
@@ -368,3 +373,52 @@ def test_escalations_keep_labels_and_state_in_one_row_apart_from_the_audits(plac
         assert kept[0][1].teacher == {"team": {"billing": 0.7, "technical": 0.2, "sales": 0.1}}
         assert store.escalations_after(2, limit=5)[0][1].request_id == "r2"
         assert store.audits() == [] and set(store.labels("team")) == {f"escalation:r{n}.x" for n in range(3)}
+
+
+def end_sessions(server: str, database_url: str) -> int:
+    """End every session on ``database_url``'s database from the server's side, as a restart or a
+    failover does, and wait until they are gone; how many there were."""
+    import psycopg
+
+    name = urlsplit(database_url).path.lstrip("/")
+    with psycopg.connect(server, autocommit=True) as conn:
+        ended = conn.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                             "WHERE datname = %s AND pid <> pg_backend_pid()", (name,)).fetchone()
+        for _ in range(500):
+            if not conn.execute("SELECT 1 FROM pg_stat_activity WHERE datname = %s", (name,)).fetchall():
+                break
+            time.sleep(0.01)
+    return int(ended[0]) if ended else 0
+
+
+def test_a_server_s_store_writers_reconnect_after_postgresql_ends_their_sessions(
+        postgres_url: str, postgres_server: str) -> None:
+    """A real fault, not a mock: the database server ends the sessions of a running server's audit
+    and escalation writers. Each writer's next call fails with one StoreError (that item is lost;
+    the server counts it as failed) and the call after reconnects; nothing else is lost."""
+    audits, kept = StoreSink(postgres_url, GGUF), StoreEscalations(postgres_url, GGUF)
+    teacher = {"team": {"billing": 0.7, "technical": 0.2, "sales": 0.1}}
+
+    def audit(n: int) -> AuditRecord:
+        return AuditRecord(item_id=f"audit:{n}", state=f"state {n}", calibration_version="v", at=float(n),
+                           teacher=teacher, system={"team": SystemAnswer(answer="billing", tier="encoder")})
+
+    def escalation(n: int) -> EscalationRecord:
+        return EscalationRecord(item_id=f"escalation:r{n}.x", request_id=f"r{n}", state=f"state {n}",
+                                calibration_version="v", at=float(n), teacher=teacher)
+    try:
+        audits(audit(0))
+        kept.append(escalation(0))
+        assert end_sessions(postgres_server, postgres_url) >= 2  # one connection per writer
+        for write in (lambda: audits(audit(1)), lambda: kept.append(escalation(1))):
+            with pytest.raises(StoreError, match=r"the PostgreSQL store .* failed: .*run again"):
+                write()
+        audits(audit(2))
+        kept.append(escalation(2))
+        assert [record.item_id for _, record in audits.read_after(0)] == ["audit:0", "audit:2"]
+        assert kept.count() == 2
+    finally:
+        audits.close()
+        kept.close()
+    with LabelStore.open_existing(postgres_url) as store:
+        assert [record.request_id for _, record in store.escalations_after(0)] == ["r0", "r2"]
