@@ -18,7 +18,17 @@ from typing import Any
 
 import httpx
 import pytest
-from servers import MOCK_MODEL, free_port, jevcompat_mock, mock_at, serving, teacher_server, until, upstream
+from servers import (
+    MOCK_MODEL,
+    Upstream,
+    free_port,
+    jevcompat_mock,
+    mock_at,
+    serving,
+    teacher_server,
+    until,
+    upstream,
+)
 from tinymodels import tiny_llama_path
 
 from cascade.collect.collector import Collector
@@ -181,3 +191,18 @@ def test_from_zero_data_collected_traffic_trains_a_bundle_served_in_front_of_the
     routings = [a.routing for a in answers if a.routing is not None]
     assert len(routings) == len(answers) == 40 and all(r.certified for r in routings)
     assert all(r.upstream == (r.tier == "teacher") for r in routings)
+
+
+def test_the_server_logs_no_line_per_forwarded_request() -> None:
+    """Its stderr says what it serves and what goes wrong, not each upstream call (the HTTP client
+    logs those at INFO, the level the server logs at)."""
+    port = free_port()
+    with upstream(jevcompat_mock()) as mock:
+        command = [sys.executable, "-m", "distill.cli", "serve", "--teacher", mock.url, "--port", str(port),
+                   "--upstream-model", MOCK_MODEL]
+        with upstream(Upstream(command, port, ready="/health").wait_ready()) as server:
+            replies = [httpx.post(f"{server.base}/v1/systemone", json=body(f"state {n}"), timeout=30)
+                       for n in range(3)]
+            said = server.stderr()
+    assert [reply.status_code for reply in replies] == [200] * 3
+    assert "passing requests through to" in said and "HTTP Request" not in said and mock.url in said

@@ -223,6 +223,7 @@ class _Run:
 
         options = self.options
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per upstream call
         self.server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
                                                     log_level="warning", access_log=False,
                                                     timeout_graceful_shutdown=options.grace))
