@@ -83,8 +83,8 @@ def _teacher_cost(result: CalibrationResult, bundle: Bundle) -> _TeacherCost:
     tokens = cost.tokens / max(cost.states, 1)
     seconds = cost.seconds_per_state + tokens * cost.seconds_per_token
     assumption = (
-        f"Teacher tier {result.teacher_tier!r} measured on {cost.states} calibration states on this "
-        f"machine, each asked all the bundle's questions in one prefill: {cost.seconds_per_state * 1e3:.1f} "
+        f"Teacher tier {result.teacher_tier!r} {result.teacher_cost_note}, each asked all the bundle's "
+        f"questions at once (one prefill, or one call): {cost.seconds_per_state * 1e3:.1f} "
         f"ms per state + {tokens:.1f} tokens x {cost.seconds_per_token * 1e3:.3f} ms = "
         f"{seconds * 1e3:.1f} ms per decision. " + _CHEAP_MEASURED
     )

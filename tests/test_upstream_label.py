@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 from jevcompat.mock import MockConfig, Running, respond
-from servers import MOCK_MODEL
+from servers import MOCK_MODEL, teacher_server, upstream
+from tinymodels import tiny_llama_path
 
 from cascade.errors import RouterError, TeacherChangedError, UpstreamRefused
 from cascade.questions import Question, parse_request
@@ -23,6 +24,7 @@ from cascade.routing.router import Cascade
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 from distill.calibration.run import calibrate_bundle
+from distill.cli import main
 from distill.label_endpoint import EndpointRun, label_through_endpoint
 from distill.options import CorpusInput
 from distill.report import write_report
@@ -119,7 +121,7 @@ def test_a_store_of_another_teacher_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_certified(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     topics = ["payout failed", "invoice is wrong", "the app crashes", "login is broken", "refund please",
               "server down", "charged twice", "export has a bug"]
     rows = [{"id": f"e{i}", "text": f"Message {i}: {topics[i % 8]} and {topics[(i * 3) % 8]}."}
@@ -142,6 +144,16 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
         assert json.loads(report.read_text())["cost_assumption"].startswith(
             "Teacher tier 'teacher' (the System One endpoint of model 'jevcompat-mock-0.1', taken as a 4B "
             "model) estimated")
+        with LabelStore.open_existing(store_path) as store:  # given its URL, the endpoint is timed
+            timed = calibrate_bundle(bundle, CorpusInput(corpus), store, 0.6, 0.2, teacher_items=4,
+                                     teacher=UpstreamSettings(url, model=MOCK_MODEL), save=False)
+        assert timed.teacher_cost is not None and timed.teacher_cost.states == 4
+        assert timed.teacher_cost_note == (f"measured on 4 calibration states through {url} (the network "
+                                           "and the upstream's queue included)")
+        assert timed.calibrations == result.calibrations, "timing the teacher moves no threshold"
+        report = write_report(timed, bundle, tmp_path / "timed").with_name("report.json")
+        assert json.loads(report.read_text())["cost_assumption"].startswith(
+            f"Teacher tier 'teacher' measured on 4 calibration states through {url}")
         with pytest.raises(RouterError, match=r"give --teacher PATH\.gguf or a System One URL"):
             Cascade.load(tmp_path / "bundle")
         with Cascade.load(tmp_path / "bundle", teacher=UpstreamSettings(url, model=MOCK_MODEL),
@@ -151,6 +163,15 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
     assert len(routings) == len(answers) and all(r.certified for r in routings)
     assert {r.tier for r in routings} == {"encoder", "teacher"}
     assert all(r.upstream == (r.tier == "teacher") for r in routings)
+    with upstream(teacher_server(tiny_llama_path(tmp_path))) as other:  # another teacher: refused
+        argv = ["calibrate", "--bundle", str(tmp_path / "bundle"), "--corpus", str(corpus), "--store",
+                str(store_path), "--report", str(tmp_path / "refused"), "--target-agreement", "0.6",
+                "--delta", "0.2", "--teacher", other.url, "--teacher-items", "2"]
+        capsys.readouterr()
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "tier encoder" not in err, "refused before the cheap tiers are scored"
+    assert err.count("\n") == 1 and "the teacher behind the URL is not the one the bundle's labels" in err
 
 
 def test_the_command_labels_through_a_url_and_a_killed_run_resumes(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ docs/distilling.md for the run.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 
 from cascade.bundle.manifest import Bundle
 from cascade.checks import is_finite
@@ -20,8 +21,10 @@ from cascade.cost.pricing import TEACHER_PARAMS, TierPricing
 from cascade.cost.pricing import TierCost as PriceCost
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.onnx_encoder import Encoder
-from cascade.errors import RouterError
+from cascade.errors import RouterError, TeacherChangedError, UpstreamError
 from cascade.readout.scorer import Scorer
+from cascade.routing.endpoint import same_endpoint
+from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.base import Build, Item, Tier
 from cascade.tiers.kinds import build_tiers, close_tiers, kind_of
 from distill.calibration.fits import TEMPERATURE_SHARE, fit_all, replay
@@ -71,6 +74,7 @@ def calibrate_bundle(
     certificate: Certificate = "joint",
     held_out: Collection[str] | None = None,
     save: bool = True,
+    teacher: UpstreamSettings | None = None,
 ) -> CalibrationResult:
     """Calibrate every cheap tier of ``bundle`` on its calibration items and save the bundle.
 
@@ -97,7 +101,10 @@ def calibrate_bundle(
     each of m cheap tiers (1 - target) / m and delta / m, as before issue 34 (one cheap tier: the
     same). ``held_out``: the item ids that certify in place of the bundle's calibration part (a
     candidate's held-out evidence, ``distill.promote``; none may have trained the bundle);
-    ``save``: write the result into the bundle (False: only return it).
+    ``save``: write the result into the bundle (False: only return it). ``teacher``: the System
+    One endpoint to time the top tier through (``teacher_items`` calls), its answers checked
+    against the identity the bundle's labels state; without it a teacher behind a URL is priced
+    on the roofline.
     """
     run = option("calibrate_bundle", "run", run, RunOptions, RunOptions())
     if corpus is not None:
@@ -138,6 +145,10 @@ def calibrate_bundle(
     tier_delta = delta / shares / (family if family_wise else 1)
     build = Build(device=run.device, cache_dir=run.cache_dir, placements=run.placement, encoder=encoder,
                   threads=run.threads, scorers=scorers or {})
+    timed = None  # a URL teacher is timed first: one that is not the labels' fails before any scoring
+    if teacher is not None:
+        build = _through(bundle, build, option("calibrate_bundle", "teacher", teacher, UpstreamSettings))
+        timed = _time_teacher(bundle, build, items[:teacher_items], labels, run.progress)
     tiers = _open(bundle, build)
     try:
         # what a cheap tier answers gets a certificate: refused on degenerate labels (budget mode
@@ -150,8 +161,9 @@ def calibrate_bundle(
                   for tier, spec in zip(tiers, cheap, strict=True)]
     finally:
         close_tiers(tiers)
-    teacher_cost, teacher_note = _time_teacher(bundle, build, items[:teacher_items], labels, run.progress)
-    names, teacher = [spec.name for spec in cheap], manifest.tiers[-1].name
+    teacher_cost, teacher_note = timed or _time_teacher(bundle, build, items[:teacher_items], labels,
+                                                        run.progress)
+    names, top = [spec.name for spec in cheap], manifest.tiers[-1].name
     fits, skipped = fit_all(names, [probs for probs, _ in scored], labels, list(questions),
                             tier_target, tier_delta, escalation_fraction)
     if certificate == "joint" and escalation_fraction is None:
@@ -164,10 +176,10 @@ def calibrate_bundle(
     result = CalibrationResult(
         bundle=str(bundle.directory.resolve()), name=manifest.name, target=target, delta=delta,
         escalation_fraction=escalation_fraction, tier_target=tier_target, tier_delta=tier_delta,
-        cheap_tiers=names, teacher_tier=teacher, items=len(items),
+        cheap_tiers=names, teacher_tier=top, items=len(items),
         temperature_share=TEMPERATURE_SHARE,
         calibrations=[fit.result for qid in questions for fit in fits.get(qid, {}).values()],
-        cascades={qid: replay(qid, routed, by_tier, teacher) for qid, by_tier in fits.items()},
+        cascades={qid: replay(qid, routed, by_tier, top) for qid, by_tier in fits.items()},
         skipped=skipped, costs=costs, flops_per_second=flops, payoffs=payoffs,
         family_wise=family_wise, family_size=family, unlabelled_items=unlabelled,
         teacher_cost=teacher_cost, teacher_cost_note=teacher_note, source=source, audits=audits,
@@ -195,20 +207,31 @@ def _check_arguments(target: float, delta: float, escalation_fraction: float | N
                                "mode (escalation_fraction) certifies nothing; give one or the other")
 
 
+def _through(bundle: Bundle, build: Build, teacher: UpstreamSettings) -> Build:
+    """``build`` with the top tier answered through ``teacher``, which must state the identity
+    the bundle's labels came with (checked at every answer)."""
+    try:
+        _, expected = same_endpoint(bundle.manifest, teacher.url, accept=False)
+    except RouterError as exc:
+        raise CalibrationError(str(exc)) from None
+    return replace(build, upstream=teacher, upstream_identity=expected)
+
+
 def _time_teacher(bundle: Bundle, build: Build, items: list[Item], labels: Labels,
                   progress: bool) -> tuple[TierCost | None, str]:
     """The top tier's measured cost on ``items``, or None and why it could not be measured.
 
     It is asked every question of the bundle per state, as when a whole state escalates; its
-    answers are not used (the store's labels are the teacher's).
+    answers are not used (the store's labels are the teacher's). Through a URL (``build.upstream``)
+    the seconds are what a call takes from here: the network and the upstream's queue included.
     """
     top, teacher = bundle.manifest.tiers[-1], bundle.manifest.teacher
     if not items:
         return None, "not timed (teacher_items=0): priced on the roofline"
-    if teacher.kind == "endpoint":
+    if teacher.kind == "endpoint" and build.upstream is None:
         return None, (f"the top tier {top.name!r} is the System One endpoint the labels came from "
-                      f"(model {teacher.model!r}), which calibrate does not call: priced on the roofline "
-                      f"as a {TEACHER_PARAMS / 1e9:.0f}B model")
+                      f"(model {teacher.model!r}), not timed without its URL (--teacher URL): priced on "
+                      f"the roofline as a {TEACHER_PARAMS / 1e9:.0f}B model")
     try:
         kind_of(top).check_top(top, bundle.manifest.name, build)
     except RouterError:
@@ -217,8 +240,16 @@ def _time_teacher(bundle: Bundle, build: Build, items: list[Item], labels: Label
     [tier] = build_tiers(bundle, build, [top])
     try:
         _, cost = score_tier(tier, top.kind, items, labels, bundle.manifest.parsed_questions(), progress)
+    except TeacherChangedError as exc:
+        raise CalibrationError(f"the teacher behind the URL is not the one the bundle's labels came from: "
+                               f"{exc}") from None
+    except UpstreamError as exc:
+        raise CalibrationError(f"timing the teacher failed: {exc}") from None
     finally:
         close_tiers([tier])
+    if build.upstream is not None:
+        return cost, (f"measured on {cost.states} calibration states through {build.upstream.url} "
+                      "(the network and the upstream's queue included)")
     return cost, f"measured on {cost.states} calibration states on this machine"
 
 

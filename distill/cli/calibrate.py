@@ -18,6 +18,7 @@ from distill.cli.common import (
     run_options,
     whole_number,
 )
+from distill.cli.endpoint import add_endpoint_arguments, key_source, url_argument
 from distill.cli.serve_upstream import add_upstream_price_argument
 
 TEACHER_ITEMS = 16
@@ -25,6 +26,7 @@ TEACHER_ITEMS = 16
 holds them equal)."""
 
 if TYPE_CHECKING:
+    from cascade.teachers.settings import UpstreamSettings
     from distill.calibration.results import CalibrationResult
 
 DESCRIPTION = """\
@@ -42,15 +44,15 @@ threshold stays empty (the tier keeps nothing) and the table says what is reacha
 --escalation-fraction, each cheap tier instead escalates that share of the items that reach it
 (with m cheap tiers the teacher answers about F^m of them) and the agreement that follows is
 reported. Also measures each tier's cost on this machine, the teacher's too where the bundle
-pins its GGUF (--teacher-items). A middle tier (a GGUF between the encoder and the teacher)
-that costs more on the calibration items than it saves the teacher is taken out of the cascade,
-with the figures printed (--keep-costly-tiers keeps it). First, the teacher check: per question,
-the answer distribution, how far answers move with the input, the first-listed option's share and
-the letter mass; labels that collapse onto one answer or ignore the input are refused
-(--accept-degenerate-teacher). With several cheap tiers (a GGUF or mid-layer tier between the
-encoder and the teacher) their thresholds are certified together, one Learn-then-Test test of the
-whole system's agreement (--certificate split: each tier its share). Writes report.html
-(self-contained) and report.json.
+pins its GGUF or --teacher gives its URL (--teacher-items). A middle tier (a GGUF between the
+encoder and the teacher) that costs more on the calibration items than it saves the teacher is
+taken out of the cascade, with the figures printed (--keep-costly-tiers keeps it). First, the
+teacher check: per question, the answer distribution, how far answers move with the input, the
+first-listed option's share and the letter mass; labels that collapse onto one answer or ignore
+the input are refused (--accept-degenerate-teacher). With several cheap tiers (a GGUF or
+mid-layer tier between the encoder and the teacher) their thresholds are certified together, one
+Learn-then-Test test of the whole system's agreement (--certificate split: each tier its share).
+Writes report.html (self-contained) and report.json.
 
 Recalibrating from the audit: `cascade serve` and `cascade decide --audit-store S` keep a seeded
 uniform share of live traffic in the store, each item answered by the teacher on every question.
@@ -65,7 +67,9 @@ example:
   cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
       --target-agreement 0.98 --delta 0.05 --report models/support-v1/report
   cascade calibrate --bundle models/support-v1 --store labels.sqlite --calibrate-on audit \\
-      --audits-since 2026-11-30T00:00:00Z --report models/support-v1/report"""
+      --audits-since 2026-11-30T00:00:00Z --report models/support-v1/report
+  cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
+      --teacher https://decide.example.com/v1/systemone --report models/support-v1/report"""
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -82,7 +86,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             family_wise=args.family_wise, teacher_items=args.teacher_items,
             keep_costly_tiers=args.keep_costly_tiers, source=args.calibrate_on,
             audits_since=args.audits_since, accept_degenerate_teacher=args.accept_degenerate_teacher,
-            certificate=args.certificate,
+            certificate=args.certificate, teacher=_teacher(args),
         )
     path = write_report(result, Bundle.load(args.bundle), args.report)
     for check in result.teacher_checks:
@@ -97,6 +101,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(note)
     print(f"report: {path.resolve()}")
     return 0
+
+
+def _teacher(args: argparse.Namespace) -> UpstreamSettings | None:
+    """The URL teacher to time, where given."""
+    if args.teacher is None:
+        return None
+    from cascade.teachers.settings import UpstreamSettings
+
+    return UpstreamSettings(args.teacher, model=args.upstream_model, key=key_source(args),
+                            read_timeout=args.upstream_timeout, deadline=2 * args.upstream_timeout)
 
 
 def _print_table(result: CalibrationResult) -> None:
@@ -182,10 +196,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="folder for report.html and report.json (created)")
     add_text_field_argument(p, bundle=True)
     p.add_argument("--teacher-items", type=whole_number(0), default=TEACHER_ITEMS, metavar="N",
-                   help="calibration items to time the teacher on, where the bundle pins its GGUF, so "
+                   help="calibration items to time the teacher on, where the bundle pins its GGUF or "
+                   "--teacher gives its URL, so "
                    "that budgets and the report price it as measured here (default "
                    f"{TEACHER_ITEMS}; 0: price it from its weights on the roofline). A teacher known "
                    "by its labels only is always priced on the roofline")
+    url = p.add_argument_group("timing a URL teacher (a bundle labelled through a System One endpoint)")
+    url.add_argument("--teacher", type=url_argument, metavar="URL",
+                     help="the endpoint the labels came from (http(s)://.../v1/systemone): called on "
+                     "--teacher-items states so that budgets and the report price it by its measured "
+                     "latency from here; its answers must state the labels' identity (default: not "
+                     "called, priced on the roofline as the 4B decision model)")
+    add_endpoint_arguments(url, "endpoint")
+    url.add_argument("--upstream-timeout", type=float, default=60.0, metavar="S",
+                     help="seconds to wait for one answer (default 60); a call with its retries gets twice")
     p.add_argument("--accept-degenerate-teacher", action="store_true",
                    help="certify even where the teacher check finds the labels degenerate (one answer "
                    "on >= 95%% of items, answers that do not move with the input, little probability on "

@@ -23,6 +23,7 @@ from distill.cli.common import (
     placement_of,
     teacher_argument,
 )
+from distill.cli.endpoint import UPSTREAM_KEY_ENV
 
 if TYPE_CHECKING:
     from cascade.routing.endpoint import Teacher
@@ -36,7 +37,6 @@ A budget bounds the predicted cost per item (--budget-ms, pooled over each batch
 of questions the top tier answers (--max-escalation); when it cannot pay for every escalation,
 the least confident questions escalate first. Items already in --out are skipped, so a stopped
 run continues where it ended."""
-UPSTREAM_KEY_ENV = "CASCADE_UPSTREAM_KEY"
 EPILOG = """\
 example:
   cascade decide --bundle models/support-v1 --corpus emails.jsonl --out decisions.jsonl \\

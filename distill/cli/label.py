@@ -16,6 +16,7 @@ from distill.cli.common import (
     teacher_argument,
     whole_number,
 )
+from distill.cli.endpoint import add_endpoint_arguments, key_source
 
 if TYPE_CHECKING:
     from cascade.questions import Question
@@ -174,7 +175,6 @@ def _label_here(args: argparse.Namespace, questions: dict[str, Question],
 def _label_endpoint(args: argparse.Namespace, questions: dict[str, Question],
                     excerpt: HeadTailExcerpt | None, only: list[str] | None) -> LabelSummary:
     """Label through a System One URL, ``--concurrency`` calls at a time (``distill.label_endpoint``)."""
-    from cascade.teachers.keys import KeySource
     from cascade.teachers.settings import UpstreamSettings
     from distill.label_endpoint import EndpointRun, label_through_endpoint
     from distill.stopping import StopRequest
@@ -184,7 +184,7 @@ def _label_endpoint(args: argparse.Namespace, questions: dict[str, Question],
     if local:
         args.parser.error(f"{local[0]} does not apply to a URL teacher, which reads states its own way")
     settings = UpstreamSettings(args.teacher, model=args.upstream_model, max_in_flight=args.concurrency,
-                                key=KeySource(env=args.upstream_key_env, file=args.upstream_key_file),
+                                key=key_source(args),
                                 read_timeout=args.upstream_timeout, deadline=2 * args.upstream_timeout)
     run = EndpointRun(concurrency=args.concurrency, rate=args.rate, text_field=args.text_field,
                       on_error=args.on_error, only=only)
@@ -361,12 +361,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     url.add_argument("--concurrency", type=whole_number(1), default=4, metavar="N",
                      help="calls in flight at once (default 4)")
     url.add_argument("--rate", type=float, metavar="R", help="at most R calls a second (default: no limit)")
-    url.add_argument("--upstream-model", metavar="NAME", help="the model name each request carries, where "
-                     "the endpoint requires one (default: none)")
-    url.add_argument("--upstream-key-env", default="CASCADE_UPSTREAM_KEY", metavar="VAR",
-                     help="environment variable holding the endpoint's key (default CASCADE_UPSTREAM_KEY)")
-    url.add_argument("--upstream-key-file", type=Path, metavar="PATH",
-                     help="file holding the endpoint's key, re-read when it changes (wins over the variable)")
+    add_endpoint_arguments(url, "endpoint")
     url.add_argument("--upstream-timeout", type=float, default=60.0, metavar="S",
                      help="seconds to wait for one answer (default 60); a call with its retries gets twice")
     ray = p.add_argument_group("labelling on a Ray cluster (pip install -e '.[ray]')")

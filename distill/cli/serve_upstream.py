@@ -4,10 +4,10 @@ and for the traffic a pass-through collects, and what they build."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distill.cli.common import STORE_METAVAR, store_argument, whole_number
+from distill.cli.endpoint import add_endpoint_arguments, key_source
 
 if TYPE_CHECKING:
     from cascade.cost.upstream import UpstreamPrice
@@ -16,12 +16,7 @@ if TYPE_CHECKING:
 
 def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
     url = p.add_argument_group("a URL teacher (--teacher http://host:port/v1/systemone)")
-    url.add_argument("--upstream-model", metavar="NAME",
-                     help="the model name each request to the upstream carries, where it requires one")
-    url.add_argument("--upstream-key-env", default="CASCADE_UPSTREAM_KEY", metavar="VAR",
-                     help="environment variable holding the upstream's key (default CASCADE_UPSTREAM_KEY)")
-    url.add_argument("--upstream-key-file", type=Path, metavar="PATH",
-                     help="file holding the upstream's key, re-read when it changes (wins over the variable)")
+    add_endpoint_arguments(url)
     url.add_argument("--upstream-timeout", type=float, default=8.0, metavar="S",
                      help="seconds to wait for one upstream answer (default 8; every call, retries "
                      "included, ends within 9 s, below the SDKs' 10 s)")
@@ -46,12 +41,11 @@ def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
 
 def upstream_settings(args: argparse.Namespace) -> UpstreamSettings:
     """The upstream client's settings from the parsed flags (``--teacher`` is the URL)."""
-    from cascade.teachers.keys import KeySource
     from cascade.teachers.settings import UpstreamSettings
 
     timeout = args.upstream_timeout
     return UpstreamSettings(args.teacher, model=args.upstream_model, forward_auth=args.forward_auth,
-                            key=KeySource(env=args.upstream_key_env, file=args.upstream_key_file),
+                            key=key_source(args),
                             read_timeout=timeout, deadline=max(9.0, timeout + 1.0),
                             max_in_flight=args.upstream_in_flight)
 

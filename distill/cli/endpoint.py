@@ -1,0 +1,40 @@
+"""The flags of every command that calls a System One URL teacher (``--teacher URL``): the model
+name its requests carry and where its key comes from, and the key source they give."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cascade.teachers.keys import KeySource
+
+UPSTREAM_KEY_ENV = "CASCADE_UPSTREAM_KEY"
+
+
+def add_endpoint_arguments(group: argparse._ArgumentGroup, what: str = "upstream") -> None:
+    """--upstream-model, --upstream-key-env, --upstream-key-file; ``what`` names the URL teacher
+    in their help (the upstream a server calls, the endpoint a command labels through)."""
+    group.add_argument("--upstream-model", metavar="NAME",
+                       help=f"the model name each request to the {what} carries, where it requires one "
+                       "(default: none)")
+    group.add_argument("--upstream-key-env", default=UPSTREAM_KEY_ENV, metavar="VAR",
+                       help=f"environment variable holding the {what}'s key (default {UPSTREAM_KEY_ENV})")
+    group.add_argument("--upstream-key-file", type=Path, metavar="PATH",
+                       help=f"file holding the {what}'s key, re-read when it changes (wins over the "
+                       "variable)")
+
+
+def key_source(args: argparse.Namespace) -> KeySource:
+    from cascade.teachers.keys import KeySource
+
+    return KeySource(env=args.upstream_key_env, file=args.upstream_key_file)
+
+
+def url_argument(text: str) -> str:
+    """A ``--teacher`` that can only be a URL (a GGUF teacher is the file its bundle pins)."""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s)://.../v1/systemone URL; a GGUF "
+                                         "teacher is timed from the file the bundle pins")
+    return text
