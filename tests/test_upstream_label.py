@@ -159,6 +159,12 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
         with Cascade.load(tmp_path / "bundle", teacher=UpstreamSettings(url, model=MOCK_MODEL),
                           threads=1) as cascade:
             answers = [a for row in rows[:20] for a in cascade.decide(row["text"]).answers.values()]
+        out = tmp_path / "decided.jsonl"  # the command too, with the model name the mock requires
+        assert main(["decide", "--bundle", str(tmp_path / "bundle"), "--corpus", str(corpus), "--out",
+                     str(out), "--teacher", url, "--upstream-model", MOCK_MODEL, "--threads", "1"]) == 0
+    decided = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(decided) == len(rows) and any(
+        answer["x_routing"]["upstream"] for row in decided for answer in row["answers"].values())
     routings = [a.routing for a in answers if a.routing is not None]
     assert len(routings) == len(answers) and all(r.certified for r in routings)
     assert {r.tier for r in routings} == {"encoder", "teacher"}

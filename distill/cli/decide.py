@@ -23,7 +23,7 @@ from distill.cli.common import (
     placement_of,
     teacher_argument,
 )
-from distill.cli.endpoint import UPSTREAM_KEY_ENV
+from distill.cli.endpoint import add_endpoint_arguments, key_source
 
 if TYPE_CHECKING:
     from cascade.routing.endpoint import Teacher
@@ -52,7 +52,7 @@ def _cmd_decide(args: argparse.Namespace) -> int:
 
     with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
                      bundle=args.bundle) as audits, \
-            Cascade.load(args.bundle, teacher=_teacher(args.teacher), device=args.device,
+            Cascade.load(args.bundle, teacher=_teacher(args), device=args.device,
                          threads=args.threads, placement=placement_of(args),
                          accept_other_teacher=args.accept_other_teacher) as cascade:
         auditor = audits(cascade)
@@ -71,14 +71,14 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     return 0
 
 
-def _teacher(teacher: str | Path | None) -> Teacher | None:
-    """A URL teacher's settings, its key from CASCADE_UPSTREAM_KEY; a path or None as given."""
-    if not isinstance(teacher, str):
-        return teacher
-    from cascade.teachers.keys import KeySource
+def _teacher(args: argparse.Namespace) -> Teacher | None:
+    """A URL teacher's settings (its model name and key from the --upstream flags); a path or None
+    as given."""
+    if not isinstance(args.teacher, str):
+        return args.teacher
     from cascade.teachers.settings import UpstreamSettings
 
-    return UpstreamSettings(teacher, key=KeySource(env=UPSTREAM_KEY_ENV))
+    return UpstreamSettings(args.teacher, model=args.upstream_model, key=key_source(args))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -96,7 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_budget_arguments(p)
     p.add_argument("--teacher", type=teacher_argument, metavar="PATH.gguf|URL",
                    help="the top tier: a GGUF to run here, or an http(s)://.../v1/systemone URL to call "
-                   "(its key from $CASCADE_UPSTREAM_KEY; default: the bundle's pinned GGUF); it must "
+                   "(its key from --upstream-key-env or -file; default: the bundle's pinned GGUF); it must "
                    "be the teacher the bundle was certified against, or --accept-other-teacher")
     add_text_field_argument(p, bundle=True)
     add_on_error_argument(p)
@@ -106,4 +106,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_argument(p, "where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "
                         "has it, and each answer's usage.x_cascade.ran_on says which it got)")
     add_audit_arguments(p)
+    add_endpoint_arguments(p.add_argument_group("a URL teacher (--teacher http://host:port/v1/systemone)"))
     p.set_defaults(run=_cmd_decide)
