@@ -27,6 +27,7 @@ from cascade.bundle.manifest import SCHEMA_VERSION, Bundle, Manifest, ModelFile
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.readout.scorer import Scorer
 from cascade.routing.router import Cascade
+from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.base import Item
 from cascade.tiers.gguf import GgufSpec, GgufTier
 from distill.calibration.fits import in_temperature_part
@@ -402,6 +403,16 @@ def test_a_bad_teacher_items_is_refused(trained: Bundle, inputs: tuple[Path, Pat
                                         bad: object) -> None:
     with pytest.raises(CalibrationError, match=rf"teacher_items must be a whole number >= 0; got {bad!r}"):
         calibrate(trained, *inputs, encoder, teacher_items=bad)
+
+
+def test_a_url_teacher_is_refused_for_labels_that_state_no_identity(
+        trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder) -> None:
+    """External labels give a URL's answers nothing to be checked against: refused before a call."""
+    assert trained.manifest.teacher.kind == "external"
+    with pytest.raises(CalibrationError, match=r"labelled by external labels \('generator labels'\), which "
+                       r"state no identity the answers of http://127\.0\.0\.1:9/v1/systemone could be "
+                       r"checked against.*leave out --teacher"):
+        calibrate(trained, *inputs, encoder, teacher=UpstreamSettings("http://127.0.0.1:9/v1/systemone"))
 
 
 def test_a_store_of_another_teacher_is_refused(trained: Bundle, inputs: tuple[Path, Path],

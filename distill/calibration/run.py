@@ -212,8 +212,12 @@ def _through(bundle: Bundle, build: Build, teacher: UpstreamSettings) -> Build:
     the bundle's labels came with (checked at every answer)."""
     try:
         _, expected = same_endpoint(bundle.manifest, teacher.url, accept=False)
-    except RouterError as exc:
-        raise CalibrationError(str(exc)) from None
+    except RouterError:
+        labels = bundle.manifest.teacher
+        raise CalibrationError(f"bundle {bundle.manifest.name!r} was labelled by {labels.kind} labels "
+                               f"({labels.model!r}), which state no identity the answers of {teacher.url} "
+                               "could be checked against, so it cannot be timed as their teacher: leave "
+                               "out --teacher (the teacher is then priced on the roofline)") from None
     return replace(build, upstream=teacher, upstream_identity=expected)
 
 
