@@ -3,7 +3,8 @@
 What ``cascade decide`` runs: items are routed in batches (one encoder batch and one budget
 each), each batch's System One responses appended and flushed, so a kill loses at most one
 batch, and items already in the file are skipped. An auditor (``cascade.audit``) audits the
-items its sample chooses, before their lines are written.
+items its sample chooses, and the escalations kept (``distill.escalations``) are stored, before
+the batch's lines are written.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cascade.errors import CascadeError
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
+from distill.escalations import KeptEscalations
 from distill.options import CorpusInput, RunOptions, option, refuse
 
 
@@ -39,11 +41,12 @@ class Decided:
 
 def decide_corpus(cascade: Cascade, corpus: CorpusInput, out: Path, budget: Budget | None = None,
                   batch_size: int = 32, auditor: Auditor | None = None,
-                  run: RunOptions | None = None) -> Decided:
+                  run: RunOptions | None = None, escalations: KeptEscalations | None = None) -> Decided:
     """Append one ``{"id", "answers", "usage"}`` line per item of ``corpus`` not yet in ``out``.
 
     The corpus is read by the text field the bundle was trained on unless it names one; each
     batch of ``batch_size`` items has its own ``budget``. ``run``: progress bars only.
+    ``escalations``: where the teacher's answers to escalated questions are kept.
     """
     corpus = option("decide_corpus", "corpus", corpus, CorpusInput)
     run = option("decide_corpus", "run", run, RunOptions, RunOptions())
@@ -63,20 +66,23 @@ def decide_corpus(cascade: Cascade, corpus: CorpusInput, out: Path, budget: Budg
                 continue
             batch.append(Item(row.id, row.state))
             if len(batch) == batch_size:
-                _write(cascade, batch, budget, sink, decided, auditor)
+                _write(cascade, batch, budget, sink, decided, auditor, escalations)
                 bar.update(len(batch))
                 batch = []
         if batch:
-            _write(cascade, batch, budget, sink, decided, auditor)
+            _write(cascade, batch, budget, sink, decided, auditor, escalations)
             bar.update(len(batch))
     return decided
 
 
 def _write(cascade: Cascade, batch: list[Item], budget: Budget, out: IO[str], decided: Decided,
-           auditor: Auditor | None) -> None:
+           auditor: Auditor | None, escalations: KeptEscalations | None) -> None:
     """Decide one batch and append its lines, flushed, so a kill loses at most this batch; the
-    items the audit sample chose are audited (and stored) first."""
-    responses = cascade.decide_batch(batch, budget)
+    items the audit sample chose are audited (and stored) first, and the escalations kept."""
+    run = cascade.routed(batch, [list(cascade.questions)] * len(batch), budget)
+    responses = cascade.responses(run)
+    if escalations is not None:
+        escalations.keep(cascade, run)
     if auditor is not None:
         every = {qid: qid for qid in cascade.questions}
         for item, response in zip(batch, responses, strict=True):

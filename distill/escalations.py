@@ -1,5 +1,6 @@
 """Escalations kept in the bundle's label store: the sink ``cascade serve --escalation-share``
-writes through, and the reader a retrain calls.
+writes through (on its collector's thread), what ``cascade decide --escalation-share`` keeps (as
+each batch is decided), and the reader a retrain calls.
 
 Each escalated request the server keeps (``cascade.collect.escalation``) goes into the store of
 the bundle's teacher, labels and row in one transaction (``distill.store.escalations``); a store of
@@ -9,11 +10,39 @@ them back as training evidence, never as certifying evidence.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from cascade.audit.sample import AuditSampler
 from cascade.collect.escalation import EscalationRecord
+from cascade.routing.budget import Run
+from cascade.routing.escalations import escalation_of
+from cascade.routing.router import Cascade
 from distill.store import LabelStore, StoreLocation, Teacher
 from distill.store.shared import SharedStore
+
+
+@dataclass
+class KeptEscalations:
+    """What an offline run keeps: the teacher's answers about a seeded ``share`` of the items it
+    escalated, chosen by item id (a rerun chooses the same ones), into ``sink``. Only while the
+    cascade is certified (its teacher is the one the store holds)."""
+
+    sink: StoreEscalations
+    share: float = 1.0
+    seed: str = "escalations"
+    kept: int = 0
+
+    def keep(self, cascade: Cascade, run: Run) -> None:
+        """Store the chosen escalations of a finished ``run``; a store that fails raises."""
+        if not cascade.certified:
+            return
+        chosen, at = AuditSampler(self.share, self.seed).chosen, time.time()
+        for i, item in enumerate(run.items):
+            if chosen(item.id) and (record := escalation_of(cascade, run, i, item.id, at)) is not None:
+                self.sink.append(record)
+                self.kept += 1
 
 
 class StoreEscalations:

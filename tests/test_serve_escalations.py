@@ -1,6 +1,6 @@
-"""``cascade serve --escalation-share``: the teacher's answers to what the cascade escalated are
-kept in the bundle's label store, apart from the audits, and a retrain reads them as training
-evidence only.
+"""``cascade serve --escalation-share`` (and ``cascade decide``'s): the teacher's answers to what
+the cascade escalated are kept in the bundle's label store, apart from the audits, and a retrain
+reads them as training evidence only.
 
 gemma-3-270m is the live teacher; the bundle's routes are fixed (``servers``): "urgent" stays at
 the encoder and "department" always goes to the teacher.
@@ -8,6 +8,7 @@ the encoder and "department" always goes to the teacher.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from corpora import QUESTIONS_JSON, corpus_items
 from servers import ESCALATED, KEPT, free_port, running, serving_bundle, until
 
+from cascade.audit.sample import AuditSampler
 from cascade.bundle.manifest import Bundle
 from cascade.collect.collector import Collector
 from cascade.collect.escalation import EscalationRecord
@@ -26,6 +28,7 @@ from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import Engine, EngineSettings
 from distill.auditing import auditor_for, bundle_teacher
+from distill.cli import main
 from distill.escalations import StoreEscalations, escalations
 from distill.evidence import gather
 from distill.store import LabelStore, Teacher
@@ -157,3 +160,38 @@ def test_the_command_refuses_escalations_it_cannot_keep_before_it_listens(
     refused = serve_command(*common, "--audit-store", str(foreign), "--audit-share", "0")
     assert refused.returncode != 0 and "made by another teacher" in refused.stderr
     assert "serving" not in refused.stderr  # refused before the port opened
+
+
+def test_decide_keeps_the_escalations_of_its_share_and_a_rerun_adds_none(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``cascade decide --escalation-share``: each kept label is the teacher's answer the decision
+    line holds; the share is drawn by item id, so a rerun over the same ids keeps the same ones."""
+    corpus, out, store = tmp_path / "c.jsonl", tmp_path / "d.jsonl", tmp_path / "labels.sqlite"
+    rows = [{"id": f"i{n}", "text": state} for n, state in enumerate(STATES)]
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["decide", "--bundle", str(bundle_dir), "--corpus", str(corpus), "--out", str(out), "--teacher",
+            str(gemma_path), "--threads", "2", "--batch-size", "4", "--audit-store", str(store),
+            "--audit-share", "0", "--escalation-share", "0.5", "--escalation-seed", "s"]
+    assert main(args) == 0
+    decided = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    with LabelStore.open_existing(store) as opened:
+        kept = [record for _, record in opened.escalations_after(0)]
+        assert not opened.audits()
+    chosen = [f"i{n}" for n in range(len(STATES)) if AuditSampler(0.5, "s").chosen(f"i{n}")]
+    assert 0 < len(chosen) < len(STATES) and [record.request_id for record in kept] == chosen
+    assert f"{len(chosen)} escalations kept in {store}" in capsys.readouterr().out
+    for record in kept:  # every question the teacher answered about the item, as the line holds it
+        answers = decided[record.request_id]["answers"]
+        by_teacher = {qid for qid, answer in answers.items() if answer["x_routing"]["tier"] == "teacher"}
+        assert set(record.teacher) == by_teacher and ESCALATED in by_teacher
+        assert record.state == STATES[int(record.request_id[1:])]
+        for qid, label in record.teacher.items():
+            answer = answers[qid]  # a noul answer says P(yes) alone
+            said = answer.get("probabilities") or {"true": answer["noul"], "false": 1 - answer["noul"]}
+            assert label.keys() == said.keys() and all(abs(label[k] - p) <= SAME for k, p in said.items())
+    out.unlink()  # decided again from the start: the same items are chosen, each kept again
+    assert main(args) == 0
+    with LabelStore.open_existing(store) as opened:
+        assert [record.request_id for _, record in opened.escalations_after(0)] == chosen * 2
+    refused = main([*args, "--accept-other-teacher"])
+    assert refused == 2 and "--accept-other-teacher runs another" in capsys.readouterr().err

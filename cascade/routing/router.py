@@ -139,10 +139,17 @@ class Cascade:
         self, items: Sequence[Item], asked: Sequence[Sequence[str]], budget: Budget | None = None
     ) -> list[DecisionResponse]:
         """Answer ``asked[i]`` (bundle question ids) about ``items[i]``, one response per item."""
+        return self.responses(self.routed(items, asked, budget))
+
+    def routed(
+        self, items: Sequence[Item], asked: Sequence[Sequence[str]], budget: Budget | None = None
+    ) -> Run:
+        """``route``'s finished run, for a caller that reads more than the responses (which tier
+        answered what: the escalations a command keeps)."""
         run = self.start(items, asked, budget)
         for t in range(len(self.tiers)):
             self.ask([run], t)
-        return self.responses(run)
+        return run
 
     def start(
         self, items: Sequence[Item], asked: Sequence[Sequence[str]], budget: Budget | None = None,

@@ -28,7 +28,7 @@ With an ``Auditor``, the answered requests its sample chooses (keyed on the engi
 answered requests) are audited on the top tier's worker at the lowest priority. At most
 ``audit_queue`` audits wait; one past it is dropped and counted. With an escalation ``Collector``,
 the teacher's answers to the questions a request escalated are handed to it once answered
-(``cascade.serve.escalations``), to be written on its own thread.
+(``cascade.routing.escalations``), to be written on its own thread.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from cascade.cost.upstream import UpstreamLedger
 from cascade.errors import CascadeError, QueueFullError, TeacherChangedError
 from cascade.questions import State
 from cascade.routing.budget import Budget, Run
+from cascade.routing.escalations import escalation_of
 from cascade.routing.router import Cascade
-from cascade.serve.escalations import escalation_of
 from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
@@ -396,7 +396,7 @@ class Engine:
                 or not run.answered[self.top][0]):
             return
         cascade, request, at = self.cascade, job.item.id, time.time()
-        self.escalations.offer(lambda: escalation_of(cascade, run, request, at))
+        self.escalations.offer(lambda: escalation_of(cascade, run, 0, request, at))
 
     @staticmethod
     def _fail(job: Job, exc: BaseException) -> None:

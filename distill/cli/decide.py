@@ -24,9 +24,11 @@ from distill.cli.common import (
     teacher_argument,
 )
 from distill.cli.endpoint import add_endpoint_arguments, key_source
+from distill.cli.escalations import add_escalation_arguments, check_escalations, escalation_store
 
 if TYPE_CHECKING:
     from cascade.routing.endpoint import Teacher
+    from distill.escalations import KeptEscalations
 
 DESCRIPTION = """\
 Route every item of a JSONL corpus through a model bundle's tiers, cheapest first: a question is
@@ -36,7 +38,9 @@ answer with its routing (tier, predicted cost share, threshold, calibrated, budg
 A budget bounds the predicted cost per item (--budget-ms, pooled over each batch) or the share
 of questions the top tier answers (--max-escalation); when it cannot pay for every escalation,
 the least confident questions escalate first. Items already in --out are skipped, so a stopped
-run continues where it ended."""
+run continues where it ended. With --audit-store, a share of the items is audited by the teacher
+(--audit-share), and the teacher's answers to what escalated can be kept to retrain on
+(--escalation-share)."""
 EPILOG = """\
 example:
   cascade decide --bundle models/support-v1 --corpus emails.jsonl --out decisions.jsonl \\
@@ -50,25 +54,44 @@ def _cmd_decide(args: argparse.Namespace) -> int:
     from distill.auditing import StoreAudits
     from distill.decide import decide_corpus
 
-    with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
-                     bundle=args.bundle) as audits, \
-            Cascade.load(args.bundle, teacher=_teacher(args), device=args.device,
-                         threads=args.threads, placement=placement_of(args),
-                         accept_other_teacher=args.accept_other_teacher) as cascade:
-        auditor = audits(cascade)
-        decided = decide_corpus(cascade, corpus_input(args), args.out, budget_of(args), args.batch_size,
-                                auditor)
+    check_escalations(args)
+    kept = _kept(args)
+    try:
+        with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
+                         bundle=args.bundle) as audits, \
+                Cascade.load(args.bundle, teacher=_teacher(args), device=args.device,
+                             threads=args.threads, placement=placement_of(args),
+                             accept_other_teacher=args.accept_other_teacher) as cascade:
+            auditor = audits(cascade)
+            decided = decide_corpus(cascade, corpus_input(args), args.out, budget_of(args), args.batch_size,
+                                    auditor, escalations=kept)
+    finally:
+        if kept is not None:
+            kept.sink.close()
     total = sum(decided.tiers.values())
     shares = ", ".join(f"{name} {count / total:.1%}" for name, count in decided.tiers.items()) or "-"
     audited = f"; audited {auditor.audited} by the teacher" if auditor is not None else ""
+    escalations = f"; {kept.kept} escalations kept in {args.audit_store}" if kept is not None else ""
     print(f"decided {decided.written} items ({decided.already} already in {args.out}); answers by tier: "
-          f"{shares}{audited}")
+          f"{shares}{audited}{escalations}")
     if decided.errors:
         items = len({item for item, _, _ in decided.errors})
         print(f"{len(decided.errors)} questions of {items} items have no answer (x_errors in {args.out}); "
               f"the first: item {decided.errors[0][0]!r}, question {decided.errors[0][1]!r}: "
               f"{decided.errors[0][2]}", file=sys.stderr)
     return 0
+
+
+def _kept(args: argparse.Namespace) -> KeptEscalations | None:
+    """The escalations to keep; the store is opened now where it exists, so that another
+    teacher's store is refused before a model loads."""
+    sink = escalation_store(args, args.bundle)
+    if sink is None:
+        return None
+    from distill.escalations import KeptEscalations
+
+    sink.count()
+    return KeptEscalations(sink, args.escalation_share, args.escalation_seed)
 
 
 def _teacher(args: argparse.Namespace) -> Teacher | None:
@@ -106,5 +129,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_argument(p, "where the encoder runs (default cpu; auto takes CUDA when onnxruntime-gpu "
                         "has it, and each answer's usage.x_cascade.ran_on says which it got)")
     add_audit_arguments(p)
+    add_escalation_arguments(p, "the decided items (by id: a rerun keeps the same ones)")
     add_endpoint_arguments(p.add_argument_group("a URL teacher (--teacher http://host:port/v1/systemone)"))
     p.set_defaults(run=_cmd_decide)

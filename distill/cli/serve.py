@@ -15,10 +15,10 @@ from distill.cli.common import (
     add_device_argument,
     add_placement_arguments,
     placement_of,
-    share,
     teacher_argument,
     whole_number,
 )
+from distill.cli.escalations import add_escalation_arguments, check_escalations, escalation_store
 from distill.cli.serve_upstream import add_upstream_arguments, upstream_settings
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     teacher = upstream_settings(args) if url else args.teacher
     bundle = resolve(args.bundle)
-    kept = _escalation_store(args, bundle)
+    kept = escalation_store(args, bundle)
     try:
         escalations = _escalations(args, kept) if kept is not None else None
         with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
@@ -101,17 +101,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if kept is not None:
             kept.close()
     return 0
-
-
-def _escalation_store(args: argparse.Namespace, bundle: Path) -> StoreEscalations | None:
-    """Where escalations are kept: --audit-store, bound to the bundle's teacher (None: not kept)."""
-    if args.escalation_share == 0:
-        return None
-    from cascade.bundle.manifest import Bundle
-    from distill.auditing import bundle_teacher
-    from distill.escalations import StoreEscalations
-
-    return StoreEscalations(args.audit_store, bundle_teacher(Bundle.load(bundle, verify=False).manifest))
 
 
 def _escalations(args: argparse.Namespace, sink: StoreEscalations) -> Collector[EscalationRecord]:
@@ -137,12 +126,7 @@ def _check_combination(args: argparse.Namespace, url: bool) -> None:
         raise CascadeError("--collect records a pass-through's traffic: give --teacher URL without --bundle "
                            "(with a bundle, --audit-store keeps the teacher's answers to audited items, and "
                            "--escalation-share its answers to escalated ones)")
-    if args.escalation_share > 0 and (args.bundle is None or args.audit_store is None):
-        raise CascadeError("--escalation-share keeps a cascade's escalations in the bundle's label store: "
-                           "give --bundle and --audit-store")
-    if args.escalation_share > 0 and args.accept_other_teacher:
-        raise CascadeError("--escalation-share keeps the answers of the teacher the bundle names, and "
-                           "--accept-other-teacher runs another: give --escalation-share 0")
+    check_escalations(args, bundle=args.bundle is not None)
 
 
 def _serve_proxy(args: argparse.Namespace, options: Any, serve_proxy: Any) -> None:
@@ -207,15 +191,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audit-poll", type=float, default=1.0, metavar="S",
                    help="seconds between reads of the audit store for other replicas' audits (default 1): "
                    "a demotion raised on any replica sharing --audit-store holds here within S plus one read")
-    kept = p.add_argument_group("keeping escalations (with --bundle and --audit-store)")
-    kept.add_argument("--escalation-share", type=share, default=0.0, metavar="F",
-                      help="seeded share of escalated requests whose teacher answers are kept in "
-                      "--audit-store, in [0, 1] (default 0: none): the items the fast tier found hard, "
-                      "which `cascade retrain` trains on (they never certify: the cascade chose them)")
+    kept = add_escalation_arguments(p, "escalated requests")
     kept.add_argument("--escalation-max", type=whole_number(0), default=None, metavar="N",
                       help="stop keeping escalations once the store holds N (default: no limit)")
-    kept.add_argument("--escalation-seed", default="escalations", metavar="TEXT",
-                      help="seed of the escalation share (default 'escalations')")
     add_upstream_arguments(p)
     p.set_defaults(run=_cmd_serve)
 
