@@ -1,0 +1,49 @@
+"""A table rows are only appended to, numbered in the store's commit order: what the store's
+``traffic`` and ``escalations`` share.
+
+Each row's ``seq`` is the next number, taken inside the caller's transaction past
+``db.serialise()``, so that every reader pages through the same order. The table is made on the
+first write (one statement both engines read), so stores made before it existed open unchanged
+and read as holding no rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from distill.store.backend import Backend
+
+
+@dataclass(frozen=True)
+class AppendedTable:
+    """``name``'s columns past ``seq``, each (name, SQL type and constraints)."""
+
+    name: str
+    columns: tuple[tuple[str, str], ...]
+
+    def append(self, db: Backend, values: Sequence[Any], made: bool) -> None:
+        """One row of ``values`` (in column order) as the next number; ``made``: the table is
+        known to exist already."""
+        if not made:
+            body = ",\n".join(f"    {column} {kind}" for column, kind in self.columns)
+            db.execute(f"CREATE TABLE IF NOT EXISTS {self.name} (\n    seq BIGINT PRIMARY KEY,\n{body}\n)")
+        names = ", ".join(column for column, _ in self.columns)
+        marks = ", ".join("?" for _ in self.columns)
+        db.execute(f"INSERT INTO {self.name} (seq, {names}) SELECT COALESCE(MAX(seq), 0) + 1, {marks} "
+                   f"FROM {self.name}", tuple(values))
+
+    def after(self, db: Backend, position: int, limit: int) -> list[tuple[Any, ...]]:
+        """Up to ``limit`` rows past ``position``, in order, each (seq, *columns); none in a store
+        without the table."""
+        if self.name not in db.tables():
+            return []
+        names = ", ".join(column for column, _ in self.columns)
+        return list(db.execute(f"SELECT seq, {names} FROM {self.name} WHERE seq > ? ORDER BY seq LIMIT ?",
+                               (position, limit)).fetchall())
+
+    def count(self, db: Backend) -> int:
+        if self.name not in db.tables():
+            return 0
+        return int(db.execute(f"SELECT COUNT(*) FROM {self.name}").fetchone()[0])
