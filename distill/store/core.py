@@ -71,6 +71,7 @@ class LabelStore:
         were read another way, recorded where the store has none yet."""
         self.path: StoreLocation = store_location(path)
         self.teacher, self._read_only, self._claims = teacher, False, False
+        self._appended: set[str] = set()  # appended tables this store made or wrote (they exist)
         self._db = connect(self.path, read_only=False, any_thread=any_thread)
         with self._db.opening(), self._transaction():
             self._db.serialise()
@@ -88,6 +89,7 @@ class LabelStore:
         """Open a store for reading (export, training); the teacher comes from the store."""
         store = cls.__new__(cls)
         store.path, store._read_only, store._claims = store_location(path), True, False
+        store._appended = set()
         store._db = connect(store.path, read_only=True)
         with store._db.opening():
             tables = store._db.tables()
@@ -323,8 +325,8 @@ class LabelStore:
         transaction, numbered in the order the store commits them."""
         with self._transaction():
             self._db.serialise()
-            put_traffic(self._db, item, made=getattr(self, "_traffic_made", False))
-        self._traffic_made = True
+            put_traffic(self._db, item, made="traffic" in self._appended)
+        self._appended.add("traffic")
 
     def traffic_after(self, position: int, limit: int = TRAFFIC_PAGE) -> list[tuple[int, CollectedItem]]:
         """Up to ``limit`` collected requests past ``position``, in the store's order."""
@@ -343,8 +345,8 @@ class LabelStore:
             conflicts = self._insert(record.item_id, record.teacher, record.prompt_hashes)
             if conflicts:
                 raise StoreError(conflict_message(record.item_id, conflicts))
-            put_escalation_row(self._db, record, made=getattr(self, "_escalations_made", False))
-        self._escalations_made = True
+            put_escalation_row(self._db, record, made="escalations" in self._appended)
+        self._appended.add("escalations")
 
     def escalations_after(self, position: int, limit: int = ESCALATION_PAGE
                           ) -> list[tuple[int, EscalationRecord]]:
