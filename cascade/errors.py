@@ -13,6 +13,7 @@ Exception
       +-- HttpProblem             cascade.serve: a refused HTTP request, its status and headers
       +-- ServiceError            a call a client may retry or pass on: its HTTP status, Retry-After
            +-- QueueFullError     a top tier's expected wait is past its deadline (503)
+           |    +-- WorkTooLargeError   one request's own work is past it (413)
            +-- UpstreamError      an upstream System One server failed a call (502-class)
                 +-- UpstreamUnreachable   no connection, or it dropped every time (502)
                 +-- UpstreamTimeout       no answer within the timeout or deadline (504)
@@ -25,7 +26,12 @@ Exception
 Each also inherits the built-in it refines, so callers that only know ``ValueError`` still catch
 it. The offline package's errors (``distill``: StoreError, TrainError, CalibrationError, ...)
 derive from ``CascadeError`` too.
+
+A ``ServiceError``'s message is what a server answers with: it is redacted as it is made (every
+URL's password, every ``password=`` pair: ``cascade.private``), whoever wrote it.
 """
+
+from cascade.private import redact_text
 
 
 class CascadeError(Exception):
@@ -64,13 +70,14 @@ class TemperatureError(CascadeError, ValueError):
 class ServiceError(CascadeError):
     """A call that failed in a way its client can act on: ``status`` is the HTTP status a server
     answers it with, ``retry_after`` (whole seconds) when waiting would help, ``body`` and
-    ``content_type`` an upstream's own error body where it is passed back unchanged."""
+    ``content_type`` an upstream's own error body where it is passed back unchanged. The message
+    is kept without secrets (``cascade.private.redact_text``)."""
 
     status = 502
 
     def __init__(self, message: str, retry_after: int | None = None, status: int | None = None,
                  body: bytes | None = None, content_type: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(redact_text(message))
         self.retry_after = retry_after
         self.status = status if status is not None else type(self).status
         self.body, self.content_type = body, content_type
@@ -85,6 +92,13 @@ class QueueFullError(ServiceError):
     """A top tier's queue would keep this request past its deadline: refused at once (503)."""
 
     status = 503
+
+
+class WorkTooLargeError(QueueFullError):
+    """One request's own work would keep a top tier past the deadline, however short its queue:
+    refused at once (413); waiting would not help, a smaller request would."""
+
+    status = 413
 
 
 class UpstreamError(ServiceError):

@@ -9,14 +9,22 @@ teacher (``TeacherChangedError``) rather than mix two teachers' labels.
 
 The store is bound to the endpoint's identity (``distill.store.Teacher.of_endpoint``: its model
 and audit hashes); each label keeps the question's ``prompt_template_sha256`` as its prompt hash.
-A store made by another teacher, a GGUF or another endpoint, is refused. An item's failed call
-that waiting may cure (429, 502-504, unreachable) is tried again up to ``attempts`` times after
-its Retry-After; a refusal of the item itself (another 4xx, an answer of the wrong shape) is a
-bad item, stopping the run or skipped as ``on_error`` says.
+A store made by another teacher, a GGUF or another endpoint, is refused.
+
+Failures have one retry policy, the upstream client's (``cascade.teachers.client``: its retries,
+after the Retry-After where that fits the call's deadline), so an item is sent at most
+``retries + 1`` times in a run. An item the client gave up on because the upstream asked to wait
+(429, 503) is left for the next run (``LabelSummary.turned_away``) and pauses the run's later
+calls until that Retry-After; the pause, like the rate limit, is waited out by the calls'
+threads, never by the thread that commits, so answers that come meanwhile are committed at once.
+Any other failure the client gave up on (502, 504, unreachable) stops the run, its labels so far
+committed. A refusal of the item itself (another 4xx, an answer of the wrong shape) is a bad
+item, stopping the run or skipped as ``on_error`` says.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -25,9 +33,9 @@ from pathlib import Path
 
 from cascade.corpus import BadLine, CorpusItem, OnError, count_items, read_corpus
 from cascade.errors import (
-    TeacherChangedError,
     UpstreamAnswerError,
-    UpstreamError,
+    UpstreamFailed,
+    UpstreamRateLimited,
     UpstreamRefused,
 )
 from cascade.questions import Question
@@ -44,12 +52,11 @@ from distill.store import LabelStore, StoreError, StoreMismatchError, Teacher
 @dataclass(frozen=True)
 class EndpointRun:
     """How a run calls the endpoint: ``concurrency`` calls at a time, at most ``rate`` a second
-    (None: no limit), each item tried at most ``attempts`` times where waiting may cure a failure.
-    ``only``: the item ids to take (None: every one)."""
+    (None: no limit), one call an item (retried as the client's settings say). ``only``: the item
+    ids to take (None: every one)."""
 
     concurrency: int = 4
     rate: float | None = None
-    attempts: int = 3
     text_field: str = "text"
     on_error: OnError = "stop"
     only: Collection[str] | None = None
@@ -57,16 +64,35 @@ class EndpointRun:
 
 @dataclass
 class _Progress:
-    """What the run has done, and the store once the first answer named its teacher."""
+    """What the run has done, and the store once the first answer named its teacher; when the
+    next call may start (the rate limit), until when the upstream asked to wait, and whether the
+    run is ending (calls not yet started are then not made)."""
 
     corpus: Path
     summary: LabelSummary = field(default_factory=LabelSummary)
     store: LabelStore | None = None
     next_call: float = 0.0
+    resume_at: float = 0.0
+    ending: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def bad(self, line: BadLine) -> None:
         self.summary.bad_lines.append(line)
         self.summary.left -= 1
+
+    def turn(self, rate: float | None) -> float:
+        """When the next call may start: after the one before it (at most ``rate`` a second) and
+        once the upstream's pause has passed; taken, so that the call after it waits its own."""
+        with self.lock:
+            start = max(time.monotonic(), self.next_call, self.resume_at)
+            if rate:
+                self.next_call = start + 1.0 / rate
+            return start
+
+    def pause(self, seconds: float) -> None:
+        """No call starts for ``seconds`` (a later pause never shortens an earlier one)."""
+        with self.lock:
+            self.resume_at = max(self.resume_at, time.monotonic() + seconds)
 
 
 def label_through_endpoint(settings: UpstreamSettings, questions: Mapping[str, Question], corpus: Path,
@@ -86,7 +112,7 @@ def label_through_endpoint(settings: UpstreamSettings, questions: Mapping[str, Q
     progress.summary.left = calls
     if say is not None:
         limit = f", at most {run.rate:g} a second" if run.rate else ""
-        say(f"{calls} items to label: {calls} calls to {settings.url} (each holding the questions its "
+        say(f"{calls} items to label: {calls} calls to {settings.shown} (each holding the questions its "
             f"item lacks, of {len(questions)}), {run.concurrency} at a time{limit}; stop any time with "
             "Ctrl-C, resume by running the same command")
     started = time.perf_counter()
@@ -138,7 +164,7 @@ def _call_all(tier: UpstreamTier, questions: Mapping[str, Question], corpus: Pat
     """Keep ``concurrency`` calls in flight, commit each answer as it comes (this thread is the
     store's only writer), and after a stop or an error wait for the calls in flight."""
     todo = _todo(corpus, done, questions, run, progress)
-    pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]] = {}
+    pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question]]] = {}
     failure: BaseException | None = None
     with ThreadPoolExecutor(run.concurrency, "cascade-label") as pool:
         try:
@@ -147,18 +173,19 @@ def _call_all(tier: UpstreamTier, questions: Mapping[str, Question], corpus: Pat
                     nxt = next(todo, None)
                     if nxt is None:
                         break
-                    _submit(pool, tier, pending, nxt[0], nxt[1], 1, run, progress)
+                    _submit(pool, tier, pending, nxt[0], nxt[1], run, progress)
                 if not pending:
                     break
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
-                    item, asked, attempt = pending.pop(future)
-                    _settle(future, item, asked, attempt, pool, tier, pending, store_path, run, progress)
+                    item, asked = pending.pop(future)
+                    _settle(future, item, asked, store_path, run, progress)
         except KeyboardInterrupt:
             progress.summary.interrupted = True
         except BaseException as exc:
             failure = exc
-        _drain(pending, store_path, run, progress)
+        progress.ending.set()  # the calls still waiting for their turn are not made
+        _drain(pending, store_path, progress)
     progress.summary.interrupted = progress.summary.interrupted or bool(stop and stop.requested)
     if failure is not None:
         raise failure
@@ -180,26 +207,33 @@ def _todo(corpus: Path, done: Mapping[str, set[str]], questions: Mapping[str, Qu
             summary.skipped_done += 1
 
 
+class _NotCalled(Exception):
+    """A call the run ended before its turn came: not made."""
+
+
 def _submit(pool: ThreadPoolExecutor, tier: UpstreamTier,
-            pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]],
-            item: CorpusItem, asked: dict[str, Question], attempt: int, run: EndpointRun,
-            progress: _Progress, after: float = 0.0) -> None:
-    """Start one call, no sooner than the rate limit (and ``after`` seconds) allow."""
-    now = time.monotonic()
-    start = max(now + after, progress.next_call)
-    if start > now:
-        time.sleep(start - now)
-    if run.rate:
-        progress.next_call = max(start, time.monotonic()) + 1.0 / run.rate
-    pending[pool.submit(tier.ask, Item(item.id, item.state), asked)] = (item, asked, attempt)
+            pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question]]],
+            item: CorpusItem, asked: dict[str, Question], run: EndpointRun, progress: _Progress) -> None:
+    """Hand one call to a worker, which waits for its turn: this thread never waits."""
+    pending[pool.submit(_call, tier, item, asked, run.rate, progress)] = (item, asked)
 
 
-def _settle(future: Future[UpstreamAnswers], item: CorpusItem, asked: dict[str, Question], attempt: int,
-            pool: ThreadPoolExecutor, tier: UpstreamTier,
-            pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]],
+def _call(tier: UpstreamTier, item: CorpusItem, asked: dict[str, Question], rate: float | None,
+          progress: _Progress) -> UpstreamAnswers:
+    """One item's call, on a worker, once its turn has come (the rate limit, the upstream's pause;
+    a pause that began meanwhile is waited out too); ``_NotCalled`` when the run ends first."""
+    while True:
+        start = progress.turn(rate)
+        if progress.ending.wait(max(0.0, start - time.monotonic())):
+            raise _NotCalled
+        if progress.resume_at <= time.monotonic():
+            return tier.ask(Item(item.id, item.state), asked)
+
+
+def _settle(future: Future[UpstreamAnswers], item: CorpusItem, asked: dict[str, Question],
             store_path: Path, run: EndpointRun, progress: _Progress) -> None:
-    """Commit an answered item; call again for one whose failure may pass; a bad item is raised
-    (stop) or recorded (skip); another teacher is raised."""
+    """Commit an answered item; leave one the upstream asked to wait for, pausing the calls to
+    come; a bad item is raised (stop) or recorded (skip); any other failure is raised."""
     error = future.exception()
     if error is None:
         _commit(future.result(), item, asked, store_path, progress)
@@ -210,9 +244,9 @@ def _settle(future: Future[UpstreamAnswers], item: CorpusItem, asked: dict[str, 
         progress.bad(BadLine(path=str(progress.corpus), line=item.line, item_id=item.id,
                              message=f"item {item.id!r}: {error}"))
         return
-    if isinstance(error, UpstreamError) and not isinstance(error, TeacherChangedError) \
-            and attempt < run.attempts:
-        _submit(pool, tier, pending, item, asked, attempt + 1, run, progress, float(error.retry_after or 1))
+    if isinstance(error, UpstreamRateLimited | UpstreamFailed) and error.status in (429, 503):
+        progress.pause(float(error.retry_after or 1))
+        progress.summary.turned_away += 1
         return
     raise error
 
@@ -231,10 +265,10 @@ def _commit(answers: UpstreamAnswers, item: CorpusItem, asked: Mapping[str, Ques
     progress.summary.left -= 1
 
 
-def _drain(pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question], int]],
-           store_path: Path, run: EndpointRun, progress: _Progress) -> None:
+def _drain(pending: dict[Future[UpstreamAnswers], tuple[CorpusItem, dict[str, Question]]],
+           store_path: Path, progress: _Progress) -> None:
     """Wait for the calls in flight (each ends by its deadline) and commit those answered."""
-    for future, (item, asked, _) in list(pending.items()):
+    for future, (item, asked) in list(pending.items()):
         error = future.exception()
         if error is None:
             _commit(future.result(), item, asked, store_path, progress)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from cascade.hashing import file_sha256
 from cascade.readout.prompts import PROMPT_VERSION
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig, create_app
+from cascade.serve.lifecycle import ServeOptions, server_config
 
 KEPT, ESCALATED = "urgent", "department"
 
@@ -56,19 +58,20 @@ def free_port() -> int:
 
 @contextmanager
 def running(load: Callable[[], Cascade] | None, config: ServeConfig | None = None,
-            wait: bool = True) -> Iterator[str]:
+            wait: bool = True, options: ServeOptions | None = None) -> Iterator[str]:
     """Serve ``create_app(load, config)`` on loopback; yields the base URL. ``wait``: until
-    /health says ok (the models loaded)."""
-    with serving(create_app(load, config), wait) as url:
+    /health says ok (the models loaded); ``options``: uvicorn's limits (see ``serving``)."""
+    with serving(create_app(load, config), wait, options) as url:
         yield url
 
 
 @contextmanager
-def serving(app: Any, wait: bool = True) -> Iterator[str]:
-    """Serve the ASGI ``app`` on loopback in a thread; yields the base URL (see ``running``)."""
+def serving(app: Any, wait: bool = True, options: ServeOptions | None = None) -> Iterator[str]:
+    """Serve the ASGI ``app`` on loopback in a thread, as ``cascade serve`` does (its connection
+    limit and request deadlines: ``options``, defaults but the port); yields the base URL (see
+    ``running``)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
+    server = uvicorn.Server(server_config(app, replace(options or ServeOptions(), port=port)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

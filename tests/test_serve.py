@@ -49,8 +49,9 @@ def loader(bundle_dir: Path, gemma_path: Path) -> Any:
     return lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2)
 
 
-PATIENT = ServeConfig(engine=EngineSettings(max_wait=600.0))
-"""A queue that admits every request these tests send, however slow the shared cores are."""
+PATIENT = ServeConfig(engine=EngineSettings(max_wait=600.0), docs=True)
+"""A queue that admits every request these tests send, however slow the shared cores are, and the
+OpenAPI schema served (off by default), which the fuzzing test reads."""
 
 
 @pytest.fixture(scope="module")

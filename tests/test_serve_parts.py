@@ -4,6 +4,7 @@ real label store."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -51,6 +52,28 @@ def test_without_a_price_the_ledger_fits_seconds_per_call_and_per_question() -> 
         ledger.request(asked=4, sent=questions, seconds=0.2 + 0.05 * questions)
     per_request, per_question, unit = ledger.rates()
     assert (per_request, per_question, unit) == (pytest.approx(0.2), pytest.approx(0.05), "s")
+
+
+def test_the_ledgers_costs_only_grow_as_the_latency_fit_moves() -> None:
+    """Priced when they happen: a fit that falls (the first call was slow) reprices nothing, so
+    /metrics can export both sums as counters. Priced again at each scrape, forwarded would fall
+    from 101 s to about 21 s here."""
+    ledger = UpstreamLedger()
+    ledger.request(asked=1, sent=1, seconds=1.0)  # the first call: 1 s, so a request costs 1 s
+    for _ in range(100):
+        ledger.request(asked=1, sent=0)  # answered here: forwarding it would have cost 1 s
+    books = [ledger.ledger()]
+    for _ in range(9):  # faster calls: the fit falls toward 0.1 s
+        ledger.request(asked=1, sent=1, seconds=0.1)
+        books.append(ledger.ledger())
+    fitted = [(1.0 + 0.1 * k) / (1 + k) for k in range(1, 10)]  # a request's price after each call
+    assert ledger.rates()[0] == pytest.approx(fitted[-1])
+    assert books[0].forwarded == pytest.approx(101.0) and books[0].spent == pytest.approx(1.0)
+    assert books[-1].forwarded == pytest.approx(101.0 + sum(fitted))
+    assert books[-1].spent == pytest.approx(1.0 + sum(fitted))
+    for earlier, later in itertools.pairwise(books):
+        assert later.forwarded >= earlier.forwarded and later.spent >= earlier.spent
+    assert books[-1].saved == pytest.approx(books[-1].forwarded - books[-1].spent)
 
 
 def test_a_bundle_path_is_a_folder_a_link_or_a_pointer_file(tmp_path: Path) -> None:
@@ -141,7 +164,7 @@ def test_an_upstreams_queue_is_admitted_by_its_measured_throughput() -> None:
     tickets = [gate.enter() for _ in range(3)]  # 0, 1 and 2 ahead, guessed at 1 s each
     with pytest.raises(QueueFullError, match=r"3 request\(s\) ahead"):
         gate.enter()
-    starts = [gate.started() for _ in tickets]
+    starts = [gate.started(ticket) for ticket in tickets]
     for ticket, start in zip(tickets, starts, strict=True):
         clock.now += 0.25
         gate.done(ticket, start)

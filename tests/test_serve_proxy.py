@@ -125,12 +125,12 @@ def test_collection_keeps_its_share_and_size_and_stops_at_another_teacher(
                  for k in range(5)]
         counts = httpx.get(f"{base}/metrics", timeout=30).text
     assert codes == [200] * 5 and len(list(collected(store))) == 3
-    assert 'cascade_collect{outcome="full"} 2.0' in counts
+    assert 'cascade_collect_total{outcome="full"} 2.0' in counts
     tiny = tiny_llama_path(tmp_path_factory.mktemp("tiny"))
     with upstream(teacher_server(tiny)) as server, proxy(server.url, store) as base:
         other = httpx.post(f"{base}/v1/systemone", json={"state": STATE, "questions": {"urgent": URGENT}},
                            timeout=60)
-        failed = 'cascade_collect{outcome="failed"} 1.0'
+        failed = 'cascade_collect_total{outcome="failed"} 1.0'
         until(lambda: failed in httpx.get(f"{base}/metrics", timeout=30).text,
               "the store refused another teacher's answer")
     assert other.status_code == 200  # the client is answered; the store refuses another teacher

@@ -86,9 +86,9 @@ def test_the_unsure_and_the_unknown_questions_go_upstream_in_one_request_and_say
     with running(loader(bundle_dir, gemma_server.url)) as base:
         reply = post(base, KEPT, ESCALATED, foreign=True)
         local = post(base, KEPT)
-        calls, sent = metric(base, 'cascade_upstream{count="calls"}'), \
-            metric(base, 'cascade_upstream{count="sent_questions"}')
-        saved = metric(base, 'cascade_upstream{count="saved_questions"}')
+        calls, sent = metric(base, 'cascade_upstream_total{count="calls"}'), \
+            metric(base, 'cascade_upstream_total{count="sent_questions"}')
+        saved = metric(base, 'cascade_upstream_total{count="saved_questions"}')
     assert reply.status_code == 200 and local.status_code == 200
     routes = {qid: a["x_routing"] for qid, a in reply.json()["answers"].items()}
     assert (routes[KEPT]["tier"], routes[KEPT]["upstream"], routes[KEPT]["certified"]) == \
@@ -218,8 +218,8 @@ def test_a_request_whose_client_has_gone_is_never_sent_upstream(bundle_dir: Path
         until(lambda: metric(base, 'cascade_requests_total{code="499"}') == 1, "the server saw the client go")
         server.resume()
         assert first.result().status_code == 200
-        until(lambda: metric(base, "cascade_abandoned_requests") == 1, "the gone request dropped")
-        calls = metric(base, 'cascade_upstream{count="calls"}')
+        until(lambda: metric(base, "cascade_abandoned_requests_total") == 1, "the gone request dropped")
+        calls = metric(base, 'cascade_upstream_total{count="calls"}')
     assert calls == 1
 
 

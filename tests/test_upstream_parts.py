@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cascade.errors import QueueFullError, TeacherChangedError, UpstreamAnswerError
+from cascade.errors import QueueFullError, TeacherChangedError, UpstreamAnswerError, WorkTooLargeError
 from cascade.questions import parse_request
-from cascade.teachers.admission import Admission
+from cascade.teachers.admission import Admission, work_of
 from cascade.teachers.client import retry_after
 from cascade.teachers.identity import EndpointIdentity, IdentityWatch, identity_of
 from cascade.teachers.keys import AcceptedKeys, KeySource, Pauses
@@ -107,10 +107,11 @@ def test_admission_admits_while_the_expected_wait_fits_and_says_when_to_retry() 
     clock = Clock()
     gate = Admission(max_wait=2.5, first_guess=1.0, clock=clock)
     tickets = [gate.enter() for _ in range(3)]  # waits 0, 1 and 2 s
-    with pytest.raises(QueueFullError, match=r"3 request\(s\) ahead, an expected wait of 3.0 s") as refused:
+    with pytest.raises(QueueFullError, match=r"3 request\(s\) ahead \(3 unit\(s\) of work\), an expected "
+                       r"wait of 3.0 s") as refused:
         gate.enter()
     assert (refused.value.status, refused.value.headers) == (503, {"Retry-After": "1"})
-    started = gate.started()
+    started = gate.started(tickets[0])
     clock.now += 2.0  # the first one took 2 s: the measured time replaces the guess
     gate.done(tickets[0], started)
     assert gate.service == 2.0
@@ -125,10 +126,37 @@ def test_admission_admits_while_the_expected_wait_fits_and_says_when_to_retry() 
 def test_a_request_in_service_longer_than_the_mean_raises_the_estimate() -> None:
     clock = Clock()
     gate = Admission(max_wait=5.0, first_guess=0.1, clock=clock)
-    gate.enter()
-    gate.started()
+    gate.started(gate.enter())
     clock.now += 6.0  # running for 6 s already: nobody behind it waits less
     with pytest.raises(QueueFullError, match=r"expected wait of 6\.0 s"):
+        gate.enter()
+
+
+def test_admission_counts_the_work_waiting_not_the_requests() -> None:
+    """One request of ten units ahead is as long a wait as ten of one unit: a request that asks a
+    hundred questions about a long state cannot pass as one."""
+    clock = Clock()
+    gate = Admission(max_wait=5.0, first_guess=1.0, clock=clock)
+    big = gate.enter(work_of(10_000))  # 10 units: admitted, a slot is free
+    assert big.work == 10.0 and work_of(10) == 1.0  # a short request is one unit
+    with pytest.raises(QueueFullError, match=r"1 request\(s\) ahead \(10 unit\(s\) of work\), an expected "
+                       r"wait of 10.0 s"):
+        gate.enter()
+    start = gate.started(big)
+    clock.now += 2.0  # ten units took 2 s: 0.2 s a unit
+    gate.done(big, start)
+    assert gate.service == pytest.approx(0.2)
+    small = [gate.enter() for _ in range(3)]  # 0, 1 and 2 units ahead x 0.2 s
+    assert len(small) == 3 and gate.inside == 3
+    gate.enter(work_of(25_000))  # 3 units ahead x 0.2 s = 0.6 s fits
+    # a request whose own 26 units would take 5.2 s in service is refused, however short the queue
+    with pytest.raises(WorkTooLargeError, match=r"26 unit\(s\) of work .* about 5.2 s .* past the 5 s") \
+            as big:
+        gate.enter(work_of(26_000))
+    assert (big.value.status, big.value.headers) == (413, {})  # waiting would not help
+    # four requests ahead would be 0.8 s by their count; their 28 units are 5.6 s
+    with pytest.raises(QueueFullError, match=r"4 request\(s\) ahead \(28 unit\(s\) of work\), an expected "
+                       r"wait of 5.6 s"):
         gate.enter()
 
 

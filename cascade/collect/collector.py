@@ -6,17 +6,20 @@ escalations (``EscalationRecord``): a ``Collector`` is generic in what its sink 
 A request is collected when a hash of (seed, its number among the requests answered) falls below
 ``share`` (the choice never depends on what the client sent), until the sink holds ``max_items``.
 The request path only hands over what it already has (the body and the upstream's answer) and
-returns: parsing, checking and writing happen on the collector's own thread, through a bounded
-queue. A full queue drops the item and counts it; a store that refuses an item (another teacher
-answered: the upstream's model changed) stops the collection with one alarm line, since every
-later item would be refused alike. The answer to the client never waits for, or fails with, any
-of it.
+returns: parsing, checking and writing happen on the collector's own thread, through a queue
+bounded twice: at most ``QUEUE_SIZE`` items, and at most ``QUEUE_BYTES`` bytes of what they hold
+(the bodies and answers they will be built from, which a caller states as ``size``), so that a
+slow store under large requests cannot fill the memory. A full queue (either bound) drops the item,
+counts it as ``dropped`` and says so in one log line until the queue takes items again; a store
+that refuses an item (another teacher answered: the upstream's model changed) stops the
+collection with one alarm line, since every later item would be refused alike. The answer to the
+client never waits for, or fails with, any of it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -24,11 +27,13 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from cascade.errors import CascadeError
+from cascade.hashing import seeded_unit
 
 log = logging.getLogger("cascade.collect")
-_SCALE = float(1 << 64)
 QUEUE_SIZE = 1024
 """Items waiting for the writer at most: past it an item is dropped (and counted), never waited for."""
+QUEUE_BYTES = 64 * 1024 * 1024
+"""Bytes the items waiting for the writer hold at most (their ``size``): past it, dropped alike."""
 
 
 class Requested(Protocol):
@@ -59,38 +64,62 @@ class Collector(Generic[T]):
     limit). ``counts`` says what became of every offered request. ``build`` given to ``offer``
     makes the item from what the request had; None where there is nothing to collect (a body
     that is not a System One request, an answer of the wrong shape). ``what``: what is collected,
-    as its log lines and the store's refusal name it."""
+    as its log lines and the store's refusal name it. ``max_queue_bytes``: the queue's byte budget."""
 
     def __init__(self, sink: Sink[T], share: float = 1.0, max_items: int | None = None,
-                 seed: str = "collect", what: str = "collect") -> None:
-        if not 0 <= share <= 1 or (max_items is not None and max_items < 0):
-            raise ValueError(f"{what} needs a share in [0, 1] and a size >= 0; got {share!r}, {max_items!r}")
+                 seed: str = "collect", what: str = "collect", max_queue_bytes: int = QUEUE_BYTES) -> None:
+        if not 0 <= share <= 1 or (max_items is not None and max_items < 0) or max_queue_bytes < 0:
+            raise ValueError(f"{what} needs a share in [0, 1], a size >= 0 and a queue budget >= 0 bytes; "
+                             f"got {share!r}, {max_items!r}, {max_queue_bytes!r}")
         self.sink, self.share, self.max_items, self.seed, self.what = sink, share, max_items, seed, what
+        self.max_queue_bytes = max_queue_bytes
+        self.queued_bytes = 0
         self.held = sink.count()
         self.counts = {"collected": 0, "not_chosen": 0, "full": 0, "dropped": 0, "unreadable": 0,
                        "failed": 0}
         self.stopped: str | None = None
         self._numbers = itertools.count()
-        self._queue: queue.Queue[Callable[[], T | None] | None] = queue.Queue(QUEUE_SIZE)
+        self._queue: queue.Queue[tuple[Callable[[], T | None], int] | None] = queue.Queue(QUEUE_SIZE)
         self._lock = threading.Lock()
+        self._dropping = False  # said once per run of drops
         self._thread = threading.Thread(target=self._write, name=f"cascade-{what}", daemon=True)
         self._thread.start()
 
-    def offer(self, build: Callable[[], T | None]) -> None:
-        """Collect this request if it is chosen and there is room; never blocks."""
+    def offer(self, build: Callable[[], T | None], size: int = 0) -> None:
+        """Collect this request if it is chosen and there is room; never blocks. ``size``: the
+        bytes ``build`` holds until it runs (the request's body and answer), counted against the
+        queue's byte budget."""
         chosen = self._chosen(str(next(self._numbers)))
         with self._lock:
             reason = ("not_chosen" if not chosen else "full" if self._full() else
-                      "failed" if self.stopped else None)
+                      "failed" if self.stopped else
+                      "dropped" if self.queued_bytes + size > self.max_queue_bytes else None)
             if reason is None:
                 self.held += 1  # counted when queued, so the limit holds with items in flight
+                self.queued_bytes += size
         if reason is not None:
             self._count(reason)
+            if reason == "dropped":
+                self._say_dropped(size)
             return
         try:
-            self._queue.put_nowait(build)
+            self._queue.put_nowait((build, size))
         except queue.Full:
-            self._undo("dropped")
+            self._undo("dropped", size)
+            self._say_dropped(size)
+            return
+        self._dropping = False
+
+    def _say_dropped(self, size: int) -> None:
+        """One log line for a run of drops of a full queue (until the queue takes an item again)."""
+        with self._lock:
+            said, self._dropping = self._dropping, True
+            waiting, held = self._queue.qsize(), self.queued_bytes
+        if not said:
+            log.warning("%s: the writer's queue is full (%d items, %d bytes of a %d-byte budget, the "
+                        "item %d bytes): requests are not collected, counted as dropped in /metrics, "
+                        "until the store keeps up again", self.what, waiting, held, self.max_queue_bytes,
+                        size)
 
     def close(self) -> None:
         """Write what is queued, then stop the thread."""
@@ -100,26 +129,33 @@ class Collector(Generic[T]):
     def _chosen(self, key: str) -> bool:
         if self.share >= 1:
             return True
-        digest = hashlib.sha256(f"{self.seed}\x1e{key}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / _SCALE < self.share
+        return seeded_unit(self.seed, key) < self.share
 
     def _full(self) -> bool:
         return self.max_items is not None and self.held >= self.max_items
 
     def _write(self) -> None:
-        while (build := self._queue.get()) is not None:
-            if self.stopped:
-                self._undo("failed")
-                continue
+        while (queued := self._queue.get()) is not None:
+            build, size = queued
             try:
-                item = build()
-            except Exception as exc:  # a body or answer that is not readable: not collected
-                log.info("%s: request not collected (%s: %s)", self.what, type(exc).__name__, exc)
-                item = None
-            if item is None:
-                self._undo("unreadable")
-                continue
-            self._store(item)
+                self._take(build)
+            finally:
+                with self._lock:
+                    self.queued_bytes -= size
+
+    def _take(self, build: Callable[[], T | None]) -> None:
+        if self.stopped:
+            self._undo("failed")
+            return
+        try:
+            item = build()
+        except Exception as exc:  # a body or answer that is not readable: not collected
+            log.info("%s: request not collected (%s: %s)", self.what, type(exc).__name__, exc)
+            item = None
+        if item is None:
+            self._undo("unreadable")
+            return
+        self._store(item)
 
     def _store(self, item: T) -> None:
         try:
@@ -137,11 +173,22 @@ class Collector(Generic[T]):
             return
         self._count("collected")
 
-    def _undo(self, reason: str) -> None:
+    def _undo(self, reason: str, size: int = 0) -> None:
         with self._lock:
             self.held -= 1
+            self.queued_bytes -= size
             self.counts[reason] += 1
 
     def _count(self, reason: str) -> None:
         with self._lock:
             self.counts[reason] += 1
+
+
+def size_of(value: object) -> int:
+    """Bytes a request's part holds, for ``Collector.offer``'s ``size``: a body's length, a text's
+    UTF-8 length, a JSON value's serialised length."""
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    return len(json.dumps(value, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))

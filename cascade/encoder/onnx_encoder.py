@@ -29,6 +29,7 @@ from tqdm import tqdm
 from cascade.encoder.onnx_header import weight_precision
 from cascade.errors import ModelError
 from cascade.hashing import file_sha256
+from cascade.private import private_file
 
 T = TypeVar("T")
 Device = Literal["cpu", "cuda", "auto"]
@@ -227,6 +228,7 @@ class EmbeddingCache:
         directory.mkdir(parents=True, exist_ok=True)
         alone = "-alone" if encoder.texts_alone else ""
         self.path = directory / f"embeddings-{encoder.sha256[:12]}-{encoder.max_length}{alone}.sqlite"
+        private_file(self.path)  # vectors of customer text: its owner's alone
         with closing(sqlite3.connect(self.path)) as db, db:
             db.execute("CREATE TABLE IF NOT EXISTS embeddings (key TEXT PRIMARY KEY, vec BLOB)")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,10 +40,54 @@ _NOUL_LABELS = ("Yes", "No")
 
 
 def render_state(state: State) -> str:
-    """The state as prompt text: text as-is, JSON objects and arrays as indented JSON."""
+    """The state as prompt text: text as-is, JSON objects and arrays as indented JSON.
+
+    Indented JSON costs a nested state far more characters than its body (each level indents
+    every line below it), so a server checks ``state_size`` before anything renders it."""
     if isinstance(state, str):
         return state.strip()
     return json.dumps(state, ensure_ascii=False, indent=2)
+
+
+@dataclass(frozen=True)
+class StateSize:
+    """What a state costs before it is rendered: ``chars``, the exact length of
+    ``render_state(state)``, and ``depth``, its nesting (0 for text and scalars)."""
+
+    chars: int
+    depth: int
+
+
+def state_size(state: State, max_depth: int | None = None) -> StateSize:
+    """``render_state``'s length and the state's nesting, computed without rendering it: the
+    compact JSON (C speed, linear in the body) plus what indenting adds to each container, walked
+    level by level without recursion. Rendering first is what a nested state turns into
+    gigabytes. Past ``max_depth`` levels the walk stops: ``depth`` is then ``max_depth + 1``
+    and ``chars`` counts the levels walked (a refusal needs no more)."""
+    if isinstance(state, str):
+        return StateSize(len(state.strip()), 0)
+    extra, depth = 0, 0
+    level = [state] if isinstance(state, dict | list) and state else []
+    while level:
+        if max_depth is not None and depth == max_depth:
+            return StateSize(extra, depth + 1)
+        below: list[Any] = []
+        for value in level:
+            n = len(value)
+            # "[\n", an indented line per item, ",\n" between items, "\n" and the closing
+            # indent; an object's items also gain the space after each ": "
+            extra += 2 * depth + 1 + n * (2 * depth + 3)
+            items = value.values() if isinstance(value, dict) else value
+            extra += n if isinstance(value, dict) else 0
+            below += [item for item in items if isinstance(item, dict | list) and item]
+        level, depth = below, depth + 1
+    return StateSize(len(json.dumps(state, ensure_ascii=False, separators=(",", ":"))) + extra, depth)
+
+
+def read_chars(state: State, questions: Iterable[Question]) -> int:
+    """Characters a readout reads to answer ``questions`` about ``state``: the state once (the
+    fan-out shares it) and each question's blocks; what admission counts a request's work in."""
+    return state_size(state).chars + sum(len(block) for q in questions for block in question_blocks(q))
 
 
 def _option_label(question: Question, index: int, text: str | None) -> str:

@@ -266,11 +266,17 @@ class Scorer:
         will be like, to size the context and the shared prefix), the excerpt policy used, and
         the state text they read."""
         state_text = render_state(request.state)
-        branches, probes = self._render(request, state_text, permutations)
-        if _longest(branches + probes) <= self.ctx.config.n_ctx:
-            return branches, probes, None, state_text
-        if excerpt is None:
-            raise self._too_long(branches + probes, state_text)
+        alone = self._past_context(state_text)
+        if alone is None:  # the state may fit: render every prompt around it, and see
+            branches, probes = self._render(request, state_text, permutations)
+            if _longest(branches + probes) <= self.ctx.config.n_ctx:
+                return branches, probes, None, state_text
+            if excerpt is None:
+                raise self._too_long(branches + probes, state_text)
+        elif excerpt is None:
+            raise InputTooLongError(
+                f"the prompt needs more than {alone} tokens (the state alone {alone}) but the context holds "
+                f"{self.ctx.config.n_ctx}; {self._remedy}")
         cut_text = self._cut(state_text, excerpt.max_tokens)
         branches, probes = self._render(request, cut_text, permutations)
         if _longest(branches + probes) > self.ctx.config.n_ctx:
@@ -326,13 +332,27 @@ class Scorer:
             + self.model.detokenize(tokens[-tail:])
         )
 
+    def _past_context(self, state_text: str) -> int | None:
+        """The state's tokens where they alone fill the context, else None: a state that cannot
+        fit is refused (or cut) before a prompt is built around it for every question. A token
+        holds at least one byte, so a state of fewer bytes than the context is never tokenized
+        here."""
+        if len(state_text.encode()) < self.ctx.config.n_ctx:
+            return None
+        tokens = len(self.model.tokenize(state_text))
+        return tokens if tokens >= self.ctx.config.n_ctx else None
+
+    @property
+    def _remedy(self) -> str:
+        half = max(2, self.ctx.config.n_ctx // 2)
+        return (f"raise n_ctx, or choose an excerpt policy such as head_tail:{half} to score a "
+                "head-and-tail excerpt of the state")
+
     def _too_long(self, branches: list[_Branch], state_text: str) -> InputTooLongError:
         state_tokens = len(self.model.tokenize(state_text))
         return InputTooLongError(
             f"the prompt needs {_longest(branches)} tokens (the state alone {state_tokens}) but the "
-            f"context holds {self.ctx.config.n_ctx}; raise n_ctx, or choose an excerpt policy "
-            f"such as head_tail:{max(2, self.ctx.config.n_ctx // 2)} to score a head-and-tail "
-            f"excerpt of the state"
+            f"context holds {self.ctx.config.n_ctx}; {self._remedy}"
         )
 
     def _read(self, branches: list[_Branch], shared: int, path: DecodePath, readings: _Readings | None = None,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cascade.bundle.manifest import Manifest
 from cascade.errors import RouterError
+from cascade.private import redact_url
 from cascade.readout.prompts import layout_of, template_sha256
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings, is_url
@@ -57,8 +58,8 @@ def same_endpoint(manifest: Manifest, url: str, accept: bool) -> tuple[bool, End
         return False, None
     if expected is None:
         raise RouterError(
-            f"bundle {manifest.name!r} cannot escalate to {url}: its thresholds were certified against "
-            f"{manifest.teacher.kind} labels ({manifest.teacher.model!r}), which state no identity an "
-            "upstream's answers could be checked against; give that teacher, or accept another "
+            f"bundle {manifest.name!r} cannot escalate to {redact_url(url)}: its thresholds were certified "
+            f"against {manifest.teacher.kind} labels ({manifest.teacher.model!r}), which state no identity "
+            "an upstream's answers could be checked against; give that teacher, or accept another "
             "(--accept-other-teacher / accept_other_teacher=True) and get answers marked certified=false")
     return True, expected

@@ -13,10 +13,12 @@ upstream teacher's worker runs each job on a pool instead, in ONE request holdin
 questions left (``cascade.serve.forward``).
 
 The top tier's queue, a local GGUF or an upstream alike, admits a job only while its expected
-wait (the measured service time times the jobs ahead, ``cascade.teachers.admission``) fits
-``max_wait``, below the 10 s clients wait. Past it a job is refused at once (``QueueFullError``:
-503 with ``Retry-After``), or with ``overload="keep"`` keeps its best lower answers, marked
-budget-limited, overloaded and uncertified, where every escalated question has one. A job whose
+wait (the measured service time per unit of work times the units of work ahead: the characters
+the teacher reads, not the count of jobs; ``cascade.teachers.admission``) fits ``max_wait``,
+below the 10 s clients wait. Past it a job is refused at once (``QueueFullError``: 503 with
+``Retry-After``), or with ``overload="keep"`` keeps its best lower answers, marked
+budget-limited, overloaded and uncertified, where every escalated question has one. A queue
+below the top holds at most ``lower_queue`` jobs; past it a job is refused at once too. A job whose
 client has gone (its future cancelled) is dropped by the next worker that takes it, uncomputed.
 
 With an upstream teacher, an answer whose identity is not the bundle's teacher voids the
@@ -47,18 +49,19 @@ from typing import Literal
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
-from cascade.collect.collector import Collector
+from cascade.collect.collector import Collector, size_of
 from cascade.collect.escalation import EscalationRecord
 from cascade.cost.upstream import UpstreamLedger
 from cascade.errors import CascadeError, QueueFullError, TeacherChangedError
-from cascade.questions import State
+from cascade.questions import Question, State
+from cascade.readout.prompts import read_chars
 from cascade.routing.budget import Budget, Run
 from cascade.routing.escalations import escalation_of
 from cascade.routing.router import Cascade
 from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
-from cascade.teachers.admission import Admission, RateAdmission, Ticket
+from cascade.teachers.admission import Admission, RateAdmission, Ticket, work_of
 from cascade.tiers.base import Item
 from cascade.tiers.upstream import UpstreamTier
 
@@ -76,7 +79,9 @@ class EngineSettings:
     ``max_batch``: most requests in one encoder batch. ``max_wait``: the expected wait past which
     the top tier's queue refuses a job. ``overload``: what a refused job gets (see the module).
     ``audit_queue``: most audits waiting for the top tier; past it an audit is dropped (and
-    counted). ``forward_auth``: callers' keys are the upstream's to check (see the module)."""
+    counted). ``forward_auth``: callers' keys are the upstream's to check (see the module).
+    ``lower_queue``: most requests waiting at a tier below the top; past it 503 with Retry-After
+    (the top tier's queue is bounded by its expected wait instead)."""
 
     batch: bool = True
     max_batch: int = 64
@@ -84,10 +89,23 @@ class EngineSettings:
     overload: Overload = "refuse"
     audit_queue: int = 64
     forward_auth: bool = False
+    lower_queue: int = 1024
 
 
 class Retired(Exception):
     """This engine has handed over to another (a new bundle): submit to the current one."""
+
+
+@dataclass
+class Totals:
+    """An engine's running totals: ``audits`` by outcome (audited, dropped, failed, unreadable) and
+    ``abandoned`` jobs (dropped uncomputed: their client had gone). An object of their own, so that
+    the server's metrics go on adding up an engine a swap retired (its last audits still running)
+    without keeping the engine itself."""
+
+    audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("audited", "dropped", "failed", "unreadable"), 0))
+    abandoned: int = 0
 
 
 @dataclass
@@ -201,9 +219,8 @@ class Engine:
         self.admission = Admission(self.settings.max_wait, what=what) if self.upstream is None else \
             RateAdmission(self.settings.max_wait, what=what)  # an upstream's parallelism is its own
         self.voided: str | None = None  # why the certificate is void (the teacher changed)
-        self.abandoned = 0  # jobs dropped uncomputed: their client had gone
+        self.totals = Totals()
         self._answered = itertools.count()  # what the audit sample is keyed on
-        self.audit_counts = {"audited": 0, "dropped": 0, "failed": 0, "unreadable": 0}
         self._gate = threading.Lock()
         self._retired = False
         self.workers: list[_Worker | PoolWorker[Job, _Audit]] = [
@@ -294,7 +311,7 @@ class Engine:
         if job.ticket is not None:
             self.admission.done(job.ticket, None)
             job.ticket = None
-        self.abandoned += 1
+        self.totals.abandoned += 1
         return True
 
     def _serve_top(self, job: Job) -> None:
@@ -306,7 +323,7 @@ class Engine:
             job.ticket = None
             self._overloaded(job, late)
             return
-        started = self.admission.started() if job.ticket is not None else None
+        started = self.admission.started(job.ticket) if job.ticket is not None else None
         try:
             self._ask_top(job)
             self._forward(job, asked_top=True)
@@ -353,7 +370,7 @@ class Engine:
             log.error("ALARM certificate void: the upstream %s now answers as another teacher than the "
                       "bundle's (%s). Every question goes to the upstream, marked x_routing.demoted, "
                       "until a recalibrated bundle is served (or the server restarts with "
-                      "--accept-other-teacher)", self.upstream.settings.url, "; ".join(exc.changes) or exc)
+                      "--accept-other-teacher)", self.upstream.settings.shown, "; ".join(exc.changes) or exc)
         else:
             log.warning("the upstream's teacher changed again (%s); answers stay marked certified=false",
                         "; ".join(exc.changes) or exc)
@@ -368,11 +385,23 @@ class Engine:
             return
         if t == self.top:
             try:
-                job.ticket = self.admission.enter()
+                work = work_of(read_chars(job.item.state, self._top_questions(job)))
+                job.ticket = self.admission.enter(work)
             except QueueFullError as exc:
                 self._overloaded(job, exc)
                 return
+        elif self.workers[t].depth >= self.settings.lower_queue:
+            raise QueueFullError(f"the tier {self.cascade.tiers[t].name!r} has {self.workers[t].depth} "
+                                 f"requests waiting, its limit (--lower-queue {self.settings.lower_queue}); "
+                                 "retry after 1 s", retry_after=1)
         self.workers[t].put(job)
+
+    def _top_questions(self, job: Job) -> list[Question]:
+        """The questions a job takes to the top tier: its bundle questions queued there, and the
+        questions the bundle does not hold."""
+        queued = self.cascade.questions
+        asked = [queued[qid] for qid in job.run.queued[self.top][0]] if job.run is not None else []
+        return asked + list(job.matched.foreign.values())
 
     def _finish(self, job: Job) -> None:
         routed = self.cascade.responses(job.run)[0] if job.run is not None else None
@@ -396,7 +425,8 @@ class Engine:
                 or not run.answered[self.top][0]):
             return
         cascade, request, at = self.cascade, job.item.id, time.time()
-        self.escalations.offer(lambda: escalation_of(cascade, run, 0, request, at))
+        self.escalations.offer(lambda: escalation_of(cascade, run, 0, request, at),
+                               size=size_of(job.item.state))
 
     @staticmethod
     def _fail(job: Job, exc: BaseException) -> None:
@@ -410,7 +440,7 @@ class Engine:
             return
         top = self.workers[self.top]
         if top.audits >= self.settings.audit_queue:
-            self.audit_counts["dropped"] += 1
+            self.totals.audits["dropped"] += 1
             return
         # a client may send the same X-Request-Id twice: the audit's id is the server's own
         item = Item(f"{job.item.id}.{uuid.uuid4().hex[:12]}", job.item.state)
@@ -426,13 +456,13 @@ class Engine:
                 self.ledger.audit(len(self.cascade.questions), time.perf_counter() - started)
             else:
                 record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
-            self.audit_counts["audited" if record is not None else "unreadable"] += 1
+            self.totals.audits["audited" if record is not None else "unreadable"] += 1
         except TeacherChangedError as exc:  # an audit's answer is an answer: the change is caught here too
             self._teacher_changed(exc)
-            self.audit_counts["failed"] += 1
+            self.totals.audits["failed"] += 1
         except Exception:  # an audit never fails a request; it is logged and counted
             log.exception("audit of request %s failed", audit.item.id)
-            self.audit_counts["failed"] += 1
+            self.totals.audits["failed"] += 1
 
     def _overloaded(self, job: Job, exc: QueueFullError) -> None:
         keep = (self.settings.overload == "keep" and not job.matched.foreign and job.run is not None
@@ -440,6 +470,5 @@ class Engine:
         if keep:
             self._forward(job)
             return
-        self._fail(job, QueueFullError(f"{exc}; or send a budget (x_budget) that keeps answers below, "
-                                       "or start the server with --overload keep",
-                                       retry_after=exc.retry_after))
+        self._fail(job, type(exc)(f"{exc}; or send a budget (x_budget) that keeps answers below, "
+                                  "or start the server with --overload keep", retry_after=exc.retry_after))

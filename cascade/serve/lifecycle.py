@@ -8,6 +8,12 @@ thread while ``/health`` answers 503; SIGTERM (or Ctrl-C) stops taking requests,
 in flight within ``grace`` seconds and returns; models that failed to load stop the server and
 are raised as a ``CascadeError``. This module imports without the ``serve`` extra; serving
 needs it, and says how to install it.
+
+Safe defaults on an open port (``check_auth``, before anything loads): a host other than loopback
+is refused unless a key is checked (an API key, or forwarded auth), or ``insecure_no_auth`` asks
+for an open port on purpose (one warning line then); an API key and forwarded auth are refused
+together. ``/metrics`` takes the API key, or a metrics key of its own; ``/docs``, ``/redoc`` and
+``/openapi.json`` are off unless ``docs``.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ if TYPE_CHECKING:
     from cascade.readout.prompts import Layout
     from cascade.routing.endpoint import Teacher
     from cascade.routing.router import Cascade
+    from cascade.serve.limits import RequestLimits
     from cascade.teachers.settings import UpstreamSettings
 
 API_KEY_VARIABLE = "CASCADE_API_KEY"
+METRICS_KEY_VARIABLE = "CASCADE_METRICS_KEY"
 SERVE_EXTRA = "pip install -e '.[serve]'"
 log = logging.getLogger("cascade.serve")
 
@@ -47,7 +55,7 @@ class ServeOptions:
     """Where the server listens and how it answers.
 
     ``api_key``: the Bearer key the /v1 routes require (None: ``$CASCADE_API_KEY`` where set,
-    else no auth). ``max_body``: largest request body in bytes, after inflating (None: 32 MiB).
+    else no auth). ``max_body``: largest request body in bytes, after inflating (None: 2 MiB).
     ``grace``: seconds SIGTERM waits for requests in flight. The rest are the engine's
     (``cascade.serve.engine.EngineSettings``): ``batch`` the requests waiting at the encoder
     together, at most ``max_batch``; the top tier's queue (a local GGUF or an upstream) admits a
@@ -57,6 +65,15 @@ class ServeOptions:
     Authorization is sent on), and local answers go only to keys it accepted lately.
     ``watch``: seconds between looks at ``--bundle`` for a promoted bundle (0: on SIGHUP only).
     ``upstream_price``: what an upstream teacher costs (None: priced by its measured latency).
+    ``limits``: the work one request may carry (None: ``cascade.serve.limits``' defaults).
+    ``lower_queue``: most requests waiting at a tier below the top. ``max_connections``: open
+    connections and requests in flight past which uvicorn answers 503 at once.
+    ``receive_timeout``: seconds a client has to send a request's head, and again its body,
+    before its connection is closed (408 for a body): a slow client cannot hold a slot.
+    ``metrics_key``: the Bearer key ``/metrics`` requires instead of the API key (None:
+    ``$CASCADE_METRICS_KEY`` where set, else as the /v1 routes). ``docs``: serve ``/docs``,
+    ``/redoc`` and ``/openapi.json``. ``insecure_no_auth``: serve a host other than loopback
+    with no key checked (refused without it; see ``check_auth``).
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +89,13 @@ class ServeOptions:
     forward_auth: bool = False
     watch: float = 2.0
     upstream_price: UpstreamPrice | None = None
+    limits: RequestLimits | None = None
+    lower_queue: int = 1024
+    max_connections: int = 512
+    receive_timeout: float = 10.0
+    metrics_key: str | None = None
+    docs: bool = False
+    insecure_no_auth: bool = False
 
 
 AuditHook = Callable[["Cascade"], "Auditor | None"]
@@ -104,6 +128,7 @@ def serve(
 
         from cascade.serve.app import BundleSource, ServeConfig, create_app
         from cascade.serve.engine import EngineSettings
+        from cascade.serve.limits import RequestLimits
         from cascade.serve.swap import resolve
         from cascade.serve.transport import DEFAULT_MAX_BODY
     except ImportError as exc:
@@ -114,11 +139,12 @@ def serve(
     options = options or ServeOptions()
     bundle = Path(bundle)
     # what can be refused without loading a model is refused before the port opens
+    auth = _checked(options, options.forward_auth, forwardable=True)
+    key = auth.key
     Cascade.preflight(resolve(bundle), teacher=teacher, accept_other_teacher=accept_other_teacher)
-    key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
     settings = EngineSettings(batch=options.batch, max_batch=options.max_batch, max_wait=options.max_wait,
                               overload=options.overload, audit_queue=options.audit_queue,
-                              forward_auth=options.forward_auth)
+                              forward_auth=options.forward_auth, lower_queue=options.lower_queue)
 
     def load(directory: Path) -> Cascade:
         return Cascade.load(directory, teacher=teacher, device=device, threads=threads, placement=placement,
@@ -126,7 +152,9 @@ def serve(
 
     config = ServeConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY, engine=settings,
                          audit=audit, bundle=BundleSource(bundle, load, options.watch),
-                         ledger=UpstreamLedger(options.upstream_price), escalations=escalations)
+                         ledger=UpstreamLedger(options.upstream_price), escalations=escalations,
+                         limits=options.limits or RequestLimits(), receive_timeout=options.receive_timeout,
+                         metrics_key=auth.metrics_key, docs=options.docs)
     run = _Run(options, "the bundle")
     app = create_app(None, config, run.failed)
     follows = f"follows {bundle} every {options.watch:g} s and on SIGHUP" if options.watch > 0 else \
@@ -151,6 +179,7 @@ def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
     forwards, up to ``max_items`` in the sink, is recorded there. Raises ``CascadeError`` as
     ``serve`` does."""
     try:
+        from cascade.serve.limits import RequestLimits
         from cascade.serve.proxy import ProxyConfig, create_proxy_app
         from cascade.serve.transport import DEFAULT_MAX_BODY
         from cascade.teachers.connect import open_client
@@ -160,17 +189,20 @@ def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
     from cascade.cost.upstream import UpstreamLedger
 
     options = options or ServeOptions()
-    key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    checked = _checked(options, upstream.forward_auth, forwardable=True)
+    key = checked.key
     collector = Collector(collect, share, max_items) if collect is not None else None
     config = ProxyConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY,
                          max_wait=options.max_wait, collector=collector,
-                         ledger=UpstreamLedger(options.upstream_price))
+                         ledger=UpstreamLedger(options.upstream_price), metrics_key=checked.metrics_key,
+                         docs=options.docs, limits=options.limits or RequestLimits(),
+                         receive_timeout=options.receive_timeout)
     app = create_proxy_app(open_client(upstream), config)
     what = f"; collecting {share:.0%} of requests" + (f", up to {max_items}" if max_items else "") \
         if collector is not None else ""
     auth = "forwarded" if upstream.forward_auth else "on" if key else "off"
     _Run(options, "the pass-through").serve(
-        app, f"passing requests through to {upstream.url} at http://{options.host}:{options.port}"
+        app, f"passing requests through to {upstream.shown} at http://{options.host}:{options.port}"
         f"/v1/systemone (auth {auth}; admits while the expected wait is at most "
         f"{options.max_wait:g} s{what})")
 
@@ -183,6 +215,7 @@ def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placeme
     prompts are read in ``layout``. Its queue admits a request only while the expected wait fits
     ``options.max_wait``. Raises ``CascadeError`` as ``serve`` does."""
     try:
+        from cascade.serve.limits import RequestLimits
         from cascade.serve.teacher import TeacherConfig, create_teacher_app
         from cascade.serve.transport import DEFAULT_MAX_BODY
     except ImportError as exc:
@@ -191,18 +224,78 @@ def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placeme
     from cascade.readout.scorer import Scorer
 
     options = options or ServeOptions()
+    key = _checked(options, False, forwardable=False).key
     teacher = Path(teacher)
     if not teacher.is_file():
         raise CascadeError(f"teacher model {teacher} not found; give the path of a .gguf file")
     place = for_tier(placement, "teacher") or Placement()
-    key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
     config = TeacherConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY,
-                           max_wait=options.max_wait)
+                           max_wait=options.max_wait, limits=options.limits or RequestLimits(),
+                           receive_timeout=options.receive_timeout, docs=options.docs)
     run = _Run(options, "the teacher model")
     app = create_teacher_app(lambda: Scorer.placed(teacher, place, layout=layout), config, run.failed)
     run.serve(app, f"serving the readout of {teacher.name} at http://{options.host}:{options.port}"
               f"/v1/systemone (auth {'on' if key else 'off'}; admits while the expected wait is at "
               f"most {options.max_wait:g} s; model loading, /health says when ready)")
+
+
+@dataclass(frozen=True)
+class Auth:
+    """What a server checks: the API key, the metrics key (None: none of its own), and the one
+    warning to log where the port is open on purpose (None: none)."""
+
+    key: str | None
+    metrics_key: str | None
+    warning: str | None = None
+
+
+def check_auth(options: ServeOptions, forward_auth: bool, forwardable: bool) -> Auth:
+    """The API key (``options.api_key``, else ``$CASCADE_API_KEY``) and the metrics key
+    (``options.metrics_key``, else ``$CASCADE_METRICS_KEY``) a server checks; ``forwardable``:
+    whether it could forward auth (it has a URL teacher), for the refusal's advice.
+
+    Refused with one line each (``CascadeError``): an API key with ``forward_auth`` (a caller
+    sends one Authorization header: the upstream checks it, or this server does, not both), and a
+    ``host`` other than loopback with no key checked, unless ``options.insecure_no_auth``, which
+    gives the warning to log instead (the serve functions log it, once)."""
+    from cascade.teachers.keys import is_loopback
+
+    key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    metrics_key = options.metrics_key or os.environ.get(METRICS_KEY_VARIABLE) or None
+    if forward_auth and key is not None:
+        given = "--api-key" if options.api_key else f"${API_KEY_VARIABLE} (set in this environment)"
+        raise CascadeError(f"--forward-auth and {given} would both check the caller's one Authorization "
+                           "header: either the upstream checks it (--forward-auth) or this server does "
+                           "(--api-key); give one of them")
+    if key is not None or forward_auth or is_loopback(options.host):
+        return Auth(key, metrics_key)
+    forward = ", or --forward-auth to have the upstream check each caller's key" if forwardable else ""
+    if not options.insecure_no_auth:
+        raise CascadeError(f"--host {options.host} opens the port to other machines and no key would be "
+                           f"checked: give --api-key KEY (or ${API_KEY_VARIABLE}){forward}; or "
+                           "--insecure-no-auth to serve it open on purpose")
+    return Auth(key, metrics_key, f"WARNING: --insecure-no-auth: serving on {options.host} with no key "
+                "checked; anyone who reaches the port can ask it questions")
+
+
+def _checked(options: ServeOptions, forward_auth: bool, forwardable: bool) -> Auth:
+    """``check_auth``, its warning logged."""
+    auth = check_auth(options, forward_auth, forwardable)
+    if auth.warning is not None:
+        log.warning(auth.warning)
+    return auth
+
+
+def server_config(app: Any, options: ServeOptions) -> Any:
+    """uvicorn's configuration of a server with these options: its address, at most
+    ``max_connections`` at once, each request's head due within ``receive_timeout``."""
+    import uvicorn
+
+    from cascade.serve.deadline import head_deadline
+
+    return uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=options.grace, limit_concurrency=options.max_connections,
+                          http=head_deadline(options.receive_timeout))
 
 
 class _Run:
@@ -224,9 +317,10 @@ class _Run:
         options = self.options
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per upstream call
-        self.server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
-                                                    log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=options.grace))
+        self.server = uvicorn.Server(server_config(app, options))
+        from cascade.private import redact_logs
+
+        redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # its configuration made their handlers
         log.info(banner)
         if threading.current_thread() is threading.main_thread():
             # uvicorn stops gracefully on SIGTERM and then raises the signal again under the handler

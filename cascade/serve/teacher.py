@@ -15,20 +15,23 @@ client, which gave up after its 10 s, will never read.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cascade.answers import DecisionResponse
 from cascade.errors import InputTooLongError, RequestError
-from cascade.questions import DecisionRequest, load_json, parse_request
+from cascade.questions import DecisionRequest
+from cascade.readout.prompts import read_chars
 from cascade.readout.scorer import Scorer
-from cascade.serve.app import (
+from cascade.serve.auth import authorize, docs_routes
+from cascade.serve.edge import (
+    DEFAULT_RECEIVE_TIMEOUT,
     add_wire,
-    authorize,
     health,
     loading_lifespan,
     request_body,
@@ -37,18 +40,24 @@ from cascade.serve.app import (
 )
 from cascade.serve.engine import DEFAULT_MAX_WAIT
 from cascade.serve.gone import unless_gone
+from cascade.serve.limits import RequestLimits, read_request
 from cascade.serve.transport import DEFAULT_MAX_BODY
-from cascade.teachers.admission import Admission
+from cascade.teachers.admission import Admission, work_of
 
 
 @dataclass(frozen=True)
 class TeacherConfig:
     """``api_key`` (None: no auth), ``max_body`` in bytes (after inflating), ``max_wait``: the
-    expected wait past which a request is refused with 503 and Retry-After."""
+    expected wait past which a request is refused with 503 and Retry-After, ``limits``: the work
+    one request may carry (``cascade.serve.limits``), ``receive_timeout``: seconds a body may take,
+    ``docs``: serve ``/docs``, ``/redoc`` and ``/openapi.json`` (off by default)."""
 
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     max_wait: float = DEFAULT_MAX_WAIT
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT
+    docs: bool = False
 
 
 class _Loaded:
@@ -84,7 +93,8 @@ def create_teacher_app(load: Callable[[], Scorer], config: TeacherConfig | None 
 
     lifespan = loading_lifespan(load_scorer, close, failed)
     app = FastAPI(title="cascade serve (teacher)", version="1", lifespan=lifespan,
-                  description="A GGUF's logit readout behind the System One decision API.")
+                  description="A GGUF's logit readout behind the System One decision API.",
+                  **docs_routes(config.docs))
     _routes(app, loaded, config)
     add_wire(app)
     return app
@@ -113,30 +123,36 @@ def _routes(app: FastAPI, loaded: _Loaded, config: TeacherConfig) -> None:
     async def systemone(request: Request) -> Response:
         authorize(request, config.api_key)
         scorer = ready()
-        body = await request_body(request, config.max_body)
-        try:
-            parsed = parse_request(load_json(body))
+        body = await request_body(request, config.max_body, config.receive_timeout)
+        try:  # CPU work, off the event loop
+            parsed, work = await asyncio.to_thread(_read, body, config.limits)
         except RequestError as exc:
             raise unprocessable(exc) from None
-        response = await _score(loaded, scorer, parsed, request)
+        response = await _score(loaded, scorer, parsed, work, request)
         return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def _score(loaded: _Loaded, scorer: Scorer, request: DecisionRequest,
+def _read(body: bytes, limits: RequestLimits) -> tuple[DecisionRequest, float]:
+    """A body parsed, validated and bounded, and its work in units (on a thread: CPU work)."""
+    request = read_request(body, limits)
+    return request, work_of(read_chars(request.state, request.questions.values()))
+
+
+async def _score(loaded: _Loaded, scorer: Scorer, request: DecisionRequest, work: float,
                  http: Request) -> DecisionResponse:
     """Read ``request`` on the worker once admitted (``QueueFullError`` when not: 503). The
     worker marks the service's start and end itself, so that a request whose handler is gone
     still leaves the queue when its read ends, and one whose client went before it started is
     never read (``cascade.serve.gone``) and leaves the queue too."""
     admission = loaded.admission
-    ticket = admission.enter()
+    ticket = admission.enter(work)
 
     def read() -> DecisionResponse:
         late = admission.late(ticket)
         if late is not None:  # waited past max_wait: refused now rather than answered too late
             admission.done(ticket, None)
             raise late
-        start = admission.started()
+        start = admission.started(ticket)
         try:
             return scorer.score(request)
         finally:

@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
-import zstandard
-
 from cascade.errors import CascadeError
 
-DEFAULT_MAX_BODY = 32 * 1024 * 1024
+DEFAULT_MAX_BODY = 2 * 1024 * 1024
+"""Largest body, after inflating: room for a state and questions at their limits
+(``cascade.serve.limits``, 100,000 characters each, even JSON-escaped), and small enough that
+parsing one (which holds the interpreter lock) takes milliseconds, not seconds."""
 _CHUNK = 1 << 16
 
 
@@ -80,21 +81,23 @@ def _inflater(kind: str, out: _Capped) -> Callable[[bytes], object]:
         return out.write
     if kind == "zstd":
         sink = cast(IO[bytes], out)  # stream_writer only calls write
+        import zstandard  # the serve extra's; imported here so that the limits load without it
+
         writer = zstandard.ZstdDecompressor().stream_writer(sink, write_size=_CHUNK, closefd=False)
-        return lambda chunk: _checked(writer.write, chunk, "zstd")
+        return lambda chunk: _checked(writer.write, chunk, "zstd", zstandard.ZstdError)
     gzip = zlib.decompressobj(16 + zlib.MAX_WBITS)
 
     def inflate_gzip(chunk: bytes) -> None:
         while chunk:
-            out.write(_checked(lambda data: gzip.decompress(data, _CHUNK), chunk, "gzip"))
+            out.write(_checked(lambda data: gzip.decompress(data, _CHUNK), chunk, "gzip", zlib.error))
             chunk = gzip.unconsumed_tail
     return inflate_gzip
 
 
-def _checked(inflate: Callable[[bytes], Any], chunk: bytes, kind: str) -> Any:
+def _checked(inflate: Callable[[bytes], Any], chunk: bytes, kind: str, error: type[Exception]) -> Any:
     try:
         return inflate(chunk)
-    except (zlib.error, zstandard.ZstdError) as exc:
+    except error as exc:
         raise HttpProblem(400, "invalid_encoding", f"the body is not valid {kind} ({exc})") from None
 
 

@@ -5,7 +5,8 @@
   pauses, keys and compressed bodies (needs the ``upstream`` extra: httpx);
 - ``wire``: an upstream's answers read as the teacher's distributions, wrong shapes refused;
 - ``identity``: who answers at the URL (model, audit hashes) and the watch that catches a change;
-- ``keys``: the upstream key from the environment or a file, the keys it accepted, 429 pauses;
+- ``keys``: the upstream key from the environment or a file, the keys it accepted and refused,
+  429 pauses (bounded tables), and whether a host is loopback;
 - ``admission``: a top tier's queue admits a request only while its expected wait fits.
 
 Only ``client`` imports httpx, and nothing imports ``client`` until an upstream is opened

@@ -13,27 +13,34 @@ an ``UpstreamError`` whose status a server can pass on (``cascade.errors``):
   the others as 502;
 - a 429 also pauses every call with that key until its Retry-After: none is sent before;
 - any other 4xx is passed back unchanged (status and body), never retried; a 401 or 403 revokes
-  the key (``AcceptedKeys``);
+  the key (``AcceptedKeys``), and for ``reject_for`` seconds every call with it gets that same
+  refusal at once, without an upstream call or slot (``RejectedKeys``);
 - at most ``max_in_flight`` calls are upstream at once; one that finds no slot before its
   deadline is refused with 503.
 
 The key is the caller's ``Authorization`` with ``forward_auth``, else the cascade's own from a
-``KeySource``. Bodies go gzip or zstd compressed where asked; "auto" tries zstd and falls back
-to gzip, then to none, at the first 415 (or a 400/422 that the same body uncompressed does not
-get), and remembers what the upstream takes.
+``KeySource``. A key bound for a plain ``http://`` URL that is not this machine's gets one
+warning (a line on the ``cascade.upstream`` log, once per URL): it crosses the network in the
+clear. ``vouch`` checks a caller's key for a route that sends nothing upstream (the upstream's
+``/v1/models`` is asked). Bodies go gzip or zstd compressed where asked; "auto" tries zstd
+(gzip without the zstandard package) and falls back to gzip, then to none, at the first 415 (or
+a 400/422 that the same body uncompressed does not get), and remembers what the upstream takes.
 """
 
 from __future__ import annotations
 
 import email.utils
 import gzip
+import importlib.util
 import json
+import logging
 import math
 import random
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -47,13 +54,17 @@ from cascade.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from cascade.teachers.keys import AcceptedKeys, Pauses
+from cascade.private import redact_url
+from cascade.teachers.keys import AcceptedKeys, Clock, Pauses, Refusal, RejectedKeys, is_loopback
 from cascade.teachers.settings import UPSTREAM_EXTRA, UpstreamSettings
 
 COMPRESS_FROM = 1024
 """Bodies shorter than this go uncompressed: the bytes saved would not pay for the work."""
 _RETRIED = (502, 503, 504, 429)
 _FALLBACK = {"zstd": "gzip", "gzip": "identity"}
+log = logging.getLogger("cascade.upstream")
+_WARNED: set[str] = set()  # the URLs whose keys in the clear were warned of, once per process
+_WARNED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -88,12 +99,20 @@ class _Call:
 class UpstreamClient:
     """The pooled client of one upstream; thread-safe, shared by every call to it."""
 
-    def __init__(self, settings: UpstreamSettings) -> None:
+    def __init__(self, settings: UpstreamSettings, clock: Clock = time.monotonic) -> None:
+        """``clock`` times the key tables (``time.monotonic`` unless a test drives another)."""
         self.settings = settings
-        self.accepted = AcceptedKeys(settings.remember)
-        self.pauses = Pauses()
+        self.accepted = AcceptedKeys(settings.remember, clock)
+        self.rejected = RejectedKeys(settings.reject_for, clock)
+        self.pauses = Pauses(clock)
         self._slots = threading.BoundedSemaphore(settings.max_in_flight)
-        self._encoding: str = "zstd" if settings.compress == "auto" else settings.compress
+        self._encoding: str = settings.compress
+        if settings.compress == "auto":
+            self._encoding = "zstd" if importlib.util.find_spec("zstandard") is not None else "gzip"
+        parts = urlsplit(settings.url)
+        self._in_clear = parts.scheme == "http" and not is_loopback(parts.hostname)
+        if settings.forward_auth or (settings.key is not None and self._in_clear and settings.key.read()):
+            self._warn_in_clear()
         limits = httpx.Limits(max_connections=settings.max_in_flight,
                               max_keepalive_connections=settings.max_in_flight)
         self._http = httpx.Client(limits=limits, follow_redirects=False,
@@ -114,13 +133,12 @@ class UpstreamClient:
     def send(self, payload: bytes, authorization: str | None = None, deadline: float | None = None,
              headers: dict[str, str] | None = None) -> UpstreamReply:
         """``post`` of a body already serialised (a pass-through forwards the client's bytes)."""
-        if not self.settings.forward_auth:
-            key = self.settings.key.read() if self.settings.key is not None else None
-            authorization = f"Bearer {key}" if key else None
+        authorization = self._authorization(authorization)
+        self.refuse_rejected(authorization)
         seconds = self.settings.deadline if deadline is None else min(deadline, self.settings.deadline)
         call = _Call(payload, authorization, time.monotonic() + seconds, dict(headers or {}))
         if not self._slots.acquire(timeout=max(0.0, call.left())):
-            raise UpstreamFailed(f"{self.settings.max_in_flight} calls to the upstream {self.settings.url} "
+            raise UpstreamFailed(f"{self.settings.max_in_flight} calls to the upstream {self.settings.shown} "
                                  f"were in flight for the whole {seconds:g} s deadline; retry shortly",
                                  retry_after=1, status=503)
         try:
@@ -130,10 +148,12 @@ class UpstreamClient:
 
     def get(self, url: str, authorization: str | None = None) -> tuple[int, bytes, str | None]:
         """One GET beside the System One route (the upstream's ``/v1/models``), not retried: its
-        status, body and content type, or ``UpstreamUnreachable`` / ``UpstreamTimeout``."""
-        if not self.settings.forward_auth:
-            key = self.settings.key.read() if self.settings.key is not None else None
-            authorization = f"Bearer {key}" if key else None
+        status, body and content type, or ``UpstreamUnreachable`` / ``UpstreamTimeout`` (or, as
+        ``send``, the refusal of a key refused lately; a 401 or 403 is remembered as ``send``'s)."""
+        authorization = self._authorization(authorization)
+        self.refuse_rejected(authorization)
+        if authorization:
+            self._warn_in_clear()
         call = _Call(b"", authorization, time.monotonic() + self.settings.deadline, {})
         timeout = httpx.Timeout(connect=self.settings.connect_timeout, read=self.settings.read_timeout,
                                 write=self.settings.deadline, pool=self.settings.deadline)
@@ -143,9 +163,70 @@ class UpstreamClient:
         except httpx.TimeoutException as exc:
             raise self._timed_out(exc, call) from None
         except httpx.TransportError as exc:
-            raise UpstreamUnreachable(f"the upstream {url} is unreachable ({type(exc).__name__}: {exc}); "
-                                      "check that it runs", retry_after=1) from None
+            raise UpstreamUnreachable(f"the upstream {redact_url(url)} is unreachable ({type(exc).__name__}: "
+                                      f"{exc}); check that it runs", retry_after=1) from None
+        if response.status_code in (401, 403):
+            self._refused(authorization, response)
         return response.status_code, response.content, response.headers.get("content-type")
+
+    @property
+    def models_url(self) -> str:
+        """The upstream's ``/v1/models``, beside its System One route."""
+        return self.settings.url.rstrip("/").removesuffix("/systemone") + "/models"
+
+    def refuse_rejected(self, authorization: str | None) -> None:
+        """Raise the upstream's refusal of this key where it refused it within ``reject_for``
+        seconds (``UpstreamRefused``, its status and body): no call, no slot."""
+        refusal = self.rejected.refusal(authorization)
+        if refusal is not None:
+            raise UpstreamRefused(f"the upstream {self.settings.shown} refused this key "
+                                  f"({refusal.status}) within the last {self.settings.reject_for:g} s",
+                                  status=refusal.status, body=refusal.body, content_type=refusal.content_type)
+
+    def vouch(self, authorization: str | None) -> None:
+        """Check a caller's key, with forwarded auth, for a route that sends nothing upstream (a
+        cascade's ``/v1/models`` and ``/metrics``): it passes where the upstream answered it
+        within ``remember`` seconds, or where the upstream's ``/v1/models`` answers it with a 2xx
+        now (that answer does not count as an acceptance: some servers answer /v1/models to
+        anyone). Raises the upstream's refusal (``UpstreamRefused``), or ``UpstreamFailed`` (502)
+        where its /v1/models cannot say."""
+        if self.accepted.accepted(authorization):
+            return
+        status, content, kind = self.get(self.models_url, authorization)
+        if 200 <= status < 300:
+            return
+        if status in (401, 403):
+            raise UpstreamRefused(f"the upstream {self.settings.shown} refused this key: {status}",
+                                  status=status, body=content, content_type=kind)
+        raise UpstreamFailed(f"cannot check this key: the upstream's /v1/models beside {self.settings.shown} "
+                             f"answered {status}; a key counts as checked once the upstream has answered a "
+                             "/v1/systemone request sent with it")
+
+    def _authorization(self, caller: str | None) -> str | None:
+        """What a call sends: the caller's Authorization with ``forward_auth``, else this server's key."""
+        if self.settings.forward_auth:
+            return caller
+        key = self.settings.key.read() if self.settings.key is not None else None
+        return f"Bearer {key}" if key else None
+
+    def _refused(self, authorization: str | None, response: httpx.Response) -> None:
+        """A 401 or 403: the key is no longer accepted, and is refused here for ``reject_for`` s."""
+        self.accepted.revoke(authorization)
+        self.rejected.reject(authorization, Refusal(response.status_code, response.content,
+                                                    response.headers.get("content-type")))
+
+    def _warn_in_clear(self) -> None:
+        """One warning per URL, the first time keys would cross the network over plain http://."""
+        if not self._in_clear:
+            return
+        with _WARNED_LOCK:
+            if self.settings.url in _WARNED:
+                return
+            _WARNED.add(self.settings.url)
+        what = "callers' keys (forwarded auth)" if self.settings.forward_auth else "the upstream key"
+        log.warning("WARNING: %s go to %s over plain http://, readable by anyone on the network between; "
+                    "give the upstream as an https:// URL (or reach it through a tunnel on this machine)",
+                    what, self.settings.shown)
 
     def _run(self, call: _Call) -> UpstreamReply:
         """Try, and retry where safe, until an answer, an error to pass on, or the deadline."""
@@ -156,9 +237,12 @@ class UpstreamClient:
                 response = self._send(call)
             except httpx.TimeoutException as exc:
                 raise self._timed_out(exc, call) from None
+            except httpx.DecodingError as exc:  # an answer whose compressed body does not inflate
+                raise UpstreamAnswerError(f"the upstream {self.settings.shown} answered with a body that "
+                                          f"does not decode ({exc}); check its Content-Encoding") from None
             except httpx.TransportError as exc:  # refused, reset, dropped: safe to send again
                 self._backoff_or_raise(call, None, UpstreamUnreachable(
-                    f"the upstream {self.settings.url} is unreachable ({type(exc).__name__}: {exc}) "
+                    f"the upstream {self.settings.shown} is unreachable ({type(exc).__name__}: {exc}) "
                     f"after {call.tries} tr{'y' if call.tries == 1 else 'ies'}; check that it runs",
                     retry_after=1))
                 continue
@@ -174,6 +258,7 @@ class UpstreamClient:
         headers = dict(call.headers)
         if call.authorization:
             headers["Authorization"] = call.authorization
+            self._warn_in_clear()
         if call.encoding != "identity":
             headers["Content-Encoding"] = call.encoding
         content = _compressed(call.payload, call.encoding)
@@ -181,9 +266,10 @@ class UpstreamClient:
 
     def _outcome(self, response: httpx.Response, call: _Call) -> UpstreamReply | None:
         """The reply of a 2xx; None to send again; else the error to pass on, raised."""
-        status, url = response.status_code, self.settings.url
+        status, url = response.status_code, self.settings.shown
         if 200 <= status < 300:
             self.accepted.accept(call.authorization)
+            self.rejected.clear(call.authorization)
             return UpstreamReply(_json(response, url), dict(response.headers),
                                  time.monotonic() - call.started, call.tries, response.content, status)
         if call.encoding != "identity" and self._declined_encoding(response, call):
@@ -203,7 +289,7 @@ class UpstreamClient:
                 status=passed))
             return None
         if status in (401, 403):
-            self.accepted.revoke(call.authorization)
+            self._refused(call.authorization, response)
         if 400 <= status < 500:
             raise UpstreamRefused(f"the upstream {url} refused the request: {status} {_snippet(response)}",
                                   status=status, body=response.content,
@@ -229,7 +315,7 @@ class UpstreamClient:
         if pause <= 0:
             return
         if pause > call.left():
-            raise UpstreamRateLimited(f"the upstream {self.settings.url} asked this key to wait "
+            raise UpstreamRateLimited(f"the upstream {self.settings.shown} asked this key to wait "
                                       f"{pause:.1f} s more (429 Retry-After); retry after "
                                       f"{math.ceil(pause)} s", retry_after=math.ceil(pause))
         time.sleep(pause)
@@ -244,10 +330,10 @@ class UpstreamClient:
 
     def _timed_out(self, exc: httpx.TimeoutException, call: _Call) -> UpstreamError:
         if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-            return UpstreamUnreachable(f"the upstream {self.settings.url} took no connection within "
+            return UpstreamUnreachable(f"the upstream {self.settings.shown} took no connection within "
                                        f"{self.settings.connect_timeout:g} s; check that it runs",
                                        retry_after=1)
-        return UpstreamTimeout(f"the upstream {self.settings.url} did not answer within "
+        return UpstreamTimeout(f"the upstream {self.settings.shown} did not answer within "
                                f"{min(self.settings.read_timeout, self.settings.deadline):g} s "
                                f"({type(exc).__name__}); retry later, or raise its timeout",
                                retry_after=1)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 from cascade.errors import CascadeError
-from cascade.teachers.keys import KeySource
+from cascade.private import redact_url
+from cascade.teachers.keys import RECHECK, REJECT_FOR, KeySource
 
 Compression = Literal["identity", "gzip", "zstd", "auto"]
 UPSTREAM_EXTRA = "pip install -e '.[upstream]'"
@@ -23,7 +25,10 @@ class UpstreamSettings:
     ``deadline`` for a call with every retry and wait (below the SDKs' 10 s). ``retries``: most
     resends of one call. ``max_in_flight``: most calls upstream at once. ``compress``: request
     bodies gzip or zstd ("auto": what the upstream takes). ``remember``: seconds a key the upstream
-    accepted counts as accepted (forwarded auth).
+    accepted counts as accepted (forwarded auth; default 60: past it, the key's next request goes
+    upstream whole, so a key revoked there loses local answers within this time);
+    ``reject_for``: seconds a key it refused (401, 403) is refused without asking it again.
+    ``shown``: the URL as every message, log line, answer and schema names it, without a password.
     """
 
     url: str
@@ -36,12 +41,23 @@ class UpstreamSettings:
     max_in_flight: int = 32
     retries: int = 2
     compress: Compression = "identity"
-    remember: float = 300.0
+    remember: float = RECHECK
+    reject_for: float = REJECT_FOR
+
+    @property
+    def shown(self) -> str:
+        return redact_url(self.url)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise CascadeError(f"an upstream teacher is an http(s):// URL of a /v1/systemone endpoint; "
-                               f"got {self.url!r}")
+                               f"got {self.shown!r}")
+        try:
+            _ = urlsplit(self.url).port
+        except ValueError:  # its words may quote a password that holds an unencoded "/" or "@"
+            raise CascadeError(f"the upstream URL {self.shown} cannot be read (its host or port); write "
+                               "it as http(s)://HOST:PORT/v1/systemone, with any @, / or : of a user "
+                               "or password percent-encoded") from None
         if min(self.connect_timeout, self.read_timeout, self.deadline) <= 0:
             raise CascadeError(f"upstream timeouts and deadline must be > 0 seconds; got connect "
                                f"{self.connect_timeout}, read {self.read_timeout}, deadline {self.deadline}")

@@ -23,6 +23,7 @@ from pydantic import Field
 from cascade.answers import Usage
 from cascade.cost.pricing import TEACHER_PARAMS, TierCost, TierPricing, estimate_tokens
 from cascade.errors import RouterError
+from cascade.private import redact_url
 from cascade.questions import Question
 from cascade.teachers.connect import open_client
 from cascade.teachers.identity import EndpointIdentity, IdentityWatch
@@ -69,7 +70,7 @@ class UpstreamTier(Tier):
         self.name = name
         self.client = client
         self.settings = client.settings
-        self.watch = IdentityWatch(self.settings.url, expected)
+        self.watch = IdentityWatch(self.settings.shown, expected)
         self._last_seen: EndpointIdentity | None = None
         self._wires: dict[str, tuple[Question, dict[str, Any]]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -77,7 +78,7 @@ class UpstreamTier(Tier):
 
     @property
     def ran_on(self) -> str:
-        return f"upstream {self.settings.url}"
+        return f"upstream {self.settings.shown}"
 
     @property
     def backend(self) -> str:
@@ -121,12 +122,12 @@ class UpstreamTier(Tier):
         from the teacher; ``authorization``: the caller's, where the client forwards it."""
         reply = self.client.post(self.request(item, questions), authorization,
                                  headers={"X-Request-Id": item.id})
-        response = read_response(reply.data, self.settings.url)
+        response = read_response(reply.data, self.settings.shown)
         identity = response.identity()
         if identity != self._last_seen:  # the same identity as the last answer passed already
             self.watch.check(identity)
             self._last_seen = identity
-        answers = distributions(response, questions, self.settings.url)
+        answers = distributions(response, questions, self.settings.shown)
         usage = Usage.model_construct(questions=len(questions), input_tokens=response.input_tokens,
                                       seconds=reply.seconds)
         return UpstreamAnswers(answers, usage, identity)
@@ -196,4 +197,5 @@ class UpstreamKind(TierKind[UpstreamSpec]):
         return upstream_tier(spec.name, build)
 
     def weights(self, spec: UpstreamSpec) -> tuple[float, str]:
-        return TEACHER_PARAMS, f"upstream {spec.url}: taken as a {TEACHER_PARAMS / 1e9:.0f}B model"
+        return TEACHER_PARAMS, (f"upstream {redact_url(spec.url)}: taken as a "
+                                f"{TEACHER_PARAMS / 1e9:.0f}B model")

@@ -215,7 +215,7 @@ def _through(bundle: Bundle, build: Build, teacher: UpstreamSettings) -> Build:
     except RouterError:
         labels = bundle.manifest.teacher
         raise CalibrationError(f"bundle {bundle.manifest.name!r} was labelled by {labels.kind} labels "
-                               f"({labels.model!r}), which state no identity the answers of {teacher.url} "
+                               f"({labels.model!r}), which state no identity the answers of {teacher.shown} "
                                "could be checked against, so it cannot be timed as their teacher: leave "
                                "out --teacher (the teacher is then priced on the roofline)") from None
     return replace(build, upstream=teacher, upstream_identity=expected)
@@ -252,7 +252,7 @@ def _time_teacher(bundle: Bundle, build: Build, items: list[Item], labels: Label
     finally:
         close_tiers([tier])
     if build.upstream is not None:
-        return cost, (f"measured on {cost.states} calibration states through {build.upstream.url} "
+        return cost, (f"measured on {cost.states} calibration states through {build.upstream.shown} "
                       "(the network and the upstream's queue included)")
     return cost, f"measured on {cost.states} calibration states on this machine"
 

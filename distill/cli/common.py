@@ -161,6 +161,16 @@ def whole_number(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0; got {text!r}")
+    return value
+
+
 THREADS_DEFAULT = ("(default: the cores free when a model loads, the cores less the load average: "
                    "all on an idle machine, fewer beside other work; on 2 cores, 2 threads read "
                    "1.67x faster idle and 1.24x slower beside one busy process)")

@@ -8,17 +8,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cascade.errors import CascadeError
-from cascade.serve.lifecycle import API_KEY_VARIABLE
+from cascade.serve.lifecycle import API_KEY_VARIABLE, METRICS_KEY_VARIABLE
 from distill.cli.common import (
     add_accept_other_teacher_argument,
     add_audit_arguments,
     add_device_argument,
     add_placement_arguments,
     placement_of,
+    positive_seconds,
     teacher_argument,
     whole_number,
 )
 from distill.cli.escalations import add_escalation_arguments, check_escalations, escalation_store
+from distill.cli.serve_limits import add_limit_arguments, limits_of
 from distill.cli.serve_upstream import add_upstream_arguments, upstream_settings
 
 if TYPE_CHECKING:
@@ -35,11 +37,16 @@ it; answers carry the System One fields clients type, and the cascade's own unde
 content, not id) are answered by the teacher alone, marked covered=false.
 
 Also: GET /v1/models, GET /health and /healthz (503 while the models load), GET /metrics
-(Prometheus). With an API key (--api-key or ${API_KEY_VARIABLE}) the /v1 routes need
-"Authorization: Bearer KEY". A request may carry a budget: the body key x_budget
-{{"ms_per_call": X, "max_escalation_fraction": F}} or the headers X-Cascade-Budget-Ms and
-X-Cascade-Max-Escalation. SIGTERM stops taking requests, finishes those in flight, and exits 0.
-Needs the serve extra: pip install -e '.[serve]'.
+(Prometheus); /docs, /redoc and /openapi.json only with --docs. With an API key (--api-key or
+${API_KEY_VARIABLE}) /v1/models, /v1/systemone and /metrics need "Authorization: Bearer KEY"
+(/metrics takes --metrics-key or ${METRICS_KEY_VARIABLE} instead, where given); /health is open.
+A --host other than loopback (127.0.0.1, ::1, localhost) is refused unless a key is checked
+(--api-key, or --forward-auth with --teacher URL), or --insecure-no-auth serves it open on
+purpose, with one warning. A key sent over plain http:// to an upstream on another machine gets
+one warning: give it https://, or a tunnel to 127.0.0.1. A request may carry a budget: the body
+key x_budget {{"ms_per_call": X, "max_escalation_fraction": F}} or the headers
+X-Cascade-Budget-Ms and X-Cascade-Max-Escalation. SIGTERM stops taking requests, finishes those
+in flight, and exits 0. Needs the serve extra: pip install -e '.[serve]'.
 
 Without --bundle, --teacher PATH.gguf serves the teacher's raw logit readout alone (every
 question any client asks; audits carry the GGUF's sha256 and each prompt's hash), so that a GPU
@@ -60,8 +67,12 @@ EPILOG = """\
 examples:
   cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --port 8080 \\
       --gpu-layers 99 --device cuda
-  cascade serve --teacher qwen3.5-4b-q4_k_m.gguf --host 0.0.0.0 --port 9000 --gpu-layers 99   # on a GPU box
-  cascade serve --bundle models/support-v1 --teacher http://gpu-box:9000/v1/systemone
+  CASCADE_API_KEY=$(cat teacher.key) cascade serve --teacher qwen3.5-4b-q4_k_m.gguf --port 9000 \
+      --gpu-layers 99   # on a GPU box: on loopback, behind TLS (or reached by an ssh tunnel)
+  CASCADE_UPSTREAM_KEY=$(cat teacher.key) cascade serve --bundle models/support-v1 \
+      --teacher https://gpu-box.example.com/v1/systemone
+  CASCADE_API_KEY=$(cat serve.key) cascade serve --bundle models/support-v1 --host 0.0.0.0 \
+      --teacher https://decide.example.com/v1/systemone   # an open port checks a key
   cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --audit-store labels.sqlite \
       --escalation-share 1   # audits 2% and keeps every escalation, to retrain on
   cascade serve --teacher https://decide.example.com/v1/systemone --collect traffic.sqlite   # pass-through
@@ -69,16 +80,21 @@ examples:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from cascade.serve.lifecycle import ServeOptions, serve, serve_proxy, serve_teacher
+    from cascade.serve.lifecycle import ServeOptions, check_auth, serve, serve_proxy, serve_teacher
     from distill.auditing import StoreAudits
 
     url = isinstance(args.teacher, str)
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body=args.max_body,
+                           metrics_key=args.metrics_key, docs=args.docs,
+                           insecure_no_auth=args.insecure_no_auth,
                            grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
                            overload=args.overload, audit_queue=args.audit_queue, max_wait=args.max_wait,
                            forward_auth=args.forward_auth, watch=args.watch_bundle,
-                           upstream_price=args.upstream_price)
+                           upstream_price=args.upstream_price, limits=limits_of(args),
+                           lower_queue=args.lower_queue, max_connections=args.max_connections,
+                           receive_timeout=args.receive_timeout)
     _check_combination(args, url)
+    check_auth(options, args.forward_auth, forwardable=url)  # refused before any store opens or model loads
     if args.bundle is None and url:
         _serve_proxy(args, options, serve_proxy)
         return 0
@@ -165,13 +181,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "file naming one; requests in flight finish on the old bundle, none is refused")
     add_accept_other_teacher_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; "
-                   "0.0.0.0 for every interface)")
+                   "0.0.0.0 for every interface: refused unless --api-key or --forward-auth checks a "
+                   "key, or --insecure-no-auth)")
     p.add_argument("--port", type=whole_number(0), default=8080, help="port (default 8080)")
     p.add_argument("--api-key", metavar="KEY",
-                   help=f"require Authorization: Bearer KEY on /v1 routes (default: ${API_KEY_VARIABLE}; "
-                   "neither: no auth, and a Bearer header is ignored)")
-    p.add_argument("--max-body", type=whole_number(1), default=32 * 1024 * 1024, metavar="BYTES",
-                   help="largest request body, after inflating gzip or zstd (default 32 MiB): 413 above")
+                   help=f"require Authorization: Bearer KEY on /v1/models, /v1/systemone and /metrics "
+                   f"(default: ${API_KEY_VARIABLE}, which keeps the key out of the process list; neither: "
+                   "no auth, and a Bearer header is ignored; refused with --forward-auth)")
+    p.add_argument("--metrics-key", metavar="KEY",
+                   help=f"the key /metrics requires instead, for a scraper that needs no other route "
+                   f"(default: ${METRICS_KEY_VARIABLE}; neither: /metrics takes what the /v1 routes take)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a --host other than loopback with no key checked, on purpose (one warning "
+                   "line says so); without it such a host is refused")
+    p.add_argument("--docs", action="store_true",
+                   help="serve the API's documentation: /docs, /redoc and /openapi.json (default: off, "
+                   "404)")
+    p.add_argument("--max-body", type=whole_number(1), default=2 * 1024 * 1024, metavar="BYTES",
+                   help="largest request body, after inflating gzip or zstd (default 2 MiB): 413 above")
     p.add_argument("--overload", choices=("refuse", "keep"), default="refuse",
                    help="past --max-wait: refuse with 503 and Retry-After (default), or keep the best "
                    "cheaper answer, marked budget_limited, overloaded and uncertified")
@@ -195,14 +222,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kept.add_argument("--escalation-max", type=whole_number(0), default=None, metavar="N",
                       help="stop keeping escalations once the store holds N (default: no limit)")
     add_upstream_arguments(p)
+    add_limit_arguments(p)
     p.set_defaults(run=_cmd_serve)
 
-
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0; got {text!r}")
-    return value

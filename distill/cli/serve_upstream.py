@@ -24,9 +24,14 @@ def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
                      help="most calls to the upstream at once (default 32)")
     url.add_argument("--forward-auth", action="store_true",
                      help="send each caller's Authorization to the upstream instead of a key of this "
-                     "server's; answers computed here go only to keys the upstream accepted in the last "
-                     "5 minutes (others get every question from the upstream, which checks them), and a "
-                     "401/403 from it revokes the key at once")
+                     "server's, and have it check the caller on every route but /health (refused with "
+                     "--api-key: a caller sends one key); answers computed here go only to keys the "
+                     "upstream accepted in the last 60 s (a key's next request after that goes upstream "
+                     "whole, so a key revoked there loses local answers within 60 s); a 401/403 from it "
+                     "revokes the key at once and refuses it here for 10 s without asking again")
+    url.add_argument("--upstream-compress", choices=("auto", "zstd", "gzip", "identity"), default="auto",
+                     help="how bodies of 1 KiB and more go upstream (default auto: zstd, falling back to "
+                     "gzip, then none, at the first the upstream refuses, and kept; identity: none)")
     add_upstream_price_argument(url, "/metrics then says what was spent and saved in that unit (default: "
                                 "priced by its measured latency, in seconds)")
     collect = p.add_argument_group("collecting traffic (a pass-through: --teacher URL without --bundle)")
@@ -45,7 +50,7 @@ def upstream_settings(args: argparse.Namespace) -> UpstreamSettings:
 
     timeout = args.upstream_timeout
     return UpstreamSettings(args.teacher, model=args.upstream_model, forward_auth=args.forward_auth,
-                            key=key_source(args),
+                            key=key_source(args), compress=args.upstream_compress,
                             read_timeout=timeout, deadline=max(9.0, timeout + 1.0),
                             max_in_flight=args.upstream_in_flight)
 

@@ -5,6 +5,9 @@ commits on power loss; FULL makes every commit durable for one fsync, which is n
 the teacher's cost per item, and imports amortise it over a batch. Writers on this machine line
 up on ``BEGIN IMMEDIATE``; a claim's owner is its host and process, so a claim of a process that
 died is taken over at once.
+
+A store holds customer text: a new file is created 0600 (its owner alone reads it) before SQLite
+opens it, and SQLite gives its ``-wal``, ``-shm`` and ``-journal`` files the database file's mode.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from cascade.private import private_file
 from distill.store.backend import Backend, foreign_tables
 from distill.store.records import SCHEMA_VERSION, StoreError
 
@@ -56,9 +60,11 @@ class SqliteBackend(Backend):
             raise StoreError(f"no label store at {path}: check --store, or label a corpus first")
         uri = f"{self.location.resolve().as_uri()}?mode={'ro' if read_only else 'rwc'}"
         try:
+            if not read_only:
+                private_file(self.location)
             self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0,
                                          check_same_thread=not any_thread)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"cannot open label store {path}: {exc}") from exc
         self._owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         if not read_only:

@@ -1,0 +1,242 @@
+"""``cascade serve`` against hostile clients: every request is bounded before any work is done.
+
+A real server on loopback (the session's bundle, gemma-3-270m live as the teacher), run with the
+uvicorn settings ``cascade serve`` uses, its escalations kept in a sink this test reads. Each
+attack ends in a clear 4xx (or 503 with Retry-After) that names its limit, ``/health`` answers
+throughout, and nothing reaches the store. Traffic goes to loopback only, every loop bounded in
+count and time. The forwarded-auth attacks (junk keys, a revoked key) are in
+test_serve_open_port.py, with the upstream that checks keys.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from corpora import QUESTIONS_JSON, corpus_items
+from servers import ESCALATED, KEPT, running, serving_bundle
+
+from cascade.bundle.manifest import Bundle
+from cascade.collect.collector import Collector
+from cascade.collect.escalation import EscalationRecord
+from cascade.readout.prompts import render_state, state_size
+from cascade.routing.router import Cascade
+from cascade.serve.app import ServeConfig
+from cascade.serve.engine import EngineSettings
+from cascade.serve.lifecycle import ServeOptions
+from cascade.serve.limits import RequestLimits
+
+STATE = corpus_items()[5].text
+LIMITS = RequestLimits(state_chars=20_000, questions=8, options_total=64, question_chars=4_000)
+"""Smaller than the defaults, so that the worst request they allow runs in seconds on 2 cores."""
+DEADLINE = 1.0
+"""Seconds a client has for a request's head, and again for its body, on this server."""
+MAX_BODY = 1024 * 1024
+
+
+class ListSink:
+    """Where the server's escalations go: a list this test reads (the store's interface)."""
+
+    def __init__(self) -> None:
+        self.items: list[EscalationRecord] = []
+
+    def append(self, item: EscalationRecord) -> None:
+        self.items.append(item)
+
+    def count(self) -> int:
+        return len(self.items)
+
+
+@pytest.fixture(scope="module")
+def kept() -> ListSink:
+    return ListSink()
+
+
+@pytest.fixture(scope="module")
+def url(trained_bundle: Bundle, gemma_path: Path, tmp_path_factory: pytest.TempPathFactory,
+        kept: ListSink) -> Iterator[str]:
+    bundle_dir = serving_bundle(trained_bundle, tmp_path_factory.mktemp("hostile") / "support", gemma_path)
+    config = ServeConfig(max_body=MAX_BODY, engine=EngineSettings(max_wait=600.0), limits=LIMITS,
+                         escalations=Collector(kept, what="escalations"), receive_timeout=DEADLINE)
+    options = ServeOptions(max_connections=24, receive_timeout=DEADLINE)
+    with running(lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2), config,
+                 options=options) as base:
+        yield base
+
+
+def post(url: str, body: Any, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/systemone", json=body, timeout=120, **kwargs)
+
+
+def refused(reply: httpx.Response, status: int, limit: str) -> str:
+    """The refusal's message, checked to be ``status`` naming ``limit`` and its flag."""
+    assert reply.status_code == status, reply.text[:500]
+    error = reply.json()["error"]
+    assert error["code"] == "limit_exceeded" and f"({limit};" in error["message"], error
+    assert f"--limit-{limit.replace('_', '-')}" in error["message"]
+    return str(error["message"])
+
+
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def choice(n: int, word: str = "option") -> dict[str, Any]:
+    return {"type": "choice", "instructions": "Which fits?",
+            "criteria": {f"{word}{i}": None for i in range(n)}}
+
+
+def test_the_rendered_size_is_computed_exactly_without_rendering() -> None:
+    states: list[Any] = [" text ", nested(5), {"a": [1, 2.5, None, True, {}], "é": {"b": "x\n\"y\""}},
+                         [[], {}, [[1]], {"k": []}], json.loads(json.dumps({"q": [nested(3)] * 3}))]
+    for state in states:
+        assert state_size(state).chars == len(render_state(state))
+    assert [state_size(s).depth for s in (" text ", nested(5), [[], {}])] == [0, 5, 1]
+    assert state_size(nested(900), max_depth=32).depth == 33  # the walk stops past the limit
+
+
+def test_a_state_nested_900_deep_is_refused_before_it_is_rendered(url: str, kept: ListSink) -> None:
+    """The attack that stalled the server: 40 copies of an array nested 900 deep (a 72 KB body
+    that indented JSON renders to tens of MB)."""
+    message = refused(post(url, {"state": [nested(900)] * 40, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}),
+                      422, "state_depth")
+    assert message.startswith("state: more than 32 levels of nesting in a JSON state")
+    assert kept.items == []
+
+
+def test_a_state_that_renders_past_its_limit_is_refused_though_its_body_is_small(url: str) -> None:
+    wide = [nested(20)] * 40  # 1.7 KB of JSON, 25 KB rendered: the indent is what grows
+    assert len(json.dumps(wide)) < 2_000 and state_size(wide).chars > LIMITS.state_chars
+    refused(post(url, {"state": wide, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}), 413, "state_chars")
+
+
+def test_ten_thousand_questions_are_refused_by_their_count(url: str) -> None:
+    body = {"state": STATE, "questions": {f"q{i}": QUESTIONS_JSON[KEPT] for i in range(10_000)}}
+    message = refused(post(url, body), 413, "questions")
+    assert "10,000 questions in one request" in message
+
+
+def test_many_questions_of_255_options_are_refused_by_their_total(url: str) -> None:
+    body = {"state": STATE, "questions": {f"q{i}": choice(255) for i in range(4)}}
+    message = refused(post(url, body), 413, "options_total")
+    assert "1,020 options summed" in message
+
+
+def test_a_zip_bomb_is_refused_after_inflating_past_the_body_limit(url: str) -> None:
+    bomb = gzip.compress(json.dumps({"state": "a" * (64 * MAX_BODY), "questions": {}}).encode())
+    assert len(bomb) < MAX_BODY // 4
+    reply = httpx.post(f"{url}/v1/systemone", content=bomb, timeout=60,
+                       headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+
+
+def worst_request() -> dict[str, Any]:
+    """About the most work LIMITS allow: questions up to the count, all but one foreign to the
+    bundle (the teacher reads them), their options near the total, about a state the teacher's
+    context holds. None is an escalation of a bundle question, so none is kept."""
+    foreign = {f"f{i}": choice(8, f"w{i}x") for i in range(LIMITS.questions - 1)}
+    return {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT], **foreign}}
+
+
+def test_health_answers_while_the_worst_allowed_request_is_in_flight(url: str) -> None:
+    """The request's parsing, rendering and reading run off the event loop: /health is answered
+    again and again while it is in flight (counted, not timed)."""
+    body = worst_request()
+    assert 2 + sum(len(q["criteria"]) for q in body["questions"].values() if q["type"] == "choice") \
+        <= LIMITS.options_total
+    answer: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: answer.append(post(url, body)))
+    worker.start()
+    health: list[int] = []
+    deadline = time.monotonic() + 300
+    while worker.is_alive() and time.monotonic() < deadline:
+        health.append(httpx.get(f"{url}/health", timeout=30).status_code)
+    worker.join(timeout=300)
+    assert answer and answer[0].status_code == 200, answer[0].text[:500] if answer else "no answer"
+    assert len(answer[0].json()["answers"]) == LIMITS.questions
+    assert len(health) >= 3 and set(health) == {200}, health
+
+
+def test_a_slowloris_head_is_cut_off_and_health_answers_meanwhile(url: str) -> None:
+    """Clients that trickle a request's head a byte at a time are closed at the deadline; the
+    server answers others throughout, and its connection slots come back."""
+    sockets = [socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+               for _ in range(20)]
+    for conn in sockets:
+        conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
+    closed: set[int] = set()
+    answered = 0
+    until = time.monotonic() + 10 * DEADLINE
+    while len(closed) < len(sockets) and time.monotonic() < until:
+        for n, conn in enumerate(sockets):
+            if n not in closed and not _trickle(conn):
+                closed.add(n)
+        answered += httpx.get(f"{url}/health", timeout=5).status_code == 200
+        time.sleep(0.1)
+    for conn in sockets:
+        conn.close()
+    assert len(closed) == len(sockets)  # every trickler cut off within the bound
+    assert answered >= 3
+    assert post(url, {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}).status_code == 200
+
+
+def _trickle(conn: socket.socket) -> bool:
+    """Send one more header byte; False once the server has closed the connection."""
+    try:
+        conn.sendall(b"X")
+        conn.settimeout(0.01)
+        return conn.recv(1) != b""
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+def test_a_slow_body_gets_a_408(url: str) -> None:
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10 * DEADLINE) as conn:
+        conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"state\": ")
+        reply = b""  # sent nothing more: the body's deadline passes, then the server closes
+        while chunk := conn.recv(4096):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"request_timeout" in reply
+
+
+def test_idle_connections_past_the_limit_get_503_until_their_deadline_frees_the_slots(url: str) -> None:
+    port = int(url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(24)]
+    try:
+        time.sleep(0.2)  # the server has taken them all; none sends a byte
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503  # uvicorn's, at once
+        until = time.monotonic() + 10 * DEADLINE
+        while httpx.get(f"{url}/health", timeout=5).status_code != 200 and time.monotonic() < until:
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert all(conn.recv(1) == b"" for conn in idle)  # the server closed every one
+    finally:
+        for conn in idle:
+            conn.close()
+
+
+def test_no_refused_request_reaches_the_store_and_an_answered_one_does(url: str, kept: ListSink) -> None:
+    """Runs after the attacks above (pytest keeps file order): none left an escalation."""
+    assert kept.items == []
+    reply = post(url, {"state": STATE, "questions": {ESCALATED: QUESTIONS_JSON[ESCALATED]}})
+    assert reply.status_code == 200
+    until = time.monotonic() + 30
+    while not kept.items and time.monotonic() < until:
+        time.sleep(0.05)
+    assert len(kept.items) == 1
