@@ -40,7 +40,7 @@ from bench.common import (
 def audited(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return next((float(line.split()[-1]) for line in text.splitlines()
-                 if line.startswith('cascade_audits{outcome="audited"}')), 0.0)
+                 if line.startswith('cascade_audits_total{outcome="audited"}')), 0.0)
 
 
 def main() -> None:

@@ -378,13 +378,20 @@ def main() -> None:
 
 
 def _count(name: str) -> str:
-    return 'cascade_upstream{count="' + name + '"}'
+    return 'cascade_upstream_total{count="' + name + '"}'
 
 
 def _cost(m: dict[str, float], kind: str) -> str:
-    prefix = 'cascade_upstream_cost{kind="' + kind + '",unit="'
-    found = [f"{v:.3f} {name[len(prefix):-2]}" for name, v in m.items() if name.startswith(prefix)]
-    return " ".join(found) or "-"
+    """What the upstream cost ("spent") or saved (forwarding every request whole, less spent),
+    per unit, from the server's cost counter."""
+    def by_unit(of: str) -> dict[str, float]:
+        prefix = 'cascade_upstream_cost_total{kind="' + of + '",unit="'
+        return {name[len(prefix):-2]: v for name, v in m.items() if name.startswith(prefix)}
+
+    spent = by_unit("spent")
+    found = spent if kind == "spent" else {unit: forwarded - spent.get(unit, 0.0)
+                                           for unit, forwarded in by_unit("forwarded").items()}
+    return " ".join(f"{v:.3f} {unit}" for unit, v in found.items()) or "-"
 
 if __name__ == "__main__":
     main()

@@ -10,8 +10,6 @@ arrays in one ``.npz`` so that loading a bundle never runs pickle.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -26,6 +24,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils.validation import check_array, check_is_fitted
 
+from cascade.atomic import write_atomically
 from cascade.checks import is_integer, is_real
 from cascade.errors import ModelError
 
@@ -169,14 +168,7 @@ def save_heads(path: Path, heads: Mapping[str, SoftmaxHead]) -> None:
 def save_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
     """Plain arrays into one ``.npz`` (no pickle), atomically: a crash leaves the old file whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            np.savez(out, allow_pickle=False, **arrays)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_atomically(path, lambda out: np.savez(out, allow_pickle=False, **arrays))
 
 
 def load_heads(path: Path) -> dict[str, SoftmaxHead]:

@@ -9,13 +9,12 @@ nothing about another.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from cascade.atomic import write_atomically
 from cascade.errors import BundleError
 from cascade.hashing import file_sha256
 
@@ -96,17 +95,6 @@ def check_bundle_file(what: str, inside: BundleFile, directory: Path) -> None:
     if actual != inside.sha256:
         raise BundleError(f"{what} {path} has sha256 {actual}, but the manifest expects "
                           f"{inside.sha256}: it changed after the bundle was saved; re-train the bundle")
-
-
-def write_atomically(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 def write_json_file(directory: Path, name: str, data: Any) -> BundleFile:

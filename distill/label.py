@@ -43,7 +43,9 @@ class ItemLabels:
 class LabelSummary(BaseModel):
     """What a run did. ``items`` counts the valid corpus items it took; bad lines and over-long
     items (skip mode) are in ``bad_lines``; ``left`` the items it took that are still to label;
-    ``interrupted`` is True when Ctrl-C or SIGTERM stopped the run."""
+    ``interrupted`` is True when Ctrl-C or SIGTERM stopped the run; ``turned_away`` counts the
+    items a URL teacher asked to wait for past the client's retries (429, 503), left for the next
+    run."""
 
     items: int = 0
     labelled: int = 0
@@ -52,6 +54,7 @@ class LabelSummary(BaseModel):
     seconds: float = 0.0
     interrupted: bool = False
     left: int = 0
+    turned_away: int = 0
 
 
 def open_teacher(

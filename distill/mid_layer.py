@@ -12,7 +12,6 @@ This is an estimate on the train part only: the thresholds are certified by ``ca
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from cascade.bundle.manifest import BundleFile
 from cascade.bundle.sections import LayerCandidate
 from cascade.cost.roofline import ModelShape
 from cascade.errors import CascadeError, InputTooLongError
+from cascade.hashing import seeded_bits
 from cascade.heads import SoftmaxHead, save_heads
 from cascade.pins import ModelFile
 from cascade.questions import OPTION_LETTERS, DecisionRequest, Question, State
@@ -160,7 +160,13 @@ def _sampled(train: Sequence[str], max_items: int | None) -> list[str]:
     ids = sorted(train)
     if max_items is None or len(ids) <= max_items:
         return ids
-    return sorted(sorted(ids, key=lambda i: hashlib.sha256(i.encode()).digest())[:max_items])
+    return sorted(sorted(ids, key=lambda i: seeded_bits("", i, ""))[:max_items])
+
+
+def _held_out(item_id: str) -> bool:
+    """Whether an item is in the held-out fifth: by the first byte of its draw (a byte below
+    256 x HELD_OUT), the same on every run."""
+    return seeded_bits("held", item_id, "\0") >> 56 < 256 * HELD_OUT
 
 
 def collect_states(scorer: LayerScorer, questions: Mapping[str, Question], states: Mapping[str, State],
@@ -238,7 +244,7 @@ def score_layers(states: States, questions: Mapping[str, Question], labels: Labe
                  ids: Sequence[str], n_layer: int, lens: LetterLens | None, C: float,
                  target: float = AUTO_TARGET) -> list[LayerCandidate]:
     """Each candidate layer's agreement, kept share and estimated cost on the held-out fifth."""
-    held = np.array([hashlib.sha256(f"held\0{i}".encode()).digest()[0] < 256 * HELD_OUT for i in ids])
+    held = np.array([_held_out(i) for i in ids])
     fit_ids = [i for i, h in zip(ids, held, strict=True) if not h]
     scores = []
     for layer, by_q in states.items():

@@ -8,11 +8,11 @@ stays held out after the corpus grows.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Mapping
 
 from cascade.checks import is_real
+from cascade.hashing import seeded_unit
 
 PARTS = ("train", "calibration", "evaluation")
 DEFAULT_FRACTIONS: dict[str, float] = {"train": 0.5, "calibration": 0.25, "evaluation": 0.25}
@@ -61,8 +61,7 @@ def split_ids(
 
 def _unit(item_id: str, salt: str) -> float:
     """A uniform number in [0, 1) from the first 8 bytes of sha256(salt NUL id)."""
-    digest = hashlib.sha256(f"{salt}\0{item_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
+    return seeded_unit(salt, item_id, "\0")
 
 
 def _part(unit: float, fractions: dict[str, float]) -> str:

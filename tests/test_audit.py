@@ -207,16 +207,17 @@ def test_the_server_audits_at_the_lowest_priority_and_counts_what_it_drops(
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             text = httpx.get(f"{url}/metrics").text
-            done = sum(_gauge(text, f'cascade_audits{{outcome="{o}"}}') for o in ("audited", "dropped"))
+            done = sum(_gauge(text, f'cascade_audits_total{{outcome="{o}"}}') for o in ("audited", "dropped"))
             if done == 6:
                 break
             time.sleep(0.2)
-        assert done == 6 and _gauge(text, 'cascade_audits{outcome="audited"}') >= 1
-        assert _gauge(text, 'cascade_audits{outcome="dropped"}') >= 1  # a queue of 1 behind 6 requests
+        assert done == 6 and _gauge(text, 'cascade_audits_total{outcome="audited"}') >= 1
+        assert _gauge(text, 'cascade_audits_total{outcome="dropped"}') >= 1  # a queue of 1 behind 6 requests
         assert f'cascade_audited_items{{question="{KEPT}"}}' in text
     for sink in sinks:
         sink.close()
-    assert len(stored_audits(tmp_path / "labels.sqlite")) == _gauge(text, 'cascade_audits{outcome="audited"}')
+    audited = _gauge(text, 'cascade_audits_total{outcome="audited"}')
+    assert len(stored_audits(tmp_path / "labels.sqlite")) == audited
 
 
 def _gauge(text: str, name: str) -> float:

@@ -73,13 +73,13 @@ def test_the_teachers_answers_to_escalated_questions_are_kept_apart_from_the_aud
         with running(load, config) as base:
             replies = [ask(base, state, KEPT, ESCALATED) for state in STATES]
             ask(base, STATES[0], KEPT)  # nothing escalated: nothing kept
-            until(lambda: 'cascade_audits{outcome="audited"} 7.0' in metrics_of(base), "the 7 audits")
+            until(lambda: 'cascade_audits_total{outcome="audited"} 7.0' in metrics_of(base), "the 7 audits")
             metrics = metrics_of(base)
     finally:
         collector.sink.close()  # type: ignore[attr-defined]
     assert all(r["answers"][ESCALATED]["x_routing"]["tier"] == "teacher" for r in replies)
     assert all(r["answers"][KEPT]["x_routing"]["tier"] == "encoder" for r in replies)
-    assert f'cascade_escalations_kept{{outcome="collected"}} {float(len(STATES))}' in metrics
+    assert f'cascade_escalations_kept_total{{outcome="collected"}} {float(len(STATES))}' in metrics
     with LabelStore.open_existing(store) as opened:
         kept = [record for _, record in opened.escalations_after(0)]
         audits = opened.audits()
@@ -111,7 +111,7 @@ def test_evidence_reads_escalations_as_training_only(bundle_dir: Path, gemma_pat
             metrics = metrics_of(base)
     finally:
         collector.sink.close()  # type: ignore[attr-defined]
-    assert 'cascade_escalations_kept{outcome="full"} 1.0' in metrics
+    assert 'cascade_escalations_kept_total{outcome="full"} 1.0' in metrics
     with LabelStore.open_existing(store) as opened:
         evidence = gather(opened, Bundle.load(bundle_dir).manifest.parsed_questions(), None)
         assert opened.escalation_count() == 2 and not opened.audits()

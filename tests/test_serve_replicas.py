@@ -97,7 +97,7 @@ def settled(writers: list[Replica], readers: list[Replica]) -> float:
     them all (audits run after the answer is sent, and others read the store every poll); the
     count of audited items they then agree on."""
     for writer in writers:
-        writer.until("cascade_audits", writer.requests, label='outcome="audited"')
+        writer.until("cascade_audits_total", writer.requests, label='outcome="audited"')
     total = max(writer.gauge("cascade_audited_items") for writer in writers)  # the last to write read all
     for replica in writers + readers:
         replica.until("cascade_audited_items", total)

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from corpora import QUESTIONS_JSON, corpus_items
+from prometheus_client.parser import text_string_to_metric_families
 from servers import KEPT, free_port, serving, serving_bundle, until
 
 from cascade.bundle.manifest import Bundle
@@ -98,8 +99,63 @@ def test_requests_driven_through_a_swap_are_each_answered_by_exactly_one_version
     for version, n in by_version.items():  # both folders hold the bundle named v1
         line = f'cascade_version_requests_total{{bundle="v1",calibration_version="{version}"}} {float(n)}'
         assert line in text
-    assert 'cascade_bundle_swaps{outcome="taken"} 1.0' in text
+    assert 'cascade_bundle_swaps_total{outcome="taken"} 1.0' in text
     assert watch is not None and watch.calibration_version == new
+
+
+def counted(text: str) -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    """/metrics' counters, parsed: each counter family's samples by (name, labels)."""
+    return {family.name: {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                          for sample in family.samples if not sample.name.endswith("_created")}
+            for family in text_string_to_metric_families(text) if family.type == "counter"}
+
+
+def test_metrics_scraped_around_a_swap_count_on_from_the_retired_bundle(
+        versions: tuple[Path, Path], gemma_path: Path, tmp_path: Path) -> None:
+    """Every running total is a counter, and across a swap it keeps what the retired bundle
+    counted: two scrapes differ by what happened between them."""
+    first, second = versions
+    link = first.parent / "current-for-metrics"
+    point(link, first)
+    source = BundleSource(link, lambda d: Cascade.load(d, teacher=gemma_path, threads=1), interval=0.05)
+    audit = lambda cascade: auditor_for(cascade, tmp_path / "audits.sqlite", 1.0, "s", "alarm")[0]  # noqa: E731
+    app = create_app(None, ServeConfig(bundle=source, audit=audit, engine=EngineSettings(max_wait=600.0)))
+    states = iter(item.text for item in corpus_items()[10:20])
+    with serving(app) as base, httpx.Client(timeout=120) as http:
+        def ask() -> None:
+            body = {"state": next(states), "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+            assert http.post(f"{base}/v1/systemone", json=body).status_code == 200
+
+        def audited() -> float:
+            found = counted(http.get(f"{base}/metrics").text)["cascade_audits"]
+            return found[("cascade_audits_total", (("outcome", "audited"),))]
+
+        for _ in range(3):
+            ask()
+        until(lambda: audited() == 3, "the first bundle's 3 audits")
+        before = counted(http.get(f"{base}/metrics").text)
+        point(link, second)
+        until(lambda: app.state.loaded.serving.version.directory == second.resolve(), "the swap")
+        for _ in range(2):
+            ask()
+        until(lambda: audited() == 5, "the second bundle's 2 audits, on top of the first's 3")
+        after = counted(http.get(f"{base}/metrics").text)
+    for total in ("cascade_audits", "cascade_abandoned_requests", "cascade_bundle_swaps", "cascade_upstream",
+                  "cascade_upstream_cost", "cascade_requests", "cascade_answers"):
+        assert total in before and total in after, total  # exported as counters (NAME_total)
+    assert after["cascade_escalations_kept"] == {}  # a counter, with no samples where none are kept
+    for family, samples in before.items():  # nothing went down, nothing vanished
+        assert all(after[family].get(key, -1) >= value for key, value in samples.items()), family
+
+    def grew(family: str, **labels: str) -> float:
+        key = (f"{family}_total", tuple(sorted(labels.items())))
+        return after[family][key] - before[family].get(key, 0.0)
+
+    assert grew("cascade_requests", code="200") == 2
+    assert grew("cascade_audits", outcome="audited") == 2
+    assert grew("cascade_bundle_swaps", outcome="taken") == 1
+    assert grew("cascade_abandoned_requests") == 0
+    assert sum(after["cascade_answers"].values()) - sum(before["cascade_answers"].values()) == 2
 
 
 def test_sighup_takes_a_promoted_bundle_named_by_a_pointer_file(versions: tuple[Path, Path],

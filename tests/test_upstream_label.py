@@ -1,20 +1,28 @@
 """Labelling through a System One URL (``distill.label_endpoint``), against jevcompat 0.1.1's
 mock on loopback: N calls at a time, said before the first; resumable (done items never called
 for again); a store bound to the endpoint's identity, refusing another teacher's labels; calls
-that waiting may cure tried again, a refused item skipped or stopping the run."""
+that waiting may cure tried again by the client alone (each item's sends counted), an item the
+upstream still asks to wait for left for the next run and pausing the later calls, a refused item
+skipped or stopping the run."""
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from jevcompat.mock import MockConfig, Running, respond
+from jevcompat.mock import Handler, MockConfig, Running, respond
 from servers import MOCK_MODEL, teacher_server, upstream
 from tinymodels import tiny_llama_path
 
@@ -89,9 +97,96 @@ def test_a_new_question_is_labelled_alone_for_the_items_that_lack_it(tmp_path: P
 
 def test_calls_that_waiting_may_cure_are_made_again(tmp_path: Path) -> None:
     corpus, store = write_corpus(tmp_path / "c.jsonl", 12), tmp_path / "labels.sqlite"
-    with Running(MockConfig(busy_every=3)) as server:  # every 3rd request: 429 Retry-After: 0
-        summary, _ = label(f"{server.url}/v1/systemone", corpus, store, concurrency=3)
-    assert (summary.labelled, summary.left) == (12, 0)
+    cfg = MockConfig(busy_every=3)  # every 3rd request: 429 Retry-After: 0
+    with Running(cfg) as server:
+        summary, _ = label(f"{server.url}/v1/systemone", corpus, store, concurrency=1)
+    assert (summary.labelled, summary.left, summary.turned_away) == (12, 0, 0)
+    assert cfg.requests == 17  # one at a time: each 429 (requests 3, 6, ..., 15) sent again once
+
+
+@contextmanager
+def asking_to_wait(always: dict[str, tuple[int, int]], window: bool = False
+                   ) -> Iterator[tuple[str, Counter[str]]]:
+    """jevcompat's mock on loopback that asks to wait: always, for the item ids in ``always`` (the
+    status, 429 or 503, and its Retry-After), and with ``window``, for any request that comes
+    before that Retry-After has passed (503, the seconds left). Yields its URL and the sends it
+    saw per item (by X-Request-Id, which the client sets to the item's id)."""
+    sends: Counter[str] = Counter()
+    lock = threading.Lock()
+    until = [0.0]
+
+    class Waiting(Handler):
+        cfg = MockConfig()
+
+        def do_POST(self) -> None:
+            item = self.headers.get("X-Request-Id", "")
+            with lock:
+                sends[item] += 1
+                now = time.monotonic()
+                asked = always.get(item) or ((503, math.ceil(until[0] - now)) if now < until[0] else None)
+                if asked is not None and window:
+                    until[0] = max(until[0], now + asked[1])
+            if asked is None:
+                super().do_POST()
+                return
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(asked[0])
+            self.send_header("Retry-After", str(asked[1]))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Waiting)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/systemone", sends
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_item_is_sent_at_most_as_often_as_the_clients_retries_allow(tmp_path: Path) -> None:
+    """One retry policy, the client's: an item the upstream keeps asking to wait for (429, 503)
+    is sent retries + 1 times, then left for the next run; the others are labelled meanwhile."""
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 8), tmp_path / "labels.sqlite"
+    with asking_to_wait({"e1": (429, 1), "e3": (503, 1)}) as (url, sends):
+        settings = UpstreamSettings(url, model=MOCK_MODEL)
+        summary = label_through_endpoint(settings, QUESTIONS, corpus, store, EndpointRun(concurrency=4))
+    tries = settings.retries + 1
+    assert dict(sends) == {f"e{i}": tries if i in (1, 3) else 1 for i in range(8)}
+    assert (summary.labelled, summary.turned_away, summary.left) == (6, 2, 2)
+    with LabelStore.open_existing(store) as opened:
+        assert opened.done_items(list(QUESTIONS)) == {f"e{i}" for i in (0, 2, 4, 5, 6, 7)}
+
+
+def test_a_wait_past_the_calls_deadline_pauses_the_runs_later_calls(tmp_path: Path) -> None:
+    """A Retry-After longer than the call's deadline: the client gives up at once (one send), and
+    the run sends nothing more until it has passed, so the next items are answered, not turned
+    away (this upstream refuses whatever comes before its Retry-After)."""
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 4), tmp_path / "labels.sqlite"
+    with asking_to_wait({"e0": (503, 2)}, window=True) as (url, sends):
+        settings = UpstreamSettings(url, model=MOCK_MODEL, read_timeout=1.0, deadline=1.0)
+        summary = label_through_endpoint(settings, QUESTIONS, corpus, store, EndpointRun(concurrency=1))
+    assert dict(sends) == {"e0": 1, "e1": 1, "e2": 1, "e3": 1}
+    assert (summary.labelled, summary.turned_away, summary.left) == (3, 1, 1)
+
+
+def test_the_command_says_which_items_the_upstream_turned_away_and_exits_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 3), tmp_path / "labels.sqlite"
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps(QUESTIONS_JSON))
+    with asking_to_wait({"e0": (503, 2)}, window=True) as (url, sends):
+        code = main(["label", "--teacher", url, "--upstream-model", MOCK_MODEL, "--upstream-timeout", "0.5",
+                     "--questions", str(questions), "--corpus", str(corpus), "--store", str(store),
+                     "--concurrency", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and dict(sends) == {"e0": 1, "e1": 1, "e2": 1}
+    assert "asked to wait (429 or 503) past the client's retries for 1 items" in err
+    assert "run the same command again later" in err
+    with LabelStore.open_existing(store) as opened:
+        assert opened.done_items(list(QUESTIONS)) == {"e1", "e2"}
 
 
 def test_a_refused_item_is_skipped_or_stops_the_run(tmp_path: Path) -> None:

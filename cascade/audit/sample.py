@@ -9,12 +9,10 @@ count of requests, since a client-chosen request id must not pick what is audite
 
 from __future__ import annotations
 
-import hashlib
-
 from cascade.checks import is_real
+from cascade.hashing import seeded_unit
 
 DEFAULT_SHARE = 0.02
-_SCALE = float(1 << 64)
 
 
 class AuditSampler:
@@ -29,5 +27,4 @@ class AuditSampler:
     def chosen(self, key: str) -> bool:
         if self.share == 0:
             return False
-        digest = hashlib.sha256(f"{self.seed}\x1e{key}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / _SCALE < self.share
+        return seeded_unit(self.seed, key) < self.share

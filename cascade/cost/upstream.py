@@ -8,6 +8,10 @@ plus a part per question sent (least squares over the calls made), in upstream s
 What was saved is counted against forwarding every request whole, which is what a client calling
 the upstream directly pays: every request a call, every question asked sent. The cascade pays for
 the calls it made (only the questions it could not answer) and for its audits.
+
+Both sums are running totals: each request and audit is priced when it happens (without a price,
+by the latency fit as it stands then; what was priced is not priced again as the fit moves), so
+that both only grow and ``/metrics`` exports them as counters.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class UpstreamPrice:
 class Ledger:
     """Counts since the server started and their price: ``requests`` answered and ``asked``
     questions in them; ``calls`` and ``sent`` questions that went upstream for them, ``audit_calls``
-    and ``audit_questions`` for audits; ``spent`` and ``saved`` in ``unit``."""
+    and ``audit_questions`` for audits; in ``unit``, what was ``spent`` upstream and what
+    forwarding every request whole would have cost (``forwarded``)."""
 
     requests: int
     asked: int
@@ -60,8 +65,12 @@ class Ledger:
     audit_calls: int
     audit_questions: int
     spent: float
-    saved: float
+    forwarded: float
     unit: str
+
+    @property
+    def saved(self) -> float:
+        return self.forwarded - self.spent
 
     @property
     def saved_calls(self) -> int:
@@ -80,6 +89,7 @@ class UpstreamLedger:
         self._lock = threading.Lock()
         self._n = [0] * 6  # requests, asked, calls, sent, audit calls, audit questions
         self._fit = [0.0] * 5  # calls, sum q, sum s, sum q*q, sum q*s: seconds ~ a + b * questions
+        self._cost = [0.0, 0.0]  # spent, forwarded: each priced when it happened
 
     def request(self, asked: int, sent: int, seconds: float | None = None) -> None:
         """One answered request of ``asked`` questions, ``sent`` of them upstream in one call
@@ -91,6 +101,10 @@ class UpstreamLedger:
                 self._n[2] += 1
                 self._n[3] += sent
                 self._observe(sent, seconds)
+            per_request, per_question, _ = self.rates()
+            self._cost[1] += per_request + asked * per_question
+            if sent:
+                self._cost[0] += per_request + sent * per_question
 
     def audit(self, questions: int, seconds: float | None = None) -> None:
         """One audit call of ``questions`` questions."""
@@ -98,6 +112,8 @@ class UpstreamLedger:
             self._n[4] += 1
             self._n[5] += questions
             self._observe(questions, seconds)
+            per_request, per_question, _ = self.rates()
+            self._cost[0] += per_request + questions * per_question
 
     def _observe(self, questions: int, seconds: float | None) -> None:
         if seconds is None or not math.isfinite(seconds):
@@ -121,7 +137,6 @@ class UpstreamLedger:
     def ledger(self) -> Ledger:
         with self._lock:
             requests, asked, calls, sent, audit_calls, audit_questions = self._n
-            per_request, per_question, unit = self.rates()
-        spent = (calls + audit_calls) * per_request + (sent + audit_questions) * per_question
-        whole = requests * per_request + asked * per_question
-        return Ledger(requests, asked, calls, sent, audit_calls, audit_questions, spent, whole - spent, unit)
+            spent, forwarded = self._cost
+            unit = self.rates()[2]
+        return Ledger(requests, asked, calls, sent, audit_calls, audit_questions, spent, forwarded, unit)

@@ -4,14 +4,24 @@ Counters only ever grow, so shares are left to the scraper (escalation share: to
 over all answers, ``rate(cascade_answers_total{tier="teacher"}[5m]) / rate(cascade_answers_total[5m])``);
 the one share given ready-made, ``cascade_escalation_share``, is over the server's lifetime.
 Each server has its own registry, so two in one process (tests) never mix their counts.
+
+Every running total is a Prometheus counter (``NAME_total``), so ``rate()`` and ``increase()``
+apply: the ones counted here, and the ones their owners keep (the upstream's ledger, the
+escalation collector, the bundle watch, each engine's audits and abandoned jobs), read at a
+scrape and exported through a ``Total`` (a collector yielding a counter family). They count since
+the server started: a swap keeps the server's metrics, and the engines' totals are added up, a
+retired engine's included (its last audits still count), from the first scrape that found it
+serving (so a bundle swapped out again before any scrape saw it is not counted). What is a state
+rather than a total stays a gauge (the queues, the drift alarm's items, its bound, the certificate).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cascade.answers import DecisionResponse
@@ -22,11 +32,38 @@ if TYPE_CHECKING:
     from cascade.collect.collector import Collector
     from cascade.collect.escalation import EscalationRecord
     from cascade.routing.router import Cascade
-    from cascade.serve.engine import Engine
+    from cascade.serve.engine import Engine, Totals
     from cascade.serve.swap import BundleWatch, Version
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Total:
+    """A running total its owner keeps, exported as a Prometheus counter (``NAME_total``): ``set``
+    at a scrape to what the owner counts, by label values, and yielded as a counter family. The
+    owner's count only grows, which is what makes it a counter."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        self.name, self.documentation, self.labels = name, documentation, list(labels)
+        self._values: dict[tuple[str, ...], float] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def set(self, value: float, *labels: str) -> None:
+        if len(labels) != len(self.labels):
+            raise ValueError(f"{self.name} takes the labels {self.labels}; got {list(labels)}")
+        self._values[labels] = float(value)
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for labels, value in sorted(self._values.items()):
+            family.add_metric(list(labels), value)
+        yield family
 
 
 class ServerMetrics:
@@ -54,10 +91,11 @@ class ServerMetrics:
                                       ["tier"], buckets=_SECONDS, registry=self.registry)
         self.queue = Gauge("cascade_queue_depth", "Requests waiting for a tier's worker", ["tier"],
                            registry=self.registry)
-        self.audits = Gauge("cascade_audits", "Audits since the server started, by outcome: audited, "
+        self.audits = Total("cascade_audits", "Audits since the server started, by outcome: audited, "
                             "dropped (the audit queue was full), failed, unreadable (the state does not "
                             "fit the teacher's context)", ["outcome"], registry=self.registry)
-        self.audited = Gauge("cascade_audited_items", "Audited items counted by a question's drift alarm",
+        self.audited = Gauge("cascade_audited_items", "Audited items counted by a question's drift alarm "
+                             "(the serving calibration's: a new one starts afresh)",
                              ["question"], registry=self.registry)
         self.lower = Gauge("cascade_agreement_lower_bound", "Anytime lower bound on a question's "
                            "agreement with the teacher, from the audit", ["question"], registry=self.registry)
@@ -69,32 +107,39 @@ class ServerMetrics:
         self.bundle = Gauge("cascade_bundle_info", "1 for the bundle serving new requests, 0 for those it "
                             "replaced", ["bundle", "calibration_version", "manifest_sha256"],
                             registry=self.registry)
-        self.swaps = Gauge("cascade_bundle_swaps", "Promoted bundles this server took, and the ones that "
+        self.swaps = Total("cascade_bundle_swaps", "Promoted bundles this server took, and the ones that "
                            "failed to load (the old one kept serving)", ["outcome"], registry=self.registry)
         self.void = Gauge("cascade_certificate_void", "1 while the upstream teacher's identity differs "
                           "from the bundle's: every question goes upstream, marked demoted",
                           registry=self.registry)
         self.admitted = Gauge("cascade_top_admitted", "Requests admitted to the top tier's queue and not "
                               "yet answered (waiting or in service)", registry=self.registry)
-        self.abandoned = Gauge("cascade_abandoned_requests", "Requests dropped uncomputed because their "
-                               "client had gone, since this bundle served", registry=self.registry)
-        self.upstream = Gauge("cascade_upstream", "Since the server started: requests answered and "
+        self.abandoned = Total("cascade_abandoned_requests", "Requests dropped uncomputed because their "
+                               "client had gone, since the server started", registry=self.registry)
+        self.upstream = Total("cascade_upstream", "Since the server started: requests answered and "
                               "questions asked in them; calls and questions sent upstream for them, and "
                               "for audits; calls and questions not sent (against forwarding every "
                               "request whole)",
                               ["count"], registry=self.registry)
-        self.cost = Gauge("cascade_upstream_cost", "What the upstream calls cost and what the cascade "
-                          "saved of it, in the --upstream-price unit (s: priced by measured latency)",
-                          ["kind", "unit"], registry=self.registry)
-        self.kept = Gauge("cascade_escalations_kept", "Escalated requests since the server started, by "
+        self.cost = Total("cascade_upstream_cost", "Since the server started, in the --upstream-price "
+                          "unit (s: priced by measured latency), each call priced when it was made: what "
+                          "the upstream calls cost (spent), and what forwarding every request whole would "
+                          "have (forwarded); saved is forwarded - spent", ["kind", "unit"],
+                          registry=self.registry)
+        self.kept = Total("cascade_escalations_kept", "Escalated requests since the server started, by "
                           "what keeping the teacher's answers made of them: collected, not_chosen (outside "
                           "--escalation-share), full (--escalation-max reached), dropped (the write queue "
-                          "was full), unreadable, failed (the store refused or was down)",
+                          "was full: too many items, or too many bytes, waiting), unreadable, failed (the "
+                          "store refused or was down)",
                           ["outcome"], registry=self.registry)
         self._given = self._escalated = 0
+        self._engines: list[Totals] = []  # of every engine that served, retired ones too
 
-    def serving(self, cascade: Cascade, version: Version | None, replaced: Cascade | None = None) -> None:
-        """A bundle now serves new requests (in place of ``replaced``)."""
+    def serving(self, engine: Engine, version: Version | None, replaced: Cascade | None = None) -> None:
+        """A bundle's engine now serves new requests (in place of ``replaced``); its totals count
+        from now on, and on after it retires."""
+        self._engines.append(engine.totals)
+        cascade = engine.cascade
         self.top_tier = cascade.tiers[-1].name
         sha = version.manifest_sha256 if version is not None else cascade.manifest_sha256
         self.bundle.labels(cascade.manifest.name, cascade.calibration_version, sha).set(1)
@@ -108,22 +153,30 @@ class ServerMetrics:
         escalations kept."""
         self.queues(engine.queue_depths())
         auditor = engine.auditor
-        self.watched(engine.audit_counts, auditor.watch if auditor is not None else None)
+        self.watched(self._audits(), auditor.watch if auditor is not None else None)
         self.void.set(float(engine.voided is not None))
-        self.abandoned.set(engine.abandoned)
+        self.abandoned.set(sum(totals.abandoned for totals in self._engines))
         self.admitted.set(engine.admission.inside)
         for name, value in (("requests", ledger.requests), ("asked_questions", ledger.asked),
                             ("calls", ledger.calls), ("sent_questions", ledger.sent),
                             ("audit_calls", ledger.audit_calls), ("audit_questions", ledger.audit_questions),
                             ("saved_calls", ledger.saved_calls), ("saved_questions", ledger.saved_questions)):
-            self.upstream.labels(name).set(value)
-        self.cost.labels("spent", ledger.unit).set(ledger.spent)
-        self.cost.labels("saved", ledger.unit).set(ledger.saved)
+            self.upstream.set(value, name)
+        self.cost.set(ledger.spent, "spent", ledger.unit)
+        self.cost.set(ledger.forwarded, "forwarded", ledger.unit)
         if watch is not None:
-            self.swaps.labels("taken").set(watch.swaps)
-            self.swaps.labels("failed").set(watch.failures)
+            self.swaps.set(watch.swaps, "taken")
+            self.swaps.set(watch.failures, "failed")
         for outcome, n in (escalations.counts.items() if escalations is not None else ()):
-            self.kept.labels(outcome).set(n)
+            self.kept.set(n, outcome)
+
+    def _audits(self) -> dict[str, int]:
+        """The audits of every engine served, by outcome."""
+        added: dict[str, int] = {}
+        for totals in self._engines:
+            for outcome, n in list(totals.audits.items()):
+                added[outcome] = added.get(outcome, 0) + n
+        return added
 
     def answered(self, response: DecisionResponse, bundle_ids: Mapping[str, str],
                  cascade: Cascade | None = None) -> None:
@@ -156,9 +209,9 @@ class ServerMetrics:
             self.queue.labels(tier).set(depth)
 
     def watched(self, counts: Mapping[str, int], watch: DriftWatch | None) -> None:
-        """The audit's counts and, per question, its drift alarm's state."""
+        """The audits' counts since the server started and, per question, its drift alarm's state."""
         for outcome, n in counts.items():
-            self.audits.labels(outcome).set(n)
+            self.audits.set(n, outcome)
         if watch is None:
             return
         for qid, monitor in watch.monitors.items():

@@ -11,7 +11,6 @@ see which tier answers them and how often the cascade agrees with the teacher.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from cascade.hashing import seeded_unit
 from cascade.thresholds import CERTIFIED_SCORE, threshold_score
 from distill.calibration.inputs import Labels
 from distill.calibration.maths import (
@@ -84,8 +84,7 @@ def in_temperature_part(item_id: str) -> bool:
 
     A hash of the id, so the split is the same on every run and for every tier and question.
     """
-    digest = hashlib.sha256(f"{TEMPERATURE_SALT}\0{item_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64 < TEMPERATURE_SHARE
+    return seeded_unit(TEMPERATURE_SALT, item_id, "\0") < TEMPERATURE_SHARE
 
 
 def _calibrate(

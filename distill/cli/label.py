@@ -120,6 +120,11 @@ def _label(args: argparse.Namespace) -> int:
         print(f"interrupted: {summary.labelled} items labelled by this run are committed, {summary.left} "
               "left; run the same command again to resume (done items are skipped)", file=sys.stderr)
         return 130
+    if summary.turned_away:
+        print(f"the upstream asked to wait (429 or 503) past the client's retries for {summary.turned_away} "
+              "items, left unlabelled; run the same command again later to label them (done items are "
+              "skipped)", file=sys.stderr)
+        return 1
     _teacher_check(args, questions, only)
     return 0
 
