@@ -50,7 +50,7 @@ from cascade.serve.edge import (
     DEFAULT_RECEIVE_TIMEOUT,
     add_wire,
     health,
-    loading_lifespan,
+    lifespan_of,
     request_body,
     still_loading,
     unprocessable,
@@ -197,7 +197,7 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
         if on_failure is not None:
             on_failure(exc)
 
-    lifespan = loading_lifespan(load_cascade, close, failed)
+    lifespan = lifespan_of(close, load_cascade, failed)
     app = FastAPI(title="cascade serve", version="1", lifespan=lifespan,
                   description="A tiered cascade behind the System One decision API.",
                   **docs_routes(config.docs))

@@ -26,15 +26,19 @@ DEFAULT_RECEIVE_TIMEOUT = 10.0
 """Seconds a client has to send a request's head, and again its body (the SDKs send at once)."""
 
 
-def loading_lifespan(load: Callable[[], None], close: Callable[[], None],
-                     failed: Callable[[BaseException], None]) -> Callable[[FastAPI], Any]:
-    """A lifespan that runs ``load`` in a thread, so that /health answers while models load,
-    hands an exception it raises to ``failed``, and calls ``close`` at shutdown once it is done."""
+def lifespan_of(close: Callable[[], None], load: Callable[[], None] | None = None,
+                failed: Callable[[BaseException], None] | None = None) -> Callable[[FastAPI], Any]:
+    """The one lifespan of every app here: ``load`` (where there is one) runs in a thread, so
+    that /health answers while models load, and an exception it raises goes to ``failed``;
+    ``close`` runs at shutdown, once the load is done."""
 
     def load_in_thread() -> None:
         try:
-            load()
+            if load is not None:
+                load()
         except BaseException as exc:
+            if failed is None:
+                raise
             failed(exc)
 
     @asynccontextmanager

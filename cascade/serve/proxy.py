@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +39,7 @@ from cascade.errors import CascadeError, RequestError
 from cascade.questions import load_json, parse_request
 from cascade.readout.prompts import read_chars
 from cascade.serve.auth import BOTH_KEYS, check_caller, check_metrics, docs_routes
-from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT, add_wire, request_body, unprocessable
+from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT, add_wire, lifespan_of, request_body, unprocessable
 from cascade.serve.engine import DEFAULT_MAX_WAIT
 from cascade.serve.gone import unless_gone
 from cascade.serve.limits import RequestLimits, read_request
@@ -106,15 +105,13 @@ def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) 
     pool = ThreadPoolExecutor(settings.max_in_flight, "cascade-proxy")
     metrics, ledger = _ProxyMetrics(), config.ledger or UpstreamLedger()
 
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> Any:
-        yield
+    def close() -> None:
         pool.shutdown(wait=True)
         if config.collector is not None:
             config.collector.close()
         client.close()
 
-    app = FastAPI(title="cascade serve (pass-through)", version="1", lifespan=lifespan,
+    app = FastAPI(title="cascade serve (pass-through)", version="1", lifespan=lifespan_of(close),
                   description=f"A pass-through to the System One server at {settings.shown}.",
                   **docs_routes(config.docs))
 

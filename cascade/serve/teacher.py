@@ -33,7 +33,7 @@ from cascade.serve.edge import (
     DEFAULT_RECEIVE_TIMEOUT,
     add_wire,
     health,
-    loading_lifespan,
+    lifespan_of,
     request_body,
     still_loading,
     unprocessable,
@@ -91,7 +91,7 @@ def create_teacher_app(load: Callable[[], Scorer], config: TeacherConfig | None 
         if on_failure is not None:
             on_failure(exc)
 
-    lifespan = loading_lifespan(load_scorer, close, failed)
+    lifespan = lifespan_of(close, load_scorer, failed)
     app = FastAPI(title="cascade serve (teacher)", version="1", lifespan=lifespan,
                   description="A GGUF's logit readout behind the System One decision API.",
                   **docs_routes(config.docs))
