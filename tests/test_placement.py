@@ -304,3 +304,44 @@ def test_the_guard_fails_a_test_that_forces_extra_buffers_in_the_suite_process(t
                       ("test_raw_default_params", "outside cascade's placement policy")):
         assert any(line.startswith("ERROR") and name in line for line in lines), child.stdout
         assert why in child.stdout
+
+
+def test_the_threads_default_counts_other_processes_busy_now_not_this_ones_or_finished_ones() -> None:
+    """The 1-minute load average counted this program's own earlier steps and processes that had
+    ended (the demo's gemma then always loaded on 1 thread of 2): what counts is the cores other
+    processes keep busy while a model loads."""
+    import subprocess
+    import sys
+    import threading
+
+    from cascade.readout.placement import busy_elsewhere, default_threads
+
+    quiet = busy_elsewhere(0.3)
+    assert quiet is not None  # Linux: /proc/stat
+    if quiet > (os.cpu_count() or 1) - 1:  # a neighbour would find no core to take
+        pytest.skip(f"other processes keep {quiet:.1f} cores busy: no idle core to measure a neighbour on")
+    spinning = threading.Event()
+
+    def spin() -> None:  # this process's own work, as a training step before the load
+        while not spinning.is_set():
+            pass
+
+    own = threading.Thread(target=spin)
+    own.start()
+    try:
+        while_own = busy_elsewhere(0.3)
+    finally:
+        spinning.set()
+        own.join()
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
+    try:
+        with_neighbour = busy_elsewhere(0.3)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    after = busy_elsewhere(0.3)
+    assert while_own is not None and with_neighbour is not None and after is not None
+    assert with_neighbour - quiet > 0.5 and with_neighbour - after > 0.5  # a busy core counts, then not
+    assert abs(while_own - quiet) < 0.5  # its own work does not
+    threads, why = default_threads()
+    assert 1 <= threads <= (os.cpu_count() or 1) and "busy with other processes" in why

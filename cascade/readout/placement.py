@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from functools import cache
 from typing import Literal, cast
@@ -126,21 +127,59 @@ def automatic_choice(info: str) -> tuple[bool, str]:
     return True, "default"
 
 
+BUSY_WINDOW = 0.1
+"""Seconds over which the cores other processes keep busy are measured when a model loads."""
+
+
 def default_threads() -> tuple[int, str]:
     """Threads of a model loaded without ``threads``: the cores free when it loads, and why.
 
     llama.cpp's threads wait for each other at every step, so one busy core slows them all:
     on 2 cores the 1.5B teacher read a state 1.67x faster with 2 threads than with 1 on an idle
     machine, and 1.24x slower beside one busy process (bench/threads.py). Free cores are the
-    cores less the 1-minute load average, at least 1; ``ran_on`` records the figure.
+    cores less what OTHER processes keep busy NOW (``busy_elsewhere``), at least 1; the
+    1-minute load average would count this program's own earlier steps and processes that have
+    finished. ``ran_on`` records the figure.
     """
     cores = os.cpu_count() or 1
+    busy = busy_elsewhere(BUSY_WINDOW)
+    if busy is None:  # no /proc/stat: the load average, else all cores as llama.cpp would
+        try:
+            busy = os.getloadavg()[0]
+        except OSError:
+            return cores, "default: all cores"
+        free = max(1, min(cores, round(cores - busy)))
+        return free, f"default: free cores at load, {cores} less load {busy:.1f}"
+    free = max(1, min(cores, round(cores - busy)))
+    return free, f"default: free cores at load, {cores} less {busy:.1f} busy with other processes"
+
+
+def busy_elsewhere(window: float) -> float | None:
+    """Cores that other processes kept busy over the next ``window`` seconds: the machine's busy
+    time (``/proc/stat``) less this process's own CPU time; None where /proc/stat is missing."""
+    before, own = _busy_seconds(), time.process_time()
+    if before is None:
+        return None
+    started = time.monotonic()
+    time.sleep(window)
+    after, own_after = _busy_seconds(), time.process_time()
+    elapsed = time.monotonic() - started
+    if after is None or elapsed <= 0:
+        return None
+    return max(0.0, (after - before - (own_after - own)) / elapsed)
+
+
+def _busy_seconds() -> float | None:
+    """Seconds all cores have spent busy since boot (every state but idle and iowait)."""
     try:
-        load = os.getloadavg()[0]
-    except OSError:  # no load average on this platform: all cores, as llama.cpp would
-        return cores, "default: all cores"
-    free = max(1, min(cores, round(cores - load)))
-    return free, f"default: free cores at load, {cores} less load {load:.1f}"
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def check_gpu_layers(gpu_layers: int) -> None:

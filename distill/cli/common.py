@@ -171,7 +171,8 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-THREADS_DEFAULT = ("(default: the cores free when a model loads, the cores less the load average: "
+THREADS_DEFAULT = ("(default: the cores free when a model loads, the cores less those other processes "
+                   "keep busy then: "
                    "all on an idle machine, fewer beside other work; on 2 cores, 2 threads read "
                    "1.67x faster idle and 1.24x slower beside one busy process)")
 """What --threads defaults to, said the same by every command (``cascade.readout.placement``)."""
