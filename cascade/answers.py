@@ -16,11 +16,15 @@ unchanged)::
 Everything only this project knows sits under keys prefixed ``x_`` (``x_routing``, ``x_readout``
 and ``x_calibrated`` on an answer, ``x_cascade`` in usage), which strict clients ignore. A noul
 answer's distribution is its ``noul`` (the probability of true); its ``probabilities`` and
-``confidence`` stay attributes here and are left off the wire.
+``confidence`` stay attributes here and are left off the wire. A choice or score answer's
+``confidence`` follows the formula TypeSafe documents (``choice_confidence``, ``score_confidence``).
+``audit`` stays unprefixed although it is this project's: avrik-sdk's ``Decision`` requires it by
+that name (docs/wire-format.md, "Conformance").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
@@ -42,16 +46,37 @@ def argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=values.__getitem__)
 
 
-def confidence(probabilities: Sequence[float]) -> float:
-    """The largest probability: the chance, by the scorer's own numbers, that its argmax is right.
+def choice_confidence(probabilities: Sequence[float]) -> float:
+    """A choice answer's ``confidence``: the top probability's way from a uniform guess to
+    certainty, (k * p_max - 1) / (k - 1) for k options (0: uniform, 1: all on one option).
 
-    Unlike entropy or the top-two margin, it is itself a probability of the answer reported, so a
-    threshold on it reads directly ("accept when at least 90% sure"), and once calibrated it means
-    expected agreement whatever the number of options, so thresholds compare across questions.
+    The formula TypeSafe documents and System One clients read (avrik-sdk's ``Answer.confidence``,
+    jev-style's ``adapter.confidence``, jevcompat's ``confidence.formula``), so a client's review
+    threshold means what it means against any System One server. Nothing routes on it: thresholds
+    are certified on the tier's raw probabilities (``cascade.thresholds.threshold_score``).
     """
     if len(probabilities) == 0:
         raise ValueError("probabilities: empty; need one per option")
-    return float(max(probabilities))
+    k = len(probabilities)
+    if k == 1:
+        return 1.0
+    return min(1.0, max(0.0, (k * float(max(probabilities)) - 1.0) / (k - 1.0)))
+
+
+def score_confidence(probabilities: Sequence[float]) -> float:
+    """A score answer's ``confidence``: TypeSafe's ordinal formula, which also counts how far the
+    probability sits from the most probable level m (the first on ties):
+    max(0, 1 - sum_i p_i |i - m| / s), s the same spread of a uniform distribution,
+    (1/n) sum_i |i - (n - 1)/2|. Like ``choice_confidence``, for clients only."""
+    if len(probabilities) == 0:
+        raise ValueError("probabilities: empty; need one per level")
+    n = len(probabilities)
+    if n == 1:
+        return 1.0
+    mode = argmax(probabilities)
+    spread = math.fsum(float(p) * abs(i - mode) for i, p in enumerate(probabilities))
+    uniform = math.fsum(abs(i - (n - 1) / 2) for i in range(n)) / n
+    return min(1.0, max(0.0, 1.0 - spread / uniform))
 
 
 class Readout(BaseModel):
@@ -84,7 +109,8 @@ class Routing(BaseModel):
     It is compared with ``raw_score``, the tier's raw probabilities (before temperature scaling)
     reduced to the score named by ``threshold_on``: ``margin``, the top probability's lead over
     the runner-up, or ``top``, the top probability (a schema-1 bundle). ``raw_confidence`` is the
-    raw top probability; the answer's ``confidence`` is the top probability after temperature.
+    raw top probability; the answer's ``confidence`` is the clients' formula
+    (``choice_confidence``, ``score_confidence``) on its reported probabilities, after temperature.
     ``cost_ms`` is this answer's share of the predicted cost of every tier it went through.
     ``input_cut`` says how the answering tier shortened the state (e.g. the encoder's token
     limit), None when it read it whole. ``certified`` is False when the cascade escalates to
@@ -157,7 +183,8 @@ class NoulAnswer(_AnswerBase):
 
     @property
     def confidence(self) -> float:
-        return confidence([self.noul, 1.0 - self.noul])
+        """As a two-option choice's (``choice_confidence``): |2 * noul - 1|."""
+        return choice_confidence([self.noul, 1.0 - self.noul])
 
 
 class ChoiceAnswer(_AnswerBase):

@@ -17,7 +17,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from cascade.answers import Answer, ChoiceAnswer, NoulAnswer, Readout, ScoreAnswer, argmax, confidence
+from cascade.answers import (
+    Answer,
+    ChoiceAnswer,
+    NoulAnswer,
+    Readout,
+    ScoreAnswer,
+    argmax,
+    choice_confidence,
+    score_confidence,
+)
 from cascade.errors import RequestError
 
 OPTION_LETTERS = "ABCDEFGHIJKLMNOP"
@@ -230,10 +239,14 @@ class ChoiceQuestion(_Question):
     def _answer(self, p: list[float], readout: Readout | None, calibrated: bool) -> Answer:
         keys = self.option_keys()
         return ChoiceAnswer(choice=keys[argmax(p)], probabilities=dict(zip(keys, p, strict=True)),
-                            confidence=confidence(p), calibrated=calibrated, readout=readout)
+                            confidence=choice_confidence(p), calibrated=calibrated, readout=readout)
 
 
 class ScoreQuestion(_Question):
+    """Levels are an array of legends, or one object mapping labels to descriptions, read in its
+    order: avrik-sdk's ``score(instructions, levels)`` sends a mapping as it is given, so refusing
+    the object form (as jevcompat's ``score.map-rejected`` asks) would break that SDK."""
+
     type: Literal["score"]
     criteria: list[Any]
 
@@ -271,7 +284,7 @@ class ScoreQuestion(_Question):
         return ScoreAnswer(score=math.fsum(i * q for i, q in enumerate(p)),
                            legend=dict(zip(keys, self.legends(), strict=True)),
                            probabilities=dict(zip(keys, p, strict=True)),
-                           confidence=confidence(p), calibrated=calibrated, readout=readout)
+                           confidence=score_confidence(p), calibrated=calibrated, readout=readout)
 
     def legends(self) -> list[str]:
         """Each level's text as an answer echoes it: a ``{label}`` object's label, other JSON as

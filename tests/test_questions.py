@@ -5,6 +5,8 @@ import math
 from typing import Any
 
 import pytest
+from jevcompat.validate import choice_confidence as reference_choice
+from jevcompat.validate import score_confidence as reference_score
 
 from cascade.answers import (
     Audit,
@@ -14,7 +16,8 @@ from cascade.answers import (
     Readout,
     ScoreAnswer,
     Usage,
-    confidence,
+    choice_confidence,
+    score_confidence,
 )
 from cascade.errors import RequestError
 from cascade.questions import (
@@ -358,14 +361,14 @@ def test_noul_answer():
     assert isinstance(answer, NoulAnswer)
     assert answer.noul == pytest.approx(0.8)
     assert answer.probabilities == {"true": answer.noul, "false": 1.0 - answer.noul}
-    assert answer.confidence == pytest.approx(0.8)
+    assert answer.confidence == pytest.approx(0.6)  # as a two-option choice's: 2 * 0.8 - 1
     assert answer.calibrated and answer.readout == READOUT
 
 
 def test_choice_answer_takes_argmax_and_first_on_ties():
     answer = question(CHOICE).answer([0.3, 0.7])
     assert isinstance(answer, ChoiceAnswer)
-    assert (answer.choice, answer.confidence) == ("technical", pytest.approx(0.7))
+    assert (answer.choice, answer.confidence) == ("technical", pytest.approx(0.4))  # 2 * 0.7 - 1
     assert list(answer.probabilities) == ["billing", "technical"]
     assert question(CHOICE).answer([0.5, 0.5]).choice == "billing"
     assert not answer.calibrated and answer.readout is None
@@ -379,6 +382,9 @@ def test_score_answer_is_the_expected_level():
     assert answer.legend == {"0": "Minor", "1": "Degraded", "2": "Blocking"}
     assert answer.probabilities == pytest.approx({"0": 0.2, "1": 0.3, "2": 0.5})
     assert question(SCORE).answer([0.4, 0.2, 0.4]).level == 0
+    # the spread about the top level over a uniform one's: 1 - (0.1 * 2 + 0.2 * 1) / (2/3)
+    assert question(SCORE).answer([0.1, 0.2, 0.7]).confidence == pytest.approx(0.4)
+    assert answer.confidence == 0.0  # 0.7 / (2/3) is more spread than uniform's: floored at 0
 
 
 def test_tiny_drift_is_renormalised():
@@ -398,10 +404,19 @@ def test_bad_probabilities_are_refused(probabilities, pattern):
         question(SCORE).answer(probabilities)
 
 
-def test_confidence_is_the_largest_probability():
-    assert confidence([0.1, 0.6, 0.3]) == 0.6
-    with pytest.raises(ValueError, match="empty"):
-        confidence([])
+def test_confidence_is_the_formula_system_one_clients_read():
+    """Chance-corrected for a choice, the ordinal spread for a score (TypeSafe's formulas, as
+    jevcompat's reference implements them), each 0 for a uniform guess and 1 for certainty."""
+    for probabilities in ([0.1, 0.6, 0.3], [0.2] * 5, [1.0, 0.0], [0.05, 0.45, 0.1, 0.2, 0.2],
+                          [0.5, 0.0, 0.0, 0.5]):
+        assert choice_confidence(probabilities) == pytest.approx(reference_choice(probabilities))
+        assert score_confidence(probabilities) == pytest.approx(reference_score(probabilities))
+    assert choice_confidence([0.1, 0.6, 0.3]) == pytest.approx(0.4)
+    assert choice_confidence([0.2] * 5) == 0.0 and score_confidence([0.2] * 5) == 0.0
+    assert choice_confidence([1.0, 0.0]) == 1.0 and score_confidence([0.0, 1.0, 0.0]) == 1.0
+    for confidence in (choice_confidence, score_confidence):
+        with pytest.raises(ValueError, match="empty"):
+            confidence([])
 
 
 def test_response_json_round_trip():

@@ -8,6 +8,7 @@ The response lists every answer, and every audit entry, under the request's ids 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,9 +36,19 @@ def answer_foreign(cascade: Cascade, item: Item, questions: Mapping[str, Questio
     """Ask the top tier alone; its raw distribution is the answer (nothing calibrated it). A
     state it cannot read leaves each of these questions an error of its own."""
     top = cascade.tiers[-1]
-    reply = top.reply([item], [list(questions)], questions)
+    reply = top.reply([item], [read_order(questions)], questions)
     usage = reply.usage[0].model_copy(update={"ran_on": {top.name: top.ran_on}})
     return foreign_answers(cascade, questions, reply, usage, near)
+
+
+def read_order(questions: Mapping[str, Question]) -> list[str]:
+    """The ids in the order the top tier is to read their questions: by content, whatever the
+    request's order or ids. A GGUF tier reads one state's questions in one batch, and another
+    layout of that batch moves its numbers (within the decode paths' tolerance): read in this
+    order, a request's questions get the same answers in any order (jevcompat's
+    ``semantics.question-order``)."""
+    return sorted(questions, key=lambda qid: json.dumps(questions[qid].model_dump(mode="json"),
+                                                        sort_keys=True, ensure_ascii=False))
 
 
 def foreign_answers(cascade: Cascade, questions: Mapping[str, Question], reply: Reply, usage: Usage,

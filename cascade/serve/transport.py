@@ -3,9 +3,11 @@
 An error is one JSON body that every published System One client reads: ``error`` with ``type``,
 ``code``, ``message``, ``param``/``field`` (the request path the problem is at) and ``question``
 (avrik-sdk reads code/message/field, jev-style code/message/question, typesafe-sdk the message),
-and FastAPI's ``detail: [{loc, msg, type}]`` beside it, one entry per problem, for clients that
-read that instead. A body's size limit holds after inflating too, so a small compressed body
-cannot unpack into gigabytes.
+and ``detail`` beside it as TypeSafe's API writes it, for clients that read that instead: a 422's
+is FastAPI's ``[{loc, msg, type}]``, one entry per problem; any other status's is
+``{error_type, message}`` (``error_type`` the ``error``'s ``type``, ``authentication_error`` for a
+401), as jevcompat's ``errors.shape`` and ``auth.*`` checks require. A body's size limit holds
+after inflating too, so a small compressed body cannot unpack into gigabytes.
 """
 
 from __future__ import annotations
@@ -131,13 +133,17 @@ def problems(message: str) -> list[Problem]:
 
 
 def error_body(problem: HttpProblem) -> dict[str, Any]:
-    """The JSON of an error answer, with a ``detail`` line per problem."""
+    """The JSON of an error answer: a 422's ``detail`` has a line per problem, any other's says
+    its type and message."""
     found = problem.found or [Problem("request", str(problem))]
     first = found[0]
     field = None if first.path == "request" else first.path
+    detail: list[dict[str, Any]] | dict[str, str] = (
+        [{"loc": p.loc, "msg": p.message, "type": problem.code} for p in found] if problem.status == 422
+        else {"error_type": problem.kind, "message": str(problem)})
     return {"error": {"type": problem.kind, "code": problem.code, "message": str(problem),
                       "param": field, "field": field, "question": first.question},
-            "detail": [{"loc": p.loc, "msg": p.message, "type": problem.code} for p in found]}
+            "detail": detail}
 
 
 def request_id(given: str | None) -> str:
