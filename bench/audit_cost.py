@@ -23,7 +23,7 @@ from cascade.audit.sample import AuditSampler
 from cascade.readout.llama import default_gguf_path
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
-from distill.auditing import StoreSink, bundle_teacher
+from distill.loop.auditing import StoreSink, bundle_teacher
 
 
 def main() -> None:

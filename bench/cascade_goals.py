@@ -46,15 +46,15 @@ from cascade.heads import Matrix, SoftmaxHead
 from cascade.questions import Question, parse_request
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
+from distill.calibration.evaluate import Evaluation, evaluate_bundle
 from distill.calibration.fits import TEMPERATURE_SHARE, in_temperature_part
 from distill.calibration.maths import apply_temperature, fit_temperature, threshold_for_agreement
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
-from distill.evaluate import Evaluation, evaluate_bundle
-from distill.label_transfer import import_labels
+from distill.labelling.transfer import import_labels
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
-from distill.train import ENCODER_TIER, TEACHER_TIER, train_bundle
+from distill.training.run import ENCODER_TIER, TEACHER_TIER, train_bundle
 
 GOAL_FACTOR = 1.5
 MIN_PLATT_ITEMS = 10

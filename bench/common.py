@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from cascade.audit.alarms import Stake
     from cascade.encoder.onnx_encoder import EmbeddingCache
     from cascade.thresholds import ThresholdScore
-    from distill.finetune import FinetuneConfig
+    from distill.training.finetune import FinetuneConfig
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 CACHE_DIR = Path.home() / ".cache" / "cascade-bench"
@@ -213,8 +213,8 @@ PART_CODES = {"train": 0, "calibration": 1, "evaluation": 2}
 
 def placed(ids: list[str], salt: str) -> np.ndarray:
     """Each item's part (0 train, 1 calibration, 2 evaluation, 50/25/25) by a hash of its id and
-    ``salt``, as ``distill.split`` places items: an item's part never moves as traffic grows."""
-    from distill.split import DEFAULT_FRACTIONS, part_of
+    ``salt``, as ``distill.training.split`` places items: an item's part never moves as traffic grows."""
+    from distill.training.split import DEFAULT_FRACTIONS, part_of
 
     return np.asarray([PART_CODES[part_of(i, DEFAULT_FRACTIONS, salt)] for i in ids])
 
@@ -307,7 +307,7 @@ def measured_seconds(items: Items, task: Task, count: int, middle: bool, finetun
 
     from cascade.encoder.onnx_encoder import Encoder, EncoderFiles, default_encoder_files
     from cascade.readout.scorer import Scorer
-    from distill.teachers import teacher_path
+    from distill.labelling.teachers import teacher_path
 
     request = {"state": "-", "questions": task.questions}
     encoders = {"encoder (frozen, shipped)": Encoder(threads=1)}
@@ -353,9 +353,9 @@ def finetuned_vectors(items: Items, source: str, train: np.ndarray, work: Path,
     """All items' vectors from a MiniLM fine-tuned on ``train`` (``cascade train --finetune``),
     exported as int8 ONNX into ``work``; seconds to train and export; the exported file."""
     from cascade.encoder.onnx_encoder import Encoder, EncoderFiles, default_encoder_files
-    from distill.finetune import finetune_body
-    from distill.finetune_base import Targets
-    from distill.onnx_export import export_int8
+    from distill.training.finetune import finetune_body
+    from distill.training.finetune_base import Targets
+    from distill.training.onnx_export import export_int8
 
     tokenizer = default_encoder_files().tokenizer
     started = time.perf_counter()
@@ -436,11 +436,11 @@ def support_bundle(root: Path, teacher: Path, items: int) -> Path:
     from cascade.hashing import file_sha256
     from cascade.questions import parse_request
     from cascade.readout.prompts import PROMPT_VERSION
-    from distill.label_transfer import import_labels
+    from distill.demo.synthetic import QUESTIONS_JSON, generate, write_corpus, write_labels
+    from distill.labelling.transfer import import_labels
     from distill.options import CorpusInput, RunOptions
     from distill.store import LabelStore, Teacher
-    from distill.synthetic import QUESTIONS_JSON, generate, write_corpus, write_labels
-    from distill.train import train_bundle
+    from distill.training.run import train_bundle
 
     messages = generate(items, seed=7)
     asked = {q: QUESTIONS_JSON[q] for q in (EASY, HARD)}
@@ -461,7 +461,7 @@ def support_bundle(root: Path, teacher: Path, items: int) -> Path:
 
 def support_messages(n: int) -> list[str]:
     """``n`` generated support messages the bundle was not trained on."""
-    from distill.synthetic import generate
+    from distill.demo.synthetic import generate
 
     return [message.text for message in generate(n, seed=11)]
 

@@ -5,7 +5,7 @@ packaged Qwen2.5-Coder-1.5B-Instruct; this keeps the longest prefix of the corpu
 have every question labelled (the demo takes its first N items), writes them in the export
 format, and writes beside them how they were made. The labelling, resumable, was:
 
-    .venv/bin/python -c "from pathlib import Path; from distill.synthetic import *; \\
+    .venv/bin/python -c "from pathlib import Path; from distill.demo.synthetic import *; \\
         write_corpus(generate(1000, 0), Path('corpus.jsonl')); write_questions(Path('questions.json'))"
     cascade label --teacher "$(cascade teacher-model qwen2.5-coder-1.5b-instruct)" \\
         --questions questions.json --corpus corpus.jsonl --store labels.sqlite --threads 1
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from bench.common import argument_parser
 from cascade.readout.prompts import PROMPT_VERSION
-from distill.demo_teacher import FACTS_FILE, LABELS_FILE, MODEL_NAME, ShippedLabels
+from distill.demo.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, generate
+from distill.demo.teacher import FACTS_FILE, LABELS_FILE, MODEL_NAME, ShippedLabels
 from distill.store import LabelStore
-from distill.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, generate
 
 SEED = 0
 COMMAND = ("cascade label --teacher qwen2.5-coder-1.5b-instruct.gguf --questions questions.json "

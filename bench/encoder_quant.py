@@ -1,6 +1,6 @@
 """How the fine-tuned encoder should compute: serve cost, parity with float, and batch invariance.
 
-The fine-tune's ONNX export (``distill.onnx_export``) is dynamic int8: weights int8, activations
+The fine-tune's ONNX export (``distill.training.onnx_export``) is dynamic int8: weights int8, activations
 quantized per call with one scale over the whole batch, so a text's vector depends on the texts
 batched with it. Each way below serves the same float MiniLM body (exported as the fine-tune
 exports it), on the same AG News texts, in one process, in interleaved rounds:
@@ -39,7 +39,7 @@ Make = Callable[[Path, Path, list[str]], None]
 
 
 def _dynamic(float_path: Path, out: Path, _: list[str]) -> None:
-    from distill.onnx_export import _quantize
+    from distill.training.onnx_export import _quantize
 
     _quantize(float_path, out)
 
@@ -94,8 +94,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    from distill.onnx_export import _export_float
-    from distill.student import minilm_body
+    from distill.training.onnx_export import _export_float
+    from distill.training.student import minilm_body
 
     rows = [row["text"] for row in read_rows("ag_news_test.jsonl", args.texts + 128)]
     texts, calibration = rows[: args.texts], rows[args.texts :]

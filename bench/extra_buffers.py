@@ -24,7 +24,7 @@ from cascade.questions import DecisionRequest, parse_request
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.placement import reports_amx, system_info
 from cascade.readout.scorer import Scorer
-from distill.teachers import TEACHERS, teacher_path
+from distill.labelling.teachers import TEACHERS, teacher_path
 
 
 def model_path(name: str | None) -> Path:

@@ -4,7 +4,7 @@ By default each question's thresholds are certified at level delta on their own,
 questions all Q statements hold together only with probability >= 1 - Q x delta. Family-wise
 calibration splits delta over the Q questions (Bonferroni), so that all hold at once with
 probability >= 1 - delta. This runs the library as a user would, twice on the same bundle:
-the demo's generated support messages (``distill.synthetic``, its labels imported as the
+the demo's generated support messages (``distill.demo.synthetic``, its labels imported as the
 teacher), the encoder tier trained on the 50% train part, ``calibrate_bundle`` on the 25%
 calibration part per question and family-wise, and ``evaluate_bundle`` on the 25% evaluation
 part (escalations answered from the recorded labels). It prints, per question, the share the
@@ -24,14 +24,14 @@ from cascade.bundle.manifest import Bundle
 from cascade.corpus import load_questions
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.onnx_encoder import Encoder
+from distill.calibration.evaluate import Evaluation, evaluate_bundle
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
-from distill.evaluate import Evaluation, evaluate_bundle
-from distill.label_transfer import import_labels
+from distill.demo.synthetic import generate, write_corpus, write_labels, write_questions
+from distill.labelling.transfer import import_labels
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
-from distill.synthetic import generate, write_corpus, write_labels, write_questions
-from distill.train import train_bundle
+from distill.training.run import train_bundle
 
 
 def run(family_wise: bool, bundle: Bundle, corpus: Path, store: LabelStore, args: argparse.Namespace,

@@ -5,8 +5,8 @@ are joined back from ../shared/data by id). Each of ``--resplits`` random 50/25/
 same permutations as bench/teacher_goals.py for the same seed) is run for each label source:
 
 - the frozen MiniLM (the shipped int8 file) with the library's head on its vectors and n-grams;
-- MiniLM fine-tuned on the split's train part (``distill.finetune``, the ``cascade train
-  --finetune`` defaults), exported as int8 ONNX (``distill.onnx_export``), with the same head
+- MiniLM fine-tuned on the split's train part (``distill.training.finetune``, the ``cascade train
+  --finetune`` defaults), exported as int8 ONNX (``distill.training.onnx_export``), with the same head
   refitted on its vectors.
 
 Each gets one threshold certified at target 0.98 / delta 0.05 on the calibration part and is
@@ -48,9 +48,9 @@ from bench.common import (
     task_named,
 )
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles, default_encoder_files
-from distill.finetune import FinetuneConfig
-from distill.finetune_base import import_torch
-from distill.onnx_export import export_int8
+from distill.training.finetune import FinetuneConfig
+from distill.training.finetune_base import import_torch
+from distill.training.onnx_export import export_int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ def serve_cost(texts: list[str], files: dict[str, Path], rounds: int = 3) -> dic
 def requantized_shipped(work: Path) -> Path:
     """The shipped MiniLM's float weights quantized as fine-tuned bodies are (no training)."""
     import_torch()
-    from distill.student import minilm_body
+    from distill.training.student import minilm_body
 
     path = work / "frozen-requantized.onnx"
     export_int8(minilm_body(), default_encoder_files().tokenizer, path, ["a short text", "another one"], 256)

@@ -74,7 +74,7 @@ from bench.common import (
 )
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.thresholds import CERTIFIED_SCORE, ThresholdScore
-from distill.finetune import FinetuneConfig
+from distill.training.finetune import FinetuneConfig
 
 
 def summary(name: str, runs: list[CascadeOutcome], costs: list[float], middle: bool, target: float

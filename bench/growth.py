@@ -6,7 +6,7 @@ AG News items, the teacher's answers known for each), in that fixed order. After
 traffic, as `cascade retrain` reads it), and the fast tier is retrained and certified on them:
 
 - each item's part is fixed by a hash of its id and the re-split's salt (50/25/25, as
-  ``distill.split`` places items): it never moves as traffic grows, as in the library;
+  ``distill.training.split`` places items): it never moves as traffic grows, as in the library;
 - the library's head (MiniLM vectors, hashed word n-grams beside them) is fitted on the train
   part of the items seen, and one threshold on the margin is certified on their calibration part
   at each ``--targets`` / delta 0.05 (``maths.threshold_for_agreement``, as ``cascade calibrate``);
@@ -57,7 +57,7 @@ from bench.common import (
 )
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.thresholds import CERTIFIED_SCORE, threshold_score
-from distill.finetune import FinetuneConfig
+from distill.training.finetune import FinetuneConfig
 
 POINTS = (500, 1000, 2000, 4000, 7600)
 SOURCE = "teacher, soft"

@@ -28,8 +28,8 @@ from bench.common import argument_parser, question_set, read_rows
 from cascade.questions import Question, parse_request
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.placement import Placement
-from distill.label import label_corpus, open_teacher, teacher_of, teacher_of_file
-from distill.label_ray import RayOptions, TeacherSpec, label_on_ray
+from distill.labelling.gguf import label_corpus, open_teacher, teacher_of, teacher_of_file
+from distill.labelling.on_ray import RayOptions, TeacherSpec, label_on_ray
 from distill.store import LabelStore
 
 Run = Callable[[Path, Path], int]

@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.common import argument_parser, question_set, read_rows
 from cascade.questions import parse_request
 from cascade.readout.llama import default_gguf_path
-from distill.label import label_corpus, open_teacher, teacher_of
+from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore
 
 

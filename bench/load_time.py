@@ -35,11 +35,11 @@ from cascade.readout.llama import default_gguf_path
 from cascade.readout.scorer import Scorer, branch_slots
 from cascade.routing.router import Cascade
 from cascade.tiers.gguf import GgufSpec
-from distill.label_transfer import import_labels
+from distill.demo.synthetic import generate, write_corpus, write_labels, write_questions
+from distill.labelling.transfer import import_labels
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
-from distill.synthetic import generate, write_corpus, write_labels, write_questions
-from distill.train import train_bundle
+from distill.training.run import train_bundle
 
 FLOPS = 1e12
 """Any throughput: it only scales the roofline prices, which cost nothing to compute."""

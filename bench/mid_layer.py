@@ -68,9 +68,9 @@ from cascade.questions import DecisionRequest, parse_request
 from cascade.readout.layer_scorer import LayerScorer, LetterLens, normalized
 from cascade.readout.scorer import Scorer
 from cascade.thresholds import CERTIFIED_SCORE
-from distill.finetune import FinetuneConfig
-from distill.mid_layer import candidate_layers, fit_head
-from distill.teachers import teacher_path
+from distill.labelling.teachers import teacher_path
+from distill.training.finetune import FinetuneConfig
+from distill.training.mid_layer import candidate_layers, fit_head
 
 STATES_DIR = CACHE_DIR / "mid_layer"
 SOURCE = "teacher, soft"

@@ -19,7 +19,7 @@ from bench.common import argument_parser
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.prompts import question_block, render_state
 from cascade.readout.scorer import Scorer
-from distill.synthetic import demo_questions, generate
+from distill.demo.synthetic import demo_questions, generate
 
 
 def main() -> None:

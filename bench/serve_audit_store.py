@@ -44,7 +44,7 @@ def audited(url: str) -> float:
 
 
 def main() -> None:
-    from distill.synthetic import QUESTIONS_JSON
+    from distill.demo.synthetic import QUESTIONS_JSON
 
     parser = argument_parser(__doc__)
     parser.add_argument("--requests", type=int, default=300, help="easy requests to each server")

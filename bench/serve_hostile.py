@@ -41,7 +41,7 @@ from bench.common import (
 )
 from cascade.readout.llama import default_gguf_path
 from cascade.readout.prompts import render_state, state_size
-from distill.synthetic import QUESTIONS_JSON
+from distill.demo.synthetic import QUESTIONS_JSON
 
 
 def nested(depth: int) -> list[Any]:

@@ -36,7 +36,7 @@ from bench.common import EASY, HARD, SERVE_TIMEOUT, argument_parser, server, sup
 from cascade.readout.llama import default_gguf_path
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
-from distill.synthetic import QUESTIONS_JSON
+from distill.demo.synthetic import QUESTIONS_JSON
 
 
 def body(state: str, question: str) -> dict[str, Any]:

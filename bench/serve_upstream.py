@@ -134,7 +134,7 @@ def ag_news_bundle(work: Path) -> Path:
     bundle = work / "ag_news"
     if (bundle / "manifest.json").is_file():
         return bundle
-    from distill.teachers import teacher_path
+    from distill.labelling.teachers import teacher_path
 
     work.mkdir(parents=True, exist_ok=True)
     ids = [json.loads(line)["id"] for line in FIRST.open(encoding="utf-8")]
@@ -212,7 +212,7 @@ def burst(port: int, requests: int, clients: int, max_wait: float) -> dict[str, 
     if not (bundle / "manifest.json").is_file():
         (WORK / "support").mkdir(parents=True, exist_ok=True)
         bundle = support_bundle(WORK / "support", gemma, 300)
-    from distill.synthetic import QUESTIONS_JSON
+    from distill.demo.synthetic import QUESTIONS_JSON
 
     bodies = [{"state": text, "questions": {HARD: QUESTIONS_JSON[HARD]}}
               for text in support_messages(requests + 8)]

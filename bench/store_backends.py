@@ -60,7 +60,7 @@ def labelling(places: dict[str, Callable[[str], str]], items: int, rounds: int) 
     """Seconds per round of ``label_corpus`` into a fresh store of each backend."""
     from cascade.questions import parse_request
     from cascade.readout.llama import default_gguf_path
-    from distill.label import label_corpus, open_teacher, teacher_of
+    from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
     from distill.store import LabelStore
 
     questions_json = question_set(4)
@@ -132,7 +132,7 @@ def demotion_lags(location: str, trials: int, poll: float) -> list[float]:
     from cascade.audit.record import AuditRecord, SystemAnswer
     from cascade.audit.stream import StreamFollower
     from cascade.audit.watch import DriftWatch
-    from distill.auditing import StoreSink
+    from distill.loop.auditing import StoreSink
     from distill.store import Teacher
 
     teacher = Teacher(kind="external", model=TEACHER_NAME)

@@ -1,6 +1,6 @@
 """The teacher check's thresholds, measured on the shipped teachers' labels of the shared sets.
 
-``distill.teacher_check`` flags a question whose labels collapse onto one answer (top share at
+``distill.calibration.teacher_check`` flags a question whose labels collapse onto one answer (top share at
 least COLLAPSE_SHARE) or barely move with the input (spread, the mean total variation distance
 of each item's distribution from the mean one, under MIN_SPREAD). This prints those figures for:
 
@@ -37,7 +37,7 @@ def _questions(spec: dict[str, Any]) -> Any:
 
 def exported(name: str, spec: dict[str, Any]) -> Any:
     """The check of one committed export (no letter masses: the exports do not keep them)."""
-    from distill.teacher_check import judge
+    from distill.calibration.teacher_check import judge
 
     labels: dict[str, dict[str, dict[str, float]]] = {}
     with (LABELS / name).open(encoding="utf-8") as rows:
@@ -50,10 +50,10 @@ def exported(name: str, spec: dict[str, Any]) -> Any:
 def live(dataset: str, spec: dict[str, Any], items: int, model: str | None, work: Path) -> Any:
     """Label ``items`` rows of ``dataset`` now with the GGUF and check them against the gold."""
     from cascade.readout.llama import default_gguf_path
-    from distill.label import label_corpus, open_teacher, teacher_of
+    from distill.calibration.teacher_check import judge_store
+    from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
+    from distill.labelling.teachers import teacher_path
     from distill.store import LabelStore
-    from distill.teacher_check import judge_store
-    from distill.teachers import teacher_path
 
     rows = read_rows(dataset, items)
     corpus = work / f"{dataset}.corpus.jsonl"

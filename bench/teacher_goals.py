@@ -55,7 +55,7 @@ from bench.common import (
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.questions import parse_request
 from cascade.readout.scorer import Scorer
-from distill.teachers import teacher_path
+from distill.labelling.teachers import teacher_path
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def workloads(model: str | None, layer: int | None) -> dict[str, Callable[[int],
     from cascade.readout.layer_scorer import LayerScorer
     from cascade.readout.llama import default_gguf_path
     from cascade.readout.scorer import Scorer
-    from distill.teachers import teacher_path
+    from distill.labelling.teachers import teacher_path
 
     path = default_gguf_path() if model is None else teacher_path(model)
 

@@ -1,7 +1,7 @@
 """The labelled corpus that the training, calibration, routing, evaluation and report tests use,
 made by the project itself so that a plain clone of the repository runs every test.
 
-The texts are the demo's generated support messages (``distill.synthetic``), and the generator's
+The texts are the demo's generated support messages (``distill.demo.synthetic``), and the generator's
 soft labels stand in for the teacher, as in ``cascade demo``. Two questions get a head:
 "urgent" (labelled on the first N_URGENT items only, so that a question labelled on part of the
 corpus is covered) and "department" (every item). Two get none: "rare" has too few train labels,
@@ -19,13 +19,13 @@ from typing import Any
 from cascade.bundle.manifest import Bundle, Manifest
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.questions import parse_request
-from distill.label_transfer import import_labels
+from distill.demo.synthetic import QUESTIONS_JSON as DEMO_QUESTIONS
+from distill.demo.synthetic import SyntheticItem, generate, write_corpus
+from distill.labelling.transfer import import_labels
 from distill.options import CorpusInput, RunOptions
-from distill.split import part_of
 from distill.store import LabelStore, Teacher
-from distill.synthetic import QUESTIONS_JSON as DEMO_QUESTIONS
-from distill.synthetic import SyntheticItem, generate, write_corpus
-from distill.train import middle_tier, train_bundle
+from distill.training.run import middle_tier, train_bundle
+from distill.training.split import part_of
 
 N_ITEMS, N_URGENT, N_SPAM, N_RARE_PER_PART = 300, 240, 60, 4
 SEED = 0

@@ -1,6 +1,6 @@
 """A small bundle trained on the demo's generated support messages, for calibration and budget tests.
 
-The corpus generator (``distill.synthetic``) stands in for the teacher: its soft labels are
+The corpus generator (``distill.demo.synthetic``) stands in for the teacher: its soft labels are
 imported into a label store as an external teacher, as ``cascade demo`` does, so these tests
 need no data set and no 4B model. ``unlabelled`` items are written to the corpus without labels,
 as a teacher that skipped them (over-long, ``--on-error skip``) would leave them.
@@ -15,11 +15,11 @@ from pathlib import Path
 from cascade.bundle.manifest import Bundle
 from cascade.corpus import load_questions
 from cascade.encoder.onnx_encoder import Encoder
-from distill.label_transfer import import_labels
+from distill.demo.synthetic import generate, write_corpus, write_labels, write_questions
+from distill.labelling.transfer import import_labels
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
-from distill.synthetic import generate, write_corpus, write_labels, write_questions
-from distill.train import train_bundle
+from distill.training.run import train_bundle
 
 TEACHER = Teacher(kind="external", model="synthetic support-v1 labels (tests)")
 

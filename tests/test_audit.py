@@ -30,8 +30,8 @@ from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import EngineSettings
 from cascade.tiers.base import Item
-from distill.auditing import StoreSink, auditor_for, bundle_teacher, stored_audits
 from distill.cli import main
+from distill.loop.auditing import StoreSink, auditor_for, bundle_teacher, stored_audits
 from distill.store import LabelStore
 
 
@@ -83,7 +83,7 @@ KILL_WRITER = """\
 import sys
 sys.path.insert(0, "tests")
 from test_audit import record
-from distill.auditing import StoreSink
+from distill.loop.auditing import StoreSink
 from distill.store import Teacher
 sink = StoreSink(sys.argv[1], Teacher(kind="external", model="tests"))
 for n in range(100000):

@@ -26,9 +26,9 @@ from cascade.readout.scorer import Scorer
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
+from distill.calibration.evaluate import evaluate_bundle, format_evaluation
 from distill.calibration.maths import CalibrationError
 from distill.calibration.run import calibrate_bundle
-from distill.evaluate import evaluate_bundle, format_evaluation
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
 

@@ -37,7 +37,7 @@ from distill.calibration.run import calibrate_bundle
 from distill.calibration.scoring import score_tier
 from distill.cli import main
 from distill.options import CorpusInput, RunOptions
-from distill.report import write_report
+from distill.reports.calibration_report import write_report
 from distill.store import LabelStore, Teacher
 
 TARGET = 0.85

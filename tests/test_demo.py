@@ -23,9 +23,9 @@ from cascade.bundle.manifest import Bundle
 from cascade.errors import CascadeError
 from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
-from distill.demo import GEMMA_N_CTX, GENERATOR_NOTE, DemoConfig, DemoError, run_demo
-from distill.demo_teacher import LABELS_FILE, shipped_facts
-from distill.synthetic import generate, write_corpus, write_labels, write_questions
+from distill.demo.run import GEMMA_N_CTX, GENERATOR_NOTE, DemoConfig, DemoError, run_demo
+from distill.demo.synthetic import generate, write_corpus, write_labels, write_questions
+from distill.demo.teacher import LABELS_FILE, shipped_facts
 
 SMALL = ["--items", "200", "--gemma-items", "30", "--eval-items", "30", "--target", "0.5", "--teacher",
          "generator"]

@@ -15,8 +15,8 @@ from cascade.bundle.manifest import Bundle
 from cascade.encoder.ngrams import beside
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.routing.budget import Budget
+from distill.calibration.evaluate import Evaluation, EvaluationError, evaluate_bundle
 from distill.cli import main
-from distill.evaluate import Evaluation, EvaluationError, evaluate_bundle
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
 

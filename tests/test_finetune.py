@@ -34,11 +34,11 @@ from cascade.errors import RouterError
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
 from distill.calibration.run import calibrate_bundle
-from distill.finetune import FinetuneConfig, finetune_body
-from distill.finetune_base import FinetuneError, Targets
-from distill.onnx_export import PARITY_MIN_COSINE, export_int8
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
+from distill.training.finetune import FinetuneConfig, finetune_body
+from distill.training.finetune_base import FinetuneError, Targets
+from distill.training.onnx_export import PARITY_MIN_COSINE, export_int8
 
 TINY = FinetuneConfig(epochs=2, batch_size=16, max_length=64, seed=3, threads=1)
 REPRODUCIBLE_ATOL = 1e-5

@@ -16,9 +16,9 @@ from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
 from distill.options import CorpusInput, RunOptions
-from distill.report import write_report
-from distill.split import part_of
+from distill.reports.calibration_report import write_report
 from distill.store import LabelStore
+from distill.training.split import part_of
 
 ITEMS = 400
 UNLABELLED = range(0, ITEMS, 10)

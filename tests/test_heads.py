@@ -12,7 +12,7 @@ from sklearn.linear_model import LogisticRegression
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import ModelError
 from cascade.heads import HeadStack, SoftmaxHead, load_heads, save_heads
-from distill.synthetic import generate
+from distill.demo.synthetic import generate
 
 N_BILLING, N_TECHNICAL, N_TRAIN = 150, 250, 280
 

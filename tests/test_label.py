@@ -21,7 +21,7 @@ from cascade.questions import parse_request
 from cascade.readout.prompts import PROMPT_VERSION
 from cascade.readout.scorer import HeadTailExcerpt, Scorer
 from distill.cli import main
-from distill.label import label_corpus, open_teacher, teacher_of
+from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore, StoreMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ from test_label import QUESTIONS, ROOT, stored_rows, write_corpus, write_questio
 from cascade.errors import InputTooLongError
 from cascade.readout.scorer import Scorer
 from distill.cli import main
-from distill.label import label_corpus, open_teacher, teacher_of, teacher_of_file
-from distill.label_ray import (
+from distill.labelling.gguf import label_corpus, open_teacher, teacher_of, teacher_of_file
+from distill.labelling.on_ray import (
     RayOptions,
     TeacherActor,
     TeacherSpec,

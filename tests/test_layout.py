@@ -102,23 +102,112 @@ ROOMS = {"readout": 1, "encoder": 1, "cost": 2, "teachers": 2, "tiers": 3, "coll
 """cascade's rooms, lowest first: a room imports only rooms below it and the top-level modules
 (wire types, errors, heads, thresholds), which import no room. Two rooms of one floor never meet."""
 
+DISTILL_ROOMS = {"store": 1, "labelling": 2, "training": 2, "calibration": 3, "loop": 4, "reports": 4,
+                 "demo": 5, "cli": 6}
+"""distill's rooms, lowest first, by the same rule: the top-level modules (options, stopping) import
+no room; the label store is under everything; labelling and training never meet; calibration
+certifies what training made (and reads its split); the traffic loop retrains and calibrates, the
+reports draw a calibration; the demo runs the whole flow; the command line calls them all."""
 
-def _room(module: str) -> tuple[str, int]:
-    if module == "cascade":
-        return "the public surface", len(ROOMS) + 1  # re-exports from every room
-    parts = module.split(".")
-    room = parts[1] if len(parts) > 2 else "top"
-    return room, ROOMS.get(room, 0)
+
+def _rooms_of(package: str, rooms: dict[str, int]) -> dict[str, tuple[str, int]]:
+    """Each module of ``package`` (a room's ``__init__`` too) with its room and floor."""
+    placed = {}
+    for path in _modules(package):
+        parts = path.relative_to(ROOT / package).parts
+        room = parts[0] if len(parts) > 1 else "top"
+        placed[_module_name(path)] = (room, rooms.get(room, 0))
+    if package == "cascade":
+        placed["cascade"] = ("the public surface", len(rooms) + 1)  # re-exports from every room
+    return placed
+
+
+def _upward_imports(package: str, rooms: dict[str, int]) -> list[str]:
+    placed = _rooms_of(package, rooms)
+    wrong = []
+    for path in _modules(package):
+        name = _module_name(path)
+        room, floor = placed[name]
+        for other in sorted(_imported(path) & set(placed)):
+            other_room, other_floor = placed[other]
+            if other_room != room and other_floor >= floor:
+                wrong.append(f"{name} ({room}) imports {other} ({other_room})")
+    return wrong
+
+
+def _room_names(package: str) -> set[str]:
+    return {p.name for p in (ROOT / package).iterdir() if (p / "__init__.py").is_file()}
 
 
 def test_rooms_import_only_rooms_below_them() -> None:
-    paths = {_module_name(path): path for path in _modules("cascade")}
-    wrong = []
-    for name, path in paths.items():
-        room, floor = _room(name)
-        for other in sorted(_imported(path) & set(paths)):
-            other_room, other_floor = _room(other)
-            if other_room != room and other_floor >= floor:
-                wrong.append(f"{name} ({room}) imports {other} ({other_room})")
-    assert set(ROOMS) == {p.name for p in (ROOT / "cascade").iterdir() if (p / "__init__.py").is_file()}
-    assert wrong == []
+    assert set(ROOMS) == _room_names("cascade")
+    assert _upward_imports("cascade", ROOMS) == []
+
+
+def test_distill_rooms_import_only_rooms_below_them_with_the_command_line_on_top() -> None:
+    assert set(DISTILL_ROOMS) == _room_names("distill")
+    assert max(DISTILL_ROOMS.values()) == DISTILL_ROOMS["cli"] > max(
+        floor for room, floor in DISTILL_ROOMS.items() if room != "cli")
+    assert _upward_imports("distill", DISTILL_ROOMS) == []
+
+
+def test_every_room_says_what_it_is_for() -> None:
+    empty = [str(init.relative_to(ROOT)) for package in ("cascade", "distill")
+             for init in sorted((ROOT / package).glob("*/__init__.py"))
+             if not ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))]
+    assert empty == []
+
+
+def test_every_old_distill_path_is_a_shim_to_a_module_that_exists() -> None:
+    from distill._moved import MOVED, PACKAGE_NAMES
+
+    for old, new in MOVED.items():
+        shim = ROOT.joinpath(*old.split(".")).with_suffix(".py")
+        assert shim.read_text(encoding="utf-8").endswith("\nalias(__name__)\n"), old
+        assert ROOT.joinpath(*new.split(".")).with_suffix(".py").is_file(), new
+    shims = {_module_name(path) for path in _modules("distill")
+             if path.read_text(encoding="utf-8").endswith("\nalias(__name__)\n")}
+    assert shims == set(MOVED)
+    for package, (home, _names) in PACKAGE_NAMES.items():
+        assert ROOT.joinpath(*package.split("."), "__init__.py").is_file(), package
+        assert ROOT.joinpath(*home.split(".")).with_suffix(".py").is_file(), home
+
+
+def test_an_old_distill_path_still_imports_warns_and_is_the_new_module() -> None:
+    """For one release: the old module name is the new module itself (its private names and what
+    a test patches on it included), and the warning names the new path and points at the import."""
+    code = ("import warnings\nwith warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import distill.label_transfer as old\n"
+            "    from distill import report_figures\n"
+            "    from distill.cli.serve_upstream import add_upstream_arguments\n"
+            "    from distill.demo import DemoConfig\n"
+            "import distill.cli.serve.upstream, distill.demo.run, distill.labelling.transfer as new\n"
+            "import distill.reports.figures\n"
+            "assert old is new and old.__name__ == 'distill.labelling.transfer', old\n"
+            "assert old._write_pending is new._write_pending\n"
+            "assert report_figures is distill.reports.figures\n"
+            "assert add_upstream_arguments is distill.cli.serve.upstream.add_upstream_arguments\n"
+            "assert DemoConfig is distill.demo.run.DemoConfig\n"
+            "for w in caught:\n    print(w.category.__name__, w.filename, w.message, sep='|')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    warned = [line.split("|") for line in done.stdout.splitlines()]
+    assert [(category, where) for category, where, _ in warned] == [("DeprecationWarning", "<string>")] * 4
+    for (_, _, message), new in zip(warned, ("distill.labelling.transfer", "distill.reports.figures",
+                                              "distill.cli.serve.upstream", "distill.demo.run.DemoConfig"),
+                                     strict=True):
+        assert f"moved to {new};" in message, message
+
+
+def test_no_repository_module_imports_an_old_distill_path() -> None:
+    """The old paths are for code outside the repository: inside it, every import is the new one."""
+    from distill._moved import MOVED, PACKAGE_NAMES
+
+    old = set(MOVED) | {f"{package}.{name}" for package, (_, names) in PACKAGE_NAMES.items()
+                        for name in names}
+    paths = [path for folder in ("cascade", "distill", "tests", "bench", "examples")
+             for path in sorted((ROOT / folder).rglob("*.py"))]
+    using = {str(path.relative_to(ROOT)): sorted(_imported(path) & old) for path in paths}
+    assert paths and {path: names for path, names in using.items() if names} == {}

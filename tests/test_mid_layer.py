@@ -23,11 +23,11 @@ from cascade.tiers.base import Item
 from cascade.tiers.mid_layer import MidLayerSpec, MidLayerTier
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
-from distill.label import teacher_of_file
-from distill.mid_layer import MidLayerConfig, candidate_layers, fit_head, kept_share, train_mid_layer
+from distill.labelling.gguf import teacher_of_file
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
-from distill.train import TrainError, train_bundle
+from distill.training.mid_layer import MidLayerConfig, candidate_layers, fit_head, kept_share, train_mid_layer
+from distill.training.run import TrainError, train_bundle
 
 LAYER, ITEMS = 9, 30
 ONE_THREAD = Placement(threads=1)  # tests share two cores
@@ -73,7 +73,7 @@ def test_training_pins_the_teachers_blocks_and_fits_heads_on_them(bundle: Bundle
     assert all(spec.heads[q].train_items <= ITEMS for q in heads)
     rule = (r"only \d+ train labels; a head needs at least 10",
             r"all \d+ train labels answer '\w+'; a head needs two answers")
-    for qid in ("rare", "spam"):  # the encoder heads' rule (distill.head_rule), said the same way
+    for qid in ("rare", "spam"):  # the encoder heads' rule (distill.training.head_rule), said the same way
         assert any(re.fullmatch(reason, spec.heads[qid].skipped or "") for reason in rule)
     assert bundle.manifest.schema_version == SCHEMA_VERSION  # the mid-layer kind needs 5 or newer
 

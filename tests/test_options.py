@@ -10,10 +10,10 @@ import pytest
 
 from cascade.errors import CascadeError
 from cascade.readout.placement import Placement
+from distill.calibration.evaluate import evaluate_bundle
 from distill.calibration.run import calibrate_bundle
-from distill.evaluate import evaluate_bundle
 from distill.options import CorpusInput, OptionError, RunOptions
-from distill.train import train_bundle
+from distill.training.run import train_bundle
 
 
 @pytest.mark.parametrize("kwargs, message", [

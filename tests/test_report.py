@@ -19,7 +19,7 @@ from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.results import CalibrationResult
 from distill.cli import build_parser, main
-from distill.report import write_report
+from distill.reports.calibration_report import write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 IMG = '<img src="data:image/png;base64,'

@@ -20,12 +20,12 @@ from cascade.bundle.manifest import Bundle
 from cascade.collect.escalation import EscalationRecord
 from cascade.encoder.onnx_encoder import Encoder
 from distill.cli import main
-from distill.evidence import EvidenceError, state_sha256
+from distill.demo.synthetic import SyntheticItem, generate
+from distill.loop.evidence import EvidenceError, state_sha256
+from distill.loop.promote import PromoteError, latest_promotion, promote, promotions_log
+from distill.loop.retrain import RetrainError, RetrainResult, retrain_bundle
 from distill.options import CorpusInput, RunOptions
-from distill.promote import PromoteError, latest_promotion, promote, promotions_log
-from distill.retrain import RetrainError, RetrainResult, retrain_bundle
 from distill.store import LabelStore, Teacher
-from distill.synthetic import SyntheticItem, generate
 
 TARGET = 0.85
 START = 1_800_000_000.0
@@ -187,8 +187,8 @@ def test_the_command_retrains_through_a_link_and_says_what_comes_next(
 def test_collected_traffic_counts_as_collected_and_each_state_once(tmp_path: Path) -> None:
     from cascade.collect.record import CollectedItem
     from cascade.teachers.identity import EndpointIdentity
-    from distill.collected import item_id
-    from distill.evidence import gather
+    from distill.loop.collected import item_id
+    from distill.loop.evidence import gather
 
     question = {"type": "noul", "instructions": "Is this urgent?"}
     answer = {"true": 0.9, "false": 0.1}

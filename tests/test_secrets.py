@@ -48,7 +48,7 @@ from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.base import Item
 from cascade.tiers.upstream import UpstreamTier
-from distill.collected import StoreTraffic, collected
+from distill.loop.collected import StoreTraffic, collected
 from distill.store import LabelStore, StoreError, StoreURL, Teacher
 
 TEACHER_PW = "Tpw-8c1e55"

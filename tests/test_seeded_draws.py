@@ -8,8 +8,8 @@ from __future__ import annotations
 from cascade.audit.sample import AuditSampler
 from cascade.collect.collector import Collector
 from cascade.hashing import seeded_bits, seeded_unit
-from distill import mid_layer, split
 from distill.calibration import fits
+from distill.training import mid_layer, split
 
 
 class _Kept:

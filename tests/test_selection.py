@@ -1,4 +1,4 @@
-"""Which items a labelling run takes (distill.selection), and a run that is asked to stop."""
+"""Which items a labelling run takes (distill.labelling.selection), and a run that is asked to stop."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from cascade.errors import CorpusError
-from distill.selection import Selection, select_ids
+from distill.labelling.selection import Selection, select_ids
 
 
 def _corpus(path: Path, n: int = 100) -> Path:

@@ -27,10 +27,10 @@ from cascade.errors import CascadeError
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import Engine, EngineSettings
-from distill.auditing import auditor_for, bundle_teacher
 from distill.cli import main
-from distill.escalations import StoreEscalations, escalations
-from distill.evidence import gather
+from distill.loop.auditing import auditor_for, bundle_teacher
+from distill.loop.escalations import StoreEscalations, escalations
+from distill.loop.evidence import gather
 from distill.store import LabelStore, Teacher
 
 PATIENT = EngineSettings(max_wait=600.0)

@@ -19,7 +19,7 @@ from cascade.questions import parse_request
 from cascade.serve.swap import BundleWatch, Version, resolve, version_of
 from cascade.teachers.admission import RateAdmission
 from cascade.teachers.identity import EndpointIdentity
-from distill.collected import StoreTraffic, collected
+from distill.loop.collected import StoreTraffic, collected
 
 QUESTIONS = parse_request({"state": "-", "questions": {
     "urgent": {"type": "noul", "instructions": "Does this convey urgency?"}}}).questions

@@ -3,7 +3,7 @@
 Real upstreams on loopback: jevcompat 0.1.1's reference mock (deterministic, so its answers can be
 compared byte for byte) and the project's own teacher server (a tiny llama: fast to load, and it
 states an identity of its own, unlike the mock). A published SDK's own code calls the proxy.
-The collected store is read back as a trainer reads it (``distill.collected``).
+The collected store is read back as a trainer reads it (``distill.loop.collected``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from cascade.collect.collector import Collector
 from cascade.serve.proxy import ProxyConfig, create_proxy_app
 from cascade.teachers.connect import open_client
 from cascade.teachers.settings import UpstreamSettings
-from distill.collected import StoreTraffic, census, collected, training_set
+from distill.loop.collected import StoreTraffic, census, collected, training_set
 
 STATE = "Help! My payouts have been failing for three days."
 URGENT: dict[str, Any] = {"type": "noul", "instructions": "Does this convey urgency?"}

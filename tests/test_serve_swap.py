@@ -28,7 +28,7 @@ from cascade.bundle.manifest import Bundle
 from cascade.routing.router import Cascade
 from cascade.serve.app import BundleSource, ServeConfig, create_app
 from cascade.serve.engine import EngineSettings
-from distill.auditing import auditor_for
+from distill.loop.auditing import auditor_for
 
 STATE = corpus_items()[5].text
 CLIENTS, MOST = 4, 2500  # each client stops after MOST requests at the latest

@@ -40,8 +40,8 @@ from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import EngineSettings
 from cascade.teachers.settings import UpstreamSettings
-from distill.auditing import bundle_teacher
-from distill.escalations import StoreEscalations
+from distill.loop.auditing import bundle_teacher
+from distill.loop.escalations import StoreEscalations
 from distill.store import LabelStore
 
 STATE = corpus_items()[5].text  # like the training messages, so that the encoder's gate lets it in

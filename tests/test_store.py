@@ -18,9 +18,9 @@ from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.collect.escalation import EscalationRecord
 from cascade.errors import CascadeError
 from cascade.questions import parse_request
-from distill.auditing import StoreSink
-from distill.escalations import StoreEscalations
-from distill.label_transfer import export_labels, import_labels
+from distill.labelling.transfer import export_labels, import_labels
+from distill.loop.auditing import StoreSink
+from distill.loop.escalations import StoreEscalations
 from distill.store import InputPolicy, LabelStore, StoreError, StoreMismatchError, Teacher, is_url
 
 GGUF = Teacher(kind="gguf", model="qwen-4b.gguf", model_sha256="a" * 64, prompt_version="v1")

@@ -155,7 +155,7 @@ AUDIT_WRITER = """\
 import sys
 sys.path.insert(0, "tests")
 from test_audit import record
-from distill.auditing import StoreSink
+from distill.loop.auditing import StoreSink
 from distill.store import Teacher
 sink = StoreSink(sys.argv[1], Teacher(kind="external", model="tests"))
 for n in range(100000):

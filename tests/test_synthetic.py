@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from cascade.corpus import load_questions, read_corpus
-from distill.label_transfer import import_labels
-from distill.store import LabelStore, Teacher
-from distill.synthetic import (
+from distill.demo.synthetic import (
     DEPARTMENTS,
     SEVERITY_LEVELS,
     SyntheticError,
@@ -22,6 +20,8 @@ from distill.synthetic import (
     write_labels,
     write_questions,
 )
+from distill.labelling.transfer import import_labels
+from distill.store import LabelStore, Teacher
 
 N = 1500
 

@@ -1,4 +1,4 @@
-"""The teacher check (distill.teacher_check): collapsed, position-driven and letter-starved labels
+"""The teacher check (distill.calibration.teacher_check): collapsed, position-driven and letter-starved labels
 are flagged; a teacher that reads its inputs is not; gold agreement is measured where given."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from cascade.errors import CorpusError
 from cascade.questions import parse_request
+from distill.calibration.teacher_check import MIN_ITEMS, flagged, gold_key, judge_store, read_gold
 from distill.store import LabelStore, Teacher
-from distill.teacher_check import MIN_ITEMS, flagged, gold_key, judge_store, read_gold
 
 QUESTIONS = parse_request({"state": "x", "questions": {
     "topic": {"type": "choice", "instructions": "Which topic?",
@@ -99,10 +99,10 @@ def test_calibration_refuses_a_collapsed_question_and_the_report_leads_with_it_w
 
     from distill.calibration.maths import CalibrationError
     from distill.calibration.run import calibrate_bundle
-    from distill.label_transfer import import_labels
+    from distill.demo.synthetic import write_corpus
+    from distill.labelling.transfer import import_labels
     from distill.options import CorpusInput, RunOptions
-    from distill.report import write_report
-    from distill.synthetic import write_corpus
+    from distill.reports.calibration_report import write_report
 
     items = corpus_items()
     rows = [row for row in label_rows(items) if row["question"] != "department"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from cascade.errors import ModelError
-from distill import teachers
-from distill.teachers import TEACHERS, PackagedModel, teacher_path
+from distill.labelling import teachers
+from distill.labelling.teachers import TEACHERS, PackagedModel, teacher_path
 
 PARTS = [b"GGUF-part-one|", b"part-two|", b"part-three"]
 

@@ -37,9 +37,9 @@ from cascade.readout.prompts import PROMPT_VERSION
 from cascade.tiers.external import ExternalSpec
 from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
-from distill.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
 from distill.store import Teacher
-from distill.train import MIN_TRAIN_LABELS, TrainError, staged
+from distill.training.run import MIN_TRAIN_LABELS, TrainError, staged
+from distill.training.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
 
 # part_of("item-0") ... part_of("item-7"), pinned: a changed split would move calibrated items
 GOLDEN_PARTS = ["evaluation", "evaluation", "evaluation", "train", "evaluation", "evaluation", "train",
@@ -294,7 +294,7 @@ def test_bad_fractions_are_refused(fractions: dict, message: str) -> None:
 
 def test_train_help_states_the_fine_tunes_default_epochs() -> None:
     from distill.cli import train as train_command
-    from distill.finetune import FinetuneConfig
+    from distill.training.finetune import FinetuneConfig
 
     assert FinetuneConfig().epochs == train_command.DEFAULT_EPOCHS
 

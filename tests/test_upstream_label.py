@@ -1,4 +1,4 @@
-"""Labelling through a System One URL (``distill.label_endpoint``), against jevcompat 0.1.1's
+"""Labelling through a System One URL (``distill.labelling.endpoint``), against jevcompat 0.1.1's
 mock on loopback: N calls at a time, said before the first; resumable (done items never called
 for again); a store bound to the endpoint's identity, refusing another teacher's labels; calls
 that waiting may cure tried again by the client alone (each item's sends counted), an item the
@@ -33,11 +33,11 @@ from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
-from distill.label_endpoint import EndpointRun, label_through_endpoint
+from distill.labelling.endpoint import EndpointRun, label_through_endpoint
 from distill.options import CorpusInput
-from distill.report import write_report
+from distill.reports.calibration_report import write_report
 from distill.store import LabelStore, StoreMismatchError, Teacher
-from distill.train import TrainError, train_bundle
+from distill.training.run import TrainError, train_bundle
 
 QUESTIONS_JSON = {"questions": {
     "urgent": {"type": "noul", "instructions": "Does this convey urgency?"},

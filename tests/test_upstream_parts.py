@@ -150,6 +150,7 @@ def test_admission_counts_the_work_waiting_not_the_requests() -> None:
     assert len(small) == 3 and gate.inside == 3
     gate.enter(work_of(25_000))  # 3 units ahead x 0.2 s = 0.6 s fits
     # a request whose own 26 units would take 5.2 s in service is refused, however short the queue
+    # (3 units, 0.6 s alone, would only be queued: below ALONE_FROM a request is an ordinary one)
     with pytest.raises(WorkTooLargeError, match=r"26 unit\(s\) of work .* about 5.2 s .* past the 5 s") \
             as big:
         gate.enter(work_of(26_000))

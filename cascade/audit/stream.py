@@ -11,7 +11,7 @@ of the stream's prefix: every replica computes the same one, its guarantee is th
 same state, and a question the stream's n-th record demoted is demoted on a replica as soon as it
 has read n records: within one poll interval and one read of the store (``StreamFollower.follow``).
 
-``cascade`` never writes a store itself: ``distill.auditing.StoreSink`` is the stream the commands
+``cascade`` never writes a store itself: ``distill.loop.auditing.StoreSink`` is the stream the commands
 pass (a label store, SQLite or PostgreSQL).
 """
 

@@ -190,7 +190,7 @@ class EncoderParity(_Section):
 
 
 class FinetuneSection(_Section):
-    """How the encoder itself was fine-tuned on the teacher's labels (distill.finetune), and how
+    """How the encoder itself was fine-tuned on the teacher's labels (distill.training.finetune), and how
     far its int8 export is from the float model it was trained as."""
 
     base_model: str
@@ -208,7 +208,7 @@ class FinetuneSection(_Section):
 
 
 class LayerCandidate(_Section):
-    """A layer ``cascade train --mid-layer auto`` tried (distill.mid_layer), scored on held-out
+    """A layer ``cascade train --mid-layer auto`` tried (distill.training.mid_layer), scored on held-out
     train items: its argmax agreement with the teacher, the share kept at the target, and the
     estimated cost per item as a share of the teacher's."""
 

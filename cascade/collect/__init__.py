@@ -9,7 +9,7 @@
 - ``collector``: which requests are kept (a seeded share, up to a size), where they go (a
   ``Sink``) and the thread that writes them, so that a slow store never slows a request.
 
-``cascade`` never writes a store itself: ``distill.collected.StoreTraffic`` and
-``distill.escalations.StoreEscalations`` are the sinks the command line passes (a label store,
-SQLite or PostgreSQL), and ``distill.evidence`` reads both back for a retrain.
+``cascade`` never writes a store itself: ``distill.loop.collected.StoreTraffic`` and
+``distill.loop.escalations.StoreEscalations`` are the sinks the command line passes (a label store,
+SQLite or PostgreSQL), and ``distill.loop.evidence`` reads both back for a retrain.
 """

@@ -3,7 +3,7 @@ sent up about it.
 
 Escalations are the items the fast tier found hard, labelled by the teacher at no extra cost (it
 had to answer them anyway). They are not a uniform sample of traffic (the serving cascade chose
-them), so a retrain trains on them and never certifies on them (``distill.evidence``), and they
+them), so a retrain trains on them and never certifies on them (``distill.loop.evidence``), and they
 are kept apart from audits: the drift watch counts audits alone.
 """
 

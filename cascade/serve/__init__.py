@@ -11,4 +11,8 @@ application, ``proxy`` is the pass-through to a URL (collecting its traffic), ``
 readout served alone, and ``lifecycle`` serves any of them on uvicorn until SIGTERM (``serve``:
 what ``cascade serve`` calls). It needs the ``serve`` extra (``lifecycle`` imports without it, and
 says how to install it); nothing else in ``cascade`` imports it.
+
+Its command line (``cascade serve``'s flags, and what each starts) is ``distill/cli/serve/``:
+``command``, ``limits``, ``upstream``. It lives in ``distill`` because ``cascade`` never imports
+``distill``, and the command reaches the label store (audits, escalations, collected traffic).
 """

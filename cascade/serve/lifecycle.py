@@ -99,7 +99,7 @@ class ServeOptions:
 
 
 AuditHook = Callable[["Cascade"], "Auditor | None"]
-"""Makes the auditor of the loaded cascade (None: no audit); ``distill.auditing.StoreAudits`` is one."""
+"""Makes the auditor of the loaded cascade (None: no audit); ``distill.loop.auditing.StoreAudits`` is one."""
 
 
 def serve(

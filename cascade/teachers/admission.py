@@ -30,6 +30,11 @@ from cascade.teachers.keys import Clock
 
 WORK_UNIT_CHARS = 1000
 """Characters read that make one unit of work: a short email and its questions is one."""
+ALONE_FROM = 4.0
+"""Units from which a request is refused for its own work (413) where that alone would pass
+``max_wait``: an ordinary request (an email and a few questions, one to three units) is only
+ever queued, its wait bounded as every request's; one many times that is an outlier that would
+hold the teacher past its client's patience."""
 SMOOTHING = 0.2
 """Weight of the newest service time in the running mean: it follows a change of load within
 a few requests without jumping at one slow one."""
@@ -66,10 +71,11 @@ class Admission:
 
     def enter(self, work: float = 1.0) -> Ticket:
         """Admit one request of ``work`` units, or raise ``QueueFullError`` with the seconds to
-        wait (``WorkTooLargeError`` where its own service, measured, is past ``max_wait``)."""
+        wait (``WorkTooLargeError`` where a request of ``ALONE_FROM`` units or more would take,
+        alone, past ``max_wait`` at the measured time per unit)."""
         with self._lock:
             alone = self._alone(work)
-            if alone is not None and alone > self.max_wait:
+            if alone is not None and work >= ALONE_FROM and alone > self.max_wait:
                 chars = work * WORK_UNIT_CHARS
                 raise WorkTooLargeError(
                     f"this request is {work:.0f} unit(s) of work for {self.what} ({chars:,.0f} characters "

@@ -1,7 +1,7 @@
 """The mid-layer kind: the teacher's own first blocks, read at each question's answer position.
 
 Never the top tier (it has no last layer). Its scorer is ``cascade.readout.layer_scorer``; its
-heads are trained by ``distill.mid_layer``.
+heads are trained by ``distill.training.mid_layer``.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from cascade.errors import CascadeError
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
+from distill.calibration.teacher_traffic import TeacherTraffic
 from distill.options import CorpusInput, RunOptions, option, refuse
 from distill.store import LabelStore
-from distill.teacher_traffic import TeacherTraffic
 
 EVALUATION = "evaluation"
 BATCH_ITEMS = 256

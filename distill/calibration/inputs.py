@@ -5,8 +5,8 @@ refused, since a threshold certifies agreement with one teacher on one distribut
 The items are the bundle's calibration part (states from the corpus it was trained on), the
 audited live items the store holds (a seeded uniform sample of recent traffic, each with the
 teacher's answer to every bundle question and its state), or both (``Source``). The certificate
-is then about new items from the distribution those were drawn from (``distill.report.drawn_from``
-says which, in words).
+is then about new items from the distribution those were drawn from
+(``distill.reports.calibration_report.drawn_from`` says which, in words).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from cascade.questions import Question
 from cascade.tiers.base import Item
 from distill.calibration.maths import CalibrationError
 from distill.options import CorpusInput
-from distill.split import part_of
 from distill.store import LabelStore
+from distill.training.split import part_of
 
 Labels = Mapping[str, Mapping[str, int]]
 """question id -> calibration item id -> the teacher's answer (argmax, option_keys index)."""

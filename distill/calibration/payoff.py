@@ -20,7 +20,7 @@ from cascade.readout.prompts import render_state
 from cascade.tiers.base import Item
 from distill.calibration.fits import Fit, keeps
 from distill.calibration.results import TierCost
-from distill.teacher_traffic import TeacherTraffic
+from distill.calibration.teacher_traffic import TeacherTraffic
 
 Fits = Mapping[str, Mapping[str, Fit]]
 """question id -> tier -> fit, as ``fit_all`` returns them."""

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict
 
 from cascade.bundle.sections import AuditSpan, QuestionFacts, TierPayoff, dropped_tiers
 from distill.calibration.inputs import Source
-from distill.teacher_check import QuestionCheck
-from distill.teacher_traffic import TeacherTraffic
+from distill.calibration.teacher_check import QuestionCheck
+from distill.calibration.teacher_traffic import TeacherTraffic
 
 Certificate = Literal["joint", "split"]
 """How the thresholds of several cheap tiers are certified: together against the system's

@@ -44,9 +44,9 @@ from distill.calibration.maths import CalibrationError
 from distill.calibration.payoff import teacher_traffic, tier_payoffs
 from distill.calibration.results import CERTIFICATES, CalibrationResult, Certificate, TierCost
 from distill.calibration.scoring import score_tier
+from distill.calibration.teacher_check import flagged, judge_store, refusal
 from distill.options import CorpusInput, RunOptions, option
 from distill.store import LabelStore
-from distill.teacher_check import flagged, judge_store, refusal
 
 TEACHER_ITEMS = 16
 """Calibration items a runnable teacher is timed on: enough for its seconds per state and per
@@ -94,13 +94,13 @@ def calibrate_bundle(
     top tier is taken out of the cascade (``distill.calibration.payoff``), unless
     ``keep_costly_tiers``. ``source`` picks the items that certify: the calibration part (of
     ``corpus``), the store's audits (those audited at or after ``audits_since``, a Unix time,
-    where given; no corpus needed) or both. The teacher check (``distill.teacher_check``) runs on
+    where given; no corpus needed) or both. The teacher check (``distill.calibration.teacher_check``) runs on
     the labels that certify: degenerate ones are refused unless ``accept_degenerate_teacher``.
     ``certificate``: "joint" certifies the thresholds of all cheap tiers together against the
     system's agreement at the full target and delta (``distill.calibration.joint``); "split" gives
     each of m cheap tiers (1 - target) / m and delta / m, as before issue 34 (one cheap tier: the
     same). ``held_out``: the item ids that certify in place of the bundle's calibration part (a
-    candidate's held-out evidence, ``distill.promote``; none may have trained the bundle);
+    candidate's held-out evidence, ``distill.loop.promote``; none may have trained the bundle);
     ``save``: write the result into the bundle (False: only return it). ``teacher``: the System
     One endpoint to time the top tier through (``teacher_items`` calls), its answers checked
     against the identity the bundle's labels state; without it a teacher behind a URL is priced

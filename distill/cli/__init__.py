@@ -1,10 +1,12 @@
 """The ``cascade`` command: parses arguments, calls the library, prints. No logic of its own.
 
-Each subcommand is a module here with ``add_parser(subparsers)``, registered in ``COMMANDS``; the
-modules import the library lazily, so ``cascade --help`` starts fast. Errors a user can fix
-(``CascadeError``) are printed as one ``Type: message`` line with exit status 2; a traceback means
-a bug. This is the top of the stack, so it lives in ``distill``: it calls offline work as well as
-the runtime, and ``cascade`` (which a user who only routes installs alone) never imports it.
+Each subcommand is a module here with ``add_parser(subparsers)``, registered in ``COMMANDS``
+(``serve`` is a package, ``serve/``: its flags are many, and a reader of ``cascade/serve/`` looks
+for them there); the modules import the library lazily, so ``cascade --help`` starts fast.
+Errors a user can fix (``CascadeError``) are printed as one ``Type: message`` line with exit
+status 2; a traceback means a bug. This is the top of the stack, so it lives in ``distill``: it
+calls offline work as well as the runtime, and ``cascade`` (which a user who only routes installs
+alone) never imports it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ agreement and its lower bound over the audited items as a PNG."""
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from cascade.bundle.manifest import Bundle
-    from distill.auditing import audit_report, plot_audit
+    from distill.loop.auditing import audit_report, plot_audit
 
     manifest = Bundle.load(args.bundle).manifest
     version = manifest.calibration.version()

@@ -19,7 +19,7 @@ from distill.cli.common import (
     whole_number,
 )
 from distill.cli.endpoint import add_endpoint_arguments, key_source, url_argument
-from distill.cli.serve_upstream import add_upstream_price_argument
+from distill.cli.serve.upstream import add_upstream_price_argument
 
 TEACHER_ITEMS = 16
 """``distill.calibration.run.TEACHER_ITEMS``, repeated so that --help imports no library (a test
@@ -75,7 +75,7 @@ example:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from cascade.bundle.manifest import Bundle
     from distill.calibration.run import calibrate_bundle
-    from distill.report import figures_note, write_report
+    from distill.reports.calibration_report import figures_note, write_report
     from distill.store import LabelStore
 
     bundle = Bundle.load(args.bundle)
@@ -115,7 +115,7 @@ def _teacher(args: argparse.Namespace) -> UpstreamSettings | None:
 
 def _print_table(result: CalibrationResult) -> None:
     """One row per (question, tier), then what each unreachable target would need."""
-    from distill.report import drawn_from
+    from distill.reports.calibration_report import drawn_from
 
     rows = [("question", "tier", "n", "T", "ECE", "threshold", "kept", "agreement", "bound", "guarantee")]
     for fit in result.calibrations:

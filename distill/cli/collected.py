@@ -17,7 +17,7 @@ counts. With --out, write the training set: DIR/questions.json (those questions)
 
 
 def _cmd_collected(args: argparse.Namespace) -> int:
-    from distill.collected import census, collected, training_set
+    from distill.loop.collected import census, collected, training_set
 
     found = training_set(args.store, args.out, args.min_count) if args.out is not None else \
         census(collected(args.store), args.min_count)

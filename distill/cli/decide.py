@@ -28,7 +28,7 @@ from distill.cli.escalations import add_escalation_arguments, check_escalations,
 
 if TYPE_CHECKING:
     from cascade.routing.endpoint import Teacher
-    from distill.escalations import KeptEscalations
+    from distill.loop.escalations import KeptEscalations
 
 DESCRIPTION = """\
 Route every item of a JSONL corpus through a model bundle's tiers, cheapest first: a question is
@@ -51,8 +51,8 @@ example:
 
 def _cmd_decide(args: argparse.Namespace) -> int:
     from cascade.routing.router import Cascade
-    from distill.auditing import StoreAudits
-    from distill.decide import decide_corpus
+    from distill.loop.auditing import StoreAudits
+    from distill.loop.decide import decide_corpus
 
     check_escalations(args)
     kept = _kept(args)
@@ -88,7 +88,7 @@ def _kept(args: argparse.Namespace) -> KeptEscalations | None:
     sink = escalation_store(args, args.bundle)
     if sink is None:
         return None
-    from distill.escalations import KeptEscalations
+    from distill.loop.escalations import KeptEscalations
 
     sink.count()
     return KeptEscalations(sink, args.escalation_share, args.escalation_seed)

@@ -43,7 +43,7 @@ _CONFIG_FIELDS = ("workdir", "items", "seed", "teacher", "live_items", "gemma_it
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from distill.demo import DemoConfig, format_summary, run_demo
+    from distill.demo.run import DemoConfig, format_summary, run_demo
 
     given = {name: getattr(args, name) for name in _CONFIG_FIELDS if hasattr(args, name)}
     result = run_demo(DemoConfig(**given))

@@ -11,7 +11,7 @@ from cascade.errors import CascadeError
 from distill.cli.common import share
 
 if TYPE_CHECKING:
-    from distill.escalations import StoreEscalations
+    from distill.loop.escalations import StoreEscalations
 
 
 def add_escalation_arguments(p: argparse.ArgumentParser, chosen: str) -> argparse._ArgumentGroup:
@@ -43,7 +43,7 @@ def escalation_store(args: argparse.Namespace, bundle: Path) -> StoreEscalations
     if args.escalation_share == 0:
         return None
     from cascade.bundle.manifest import Bundle
-    from distill.auditing import bundle_teacher
-    from distill.escalations import StoreEscalations
+    from distill.loop.auditing import bundle_teacher
+    from distill.loop.escalations import StoreEscalations
 
     return StoreEscalations(args.audit_store, bundle_teacher(Bundle.load(bundle, verify=False).manifest))

@@ -21,7 +21,7 @@ from distill.cli.common import (
     corpus_input,
     run_options,
 )
-from distill.cli.serve_upstream import add_upstream_price_argument
+from distill.cli.serve.upstream import add_upstream_price_argument
 
 DESCRIPTION = """\
 Route the bundle's "evaluation" items (never its train or calibration items) through its tiers,
@@ -36,7 +36,7 @@ example:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from distill.evaluate import evaluate_bundle, format_evaluation
+    from distill.calibration.evaluate import evaluate_bundle, format_evaluation
     from distill.store import LabelStore
 
     with LabelStore.open_existing(args.store) as store:

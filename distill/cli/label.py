@@ -21,8 +21,8 @@ from distill.cli.endpoint import add_endpoint_arguments, key_source
 if TYPE_CHECKING:
     from cascade.questions import Question
     from cascade.readout.scorer import HeadTailExcerpt
-    from distill.label import LabelSummary
-    from distill.label_transfer import ImportSummary
+    from distill.labelling.gguf import LabelSummary
+    from distill.labelling.transfer import ImportSummary
     from distill.store import LabelStore
 
 DEFAULT_TEACHER_NAME = "external labels"
@@ -131,7 +131,7 @@ def _label(args: argparse.Namespace) -> int:
 
 def _selected(args: argparse.Namespace) -> list[str] | None:
     """The ids --limit or --sample take (None: every item), said before the run starts."""
-    from distill.selection import Selection, select_ids
+    from distill.labelling.selection import Selection, select_ids
 
     selection = Selection(limit=args.limit, sample=args.sample, seed=args.seed, gold_field=args.gold_field)
     only = select_ids(args.corpus, args.text_field or "text", selection)
@@ -143,8 +143,8 @@ def _selected(args: argparse.Namespace) -> list[str] | None:
 def _teacher_check(args: argparse.Namespace, questions: dict[str, Question] | None,
                    only: list[str] | None) -> None:
     """The teacher check on what the store holds, loudly where a question's labels are degenerate."""
+    from distill.calibration.teacher_check import ACCEPT_FLAG, flagged, judge_store, read_gold
     from distill.store import LabelStore
-    from distill.teacher_check import ACCEPT_FLAG, flagged, judge_store, read_gold
 
     gold = read_gold(args.corpus, args.gold_field) if args.gold_field and args.corpus else None
     with LabelStore.open_existing(args.store) as store:
@@ -161,7 +161,7 @@ def _teacher_check(args: argparse.Namespace, questions: dict[str, Question] | No
 def _label_here(args: argparse.Namespace, questions: dict[str, Question],
                 excerpt: HeadTailExcerpt | None, only: list[str] | None) -> LabelSummary:
     """Label in this process, with one teacher scorer; Ctrl-C or SIGTERM stop after an item."""
-    from distill.label import label_corpus, open_teacher, teacher_of
+    from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
     from distill.stopping import StopRequest
     from distill.store import InputPolicy, LabelStore
 
@@ -179,9 +179,9 @@ def _label_here(args: argparse.Namespace, questions: dict[str, Question],
 
 def _label_endpoint(args: argparse.Namespace, questions: dict[str, Question],
                     excerpt: HeadTailExcerpt | None, only: list[str] | None) -> LabelSummary:
-    """Label through a System One URL, ``--concurrency`` calls at a time (``distill.label_endpoint``)."""
+    """Label through a System One URL, ``--concurrency`` calls at a time (``distill.labelling.endpoint``)."""
     from cascade.teachers.settings import UpstreamSettings
-    from distill.label_endpoint import EndpointRun, label_through_endpoint
+    from distill.labelling.endpoint import EndpointRun, label_through_endpoint
     from distill.stopping import StopRequest
 
     local = [flag for flag, given in (("--ray", args.ray), ("--excerpt", excerpt),
@@ -202,8 +202,8 @@ def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
                   excerpt: HeadTailExcerpt | None, only: list[str] | None) -> LabelSummary:
     """Label on a Ray cluster's actors; this process reads the corpus and writes the store."""
     from distill.cli.common import placement_of
-    from distill.label import teacher_of_file
-    from distill.label_ray import (
+    from distill.labelling.gguf import teacher_of_file
+    from distill.labelling.on_ray import (
         RayOptions,
         TeacherSpec,
         dropped_if_failed_empty,
@@ -224,7 +224,7 @@ def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],
 
 def _import(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
-    from distill.label_transfer import import_labels
+    from distill.labelling.transfer import import_labels
     from distill.store import LabelStore, Teacher, removed_on_failure
 
     questions = load_questions(args.questions)
@@ -276,7 +276,7 @@ def _check_imported(summary: ImportSummary, path: Path) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from distill.label_transfer import export_labels
+    from distill.labelling.transfer import export_labels
     from distill.store import LabelStore
 
     with LabelStore.open_existing(args.store) as store:

@@ -36,7 +36,7 @@ example:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    from distill.promote import promote, promotions_log
+    from distill.loop.promote import promote, promotions_log
     from distill.store import LabelStore
 
     with LabelStore.open_existing(args.store) as store:

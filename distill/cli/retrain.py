@@ -24,8 +24,8 @@ from distill.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from distill.finetune import FinetuneConfig
-    from distill.retrain import RetrainResult
+    from distill.loop.retrain import RetrainResult
+    from distill.training.finetune import FinetuneConfig
 
 DESCRIPTION = """\
 Retrain the serving bundle's fast tier on every teacher-labelled state its label store holds: the
@@ -46,7 +46,7 @@ example:
 
 
 def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
-    from distill.finetune import FinetuneConfig, FinetuneError
+    from distill.training.finetune import FinetuneConfig, FinetuneError
 
     if not args.finetune:
         if args.epochs is not None or args.seed is not None:
@@ -60,7 +60,7 @@ def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
 def _cmd_retrain(args: argparse.Namespace) -> int:
     from cascade.bundle.manifest import Bundle
     from cascade.serve.swap import resolve
-    from distill.retrain import retrain_bundle
+    from distill.loop.retrain import retrain_bundle
     from distill.store import LabelStore
 
     serving = Bundle.load(resolve(args.bundle))  # a folder, a link to one, or a pointer file

@@ -25,8 +25,8 @@ from distill.cli.common import (
 
 if TYPE_CHECKING:
     from cascade.tiers.kinds import AnyTierSpec
-    from distill.finetune import FinetuneConfig
-    from distill.mid_layer import MidLayerConfig
+    from distill.training.finetune import FinetuneConfig
+    from distill.training.mid_layer import MidLayerConfig
 
 DEFAULT_EPOCHS = 4
 """FinetuneConfig's default, stated here so that ``cascade --help`` need not import the library
@@ -57,7 +57,7 @@ example:
 
 
 def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
-    from distill.finetune import FinetuneConfig, FinetuneError
+    from distill.training.finetune import FinetuneConfig, FinetuneError
 
     defaults = FinetuneConfig()
     tuning = {"epochs": args.epochs, "seed": args.seed}
@@ -76,7 +76,7 @@ def _layer_or_auto(text: str) -> int | str:
 
 def _mid_layer_config(args: argparse.Namespace) -> MidLayerConfig | None:
     from cascade.readout.placement import Placement
-    from distill.mid_layer import MidLayerConfig, MidLayerError
+    from distill.training.mid_layer import MidLayerConfig, MidLayerError
 
     if args.mid_layer is None:
         if args.mid_layer_items is not None or args.mid_layer_reader != "head":
@@ -99,10 +99,10 @@ def _tier_text(tier: AnyTierSpec) -> str:
 def _cmd_train(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
     from cascade.readout.placement import Placement
-    from distill.mid_layer import AUTO_TARGET
+    from distill.calibration.teacher_check import judge_store
     from distill.store import LabelStore
-    from distill.teacher_check import judge_store
-    from distill.train import middle_tier, train_bundle
+    from distill.training.mid_layer import AUTO_TARGET
+    from distill.training.run import middle_tier, train_bundle
 
     questions = load_questions(args.questions)
     with LabelStore.open_existing(args.store) as store:

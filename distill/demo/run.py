@@ -1,6 +1,6 @@
 """The whole offline flow on embedded defaults, end to end and for real: ``cascade demo``.
 
-A generated corpus (``distill.synthetic``) with a teacher's labels, the encoder tier trained on
+A generated corpus (``distill.demo.synthetic``) with a teacher's labels, the encoder tier trained on
 them, gemma-3-270m as a readout tier between the encoder and the teacher, thresholds calibrated,
 a report, and the evaluation items routed through the cascade: every figure printed is measured,
 and what is a stand-in is said so. A re-run reuses what did not change. See
@@ -31,9 +31,11 @@ from cascade.readout.llama import default_gguf_path
 from cascade.readout.placement import ExtraBuffers, Placement
 from cascade.readout.scorer import Scorer
 from cascade.tiers.gguf import GgufSpec
+from distill.calibration.evaluate import Evaluation, evaluate_bundle, format_evaluation
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
-from distill.demo_teacher import (
+from distill.demo.synthetic import GENERATOR_VERSION, generate, write_corpus, write_labels, write_questions
+from distill.demo.teacher import (
     LIVE_ITEMS,
     agreement_with_generator,
     check_shipped,
@@ -44,14 +46,12 @@ from distill.demo_teacher import (
     show_live,
     teacher_note,
 )
-from distill.evaluate import Evaluation, evaluate_bundle, format_evaluation
-from distill.label_transfer import import_labels
+from distill.labelling.transfer import import_labels
 from distill.options import CorpusInput, RunOptions
-from distill.report import figures_note, write_report
-from distill.split import check_fractions
+from distill.reports.calibration_report import figures_note, write_report
 from distill.store import LabelStore, Teacher
-from distill.synthetic import GENERATOR_VERSION, generate, write_corpus, write_labels, write_questions
-from distill.train import middle_tier, train_bundle
+from distill.training.run import middle_tier, train_bundle
+from distill.training.split import check_fractions
 
 DEMO_VERSION = "demo-v4"
 """Part of the reuse fingerprint: a change to how the demo builds its bundle invalidates reuse."""

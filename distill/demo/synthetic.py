@@ -248,7 +248,7 @@ def write_corpus(items: Iterable[SyntheticItem], path: Path) -> Path:
 
 
 def write_labels(items: Iterable[SyntheticItem], path: Path) -> Path:
-    """The teacher labels as ``distill.label_transfer.import_labels`` rows ``{"id", "question",
+    """The teacher labels as ``distill.labelling.transfer.import_labels`` rows ``{"id", "question",
     "probabilities"}``."""
     rows = ({"id": item.id, "question": qid, "probabilities": probs}
             for item in items for qid, probs in item.labels.items())

@@ -24,13 +24,13 @@ from cascade.errors import CascadeError
 from cascade.questions import DecisionRequest, Question
 from cascade.readout.prompts import PROMPT_VERSION
 from cascade.readout.scorer import Scorer
-from distill.label import label_corpus, open_teacher, teacher_of
-from distill.label_transfer import export_labels
+from distill.demo.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, SyntheticItem
+from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
+from distill.labelling.teachers import teacher_path
+from distill.labelling.transfer import export_labels
 from distill.store import LabelStore, Teacher
-from distill.synthetic import GENERATOR_VERSION, QUESTIONS_JSON, SyntheticItem
-from distill.teachers import teacher_path
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"  # distill/data/: the package data pyproject ships
 LABELS_FILE = DATA / "demo-labels.qwen2.5-coder-1.5b.jsonl"
 FACTS_FILE = DATA / "demo-labels.qwen2.5-coder-1.5b.json"
 MODEL_NAME = "qwen2.5-coder-1.5b-instruct"

@@ -1,6 +1,6 @@
 """Labelling through a System One URL: the teacher is an upstream endpoint, not a local GGUF.
 
-The same promises as ``distill.label``: each item's labels committed in one transaction as they
+The same promises as ``distill.labelling.gguf``: each item's labels committed in one transaction as they
 arrive, a run resumed by running it again (done items are never called for), Ctrl-C or SIGTERM
 ending it cleanly after the calls in flight. What differs is the cost: an endpoint is often paid
 per call, so the run says before its first call how many calls it will make, makes ``concurrency``
@@ -44,7 +44,7 @@ from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.base import Item
 from cascade.tiers.upstream import UpstreamAnswers, UpstreamTier
-from distill.label import LabelSummary
+from distill.labelling.gguf import LabelSummary
 from distill.stopping import StopRequest
 from distill.store import LabelStore, StoreError, StoreMismatchError, Teacher
 

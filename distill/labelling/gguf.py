@@ -109,7 +109,7 @@ def label_corpus(
 
     ``store`` must belong to ``teacher_of(scorer)``. Over-long items are scored as an excerpt when
     ``excerpt`` is given, else they are bad items (raised in stop mode, reported in skip mode).
-    ``only``: the ids to take (``distill.selection``), every item when None. Ctrl-C or a
+    ``only``: the ids to take (``distill.labelling.selection``), every item when None. Ctrl-C or a
     ``stop`` request ends the run cleanly: what was labelled is committed and the summary says
     ``interrupted``; the same call again resumes. ``say`` hears, once the first item is labelled,
     what the run will take.
@@ -235,7 +235,7 @@ def score_item(
 ) -> ItemLabels | BadLine:
     """One item's labels (fan-out: one prefill, all questions in one decode), or why it has none.
 
-    Apart from writing, so that every labelling driver (this module's loop, distill.label_ray's
+    Apart from writing, so that every labelling driver (this module's loop, distill.labelling.on_ray's
     Ray actors) scores an item the same way and only the store's single writer commits it.
     """
     request = DecisionRequest(state=item.state, questions=dict(questions))

@@ -1,7 +1,7 @@
-"""Teacher labelling on a Ray cluster: the labels of ``distill.label``, from many model copies.
+"""Teacher labelling on a Ray cluster: the labels of ``distill.labelling.gguf``, from many model copies.
 
 Ray Data spreads the items over a pool of actors, each holding one teacher Scorer and scoring an
-item with ``distill.label.score_item`` as the single-process loop does. Into a PostgreSQL store
+item with ``distill.labelling.gguf.score_item`` as the single-process loop does. Into a PostgreSQL store
 every actor writes straight, claiming each item before its teacher reads it (so a second run, or
 a batch Ray retries, never labels it again); into a SQLite file, which lives on the driver's
 machine, the driver writes what the actors return, having claimed the run's items first. The
@@ -30,7 +30,7 @@ from cascade.questions import Question
 from cascade.readout.placement import Placement
 from cascade.readout.prompts import Layout
 from cascade.readout.scorer import HeadTailExcerpt
-from distill.label import (
+from distill.labelling.gguf import (
     LabelSummary,
     check_label_options,
     open_teacher,
@@ -163,7 +163,7 @@ def label_on_ray(
     only: Collection[str] | None = None,
 ) -> LabelSummary:
     """Label every item of the corpus not yet in ``store`` on Ray actors (only the ids in ``only``
-    where given); resumable like ``distill.label.label_corpus``, whose summary it returns.
+    where given); resumable like ``distill.labelling.gguf.label_corpus``, whose summary it returns.
 
     The corpus is read and checked whole before any actor starts, so a bad line in stop mode
     stops the run before any teacher work. ``store`` must belong to

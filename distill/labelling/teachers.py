@@ -76,7 +76,7 @@ def default_cache() -> Path:
 
 
 EMBEDDED = "gemma-3-270m-q4_k_m"
-EMBEDDED_NOTE = ("gemma-3-270m Q4_K_M, a core dependency (the demo's and the tests' small real model); "
+EMBEDDED_NOTE = ("gemma-3-270m Q4_K_M, from the demo extra (the demo's and the tests' small real model); "
                  "as a teacher it answers one option whatever it reads, which the teacher check refuses")
 
 

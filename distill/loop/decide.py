@@ -3,7 +3,7 @@
 What ``cascade decide`` runs: items are routed in batches (one encoder batch and one budget
 each), each batch's System One responses appended and flushed, so a kill loses at most one
 batch, and items already in the file are skipped. An auditor (``cascade.audit``) audits the
-items its sample chooses, and the escalations kept (``distill.escalations``) are stored, before
+items its sample chooses, and the escalations kept (``distill.loop.escalations``) are stored, before
 the batch's lines are written.
 """
 
@@ -24,7 +24,7 @@ from cascade.errors import CascadeError
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
-from distill.escalations import KeptEscalations
+from distill.loop.escalations import KeptEscalations
 from distill.options import CorpusInput, RunOptions, option, refuse
 
 

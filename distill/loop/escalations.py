@@ -4,7 +4,7 @@ each batch is decided), and the reader a retrain calls.
 
 Each escalated request the server keeps (``cascade.collect.escalation``) goes into the store of
 the bundle's teacher, labels and row in one transaction (``distill.store.escalations``); a store of
-another teacher is refused when it opens, before anything is served. ``distill.evidence`` reads
+another teacher is refused when it opens, before anything is served. ``distill.loop.evidence`` reads
 them back as training evidence, never as certifying evidence.
 """
 

@@ -30,13 +30,13 @@ from typing import Literal
 
 from cascade.errors import CascadeError
 from cascade.questions import Question, State
-from distill.escalations import escalations
+from distill.loop.escalations import escalations
 from distill.options import CorpusInput
 from distill.store import LabelStore
 
 Origin = Literal["corpus", "audit", "collected", "escalation"]
 ORIGINS: dict[str, Origin] = {"audit:": "audit", "traffic:": "collected", "escalation:": "escalation"}
-"""A stored item id's prefix -> its origin (``distill.collected.item_id`` names collected states;
+"""A stored item id's prefix -> its origin (``distill.loop.collected.item_id`` names collected states;
 an audit record of no known prefix is an audit)."""
 CERTIFYING: dict[str, frozenset[Origin]] = {
     "all": frozenset({"corpus", "audit", "collected"}),
@@ -125,7 +125,7 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
 
 def _collected(store: LabelStore) -> list[tuple[str, State]]:
     """Each collected state under the id its labels are stored under, first copy first."""
-    from distill.collected import item_id
+    from distill.loop.collected import item_id
 
     out: dict[str, State] = {}
     position = 0

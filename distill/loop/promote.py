@@ -3,7 +3,7 @@ on the same held-out evidence, it certifies at least the serving bundle's share 
 target and delta.
 
 The evidence is the candidate's: the items that certified it (``lineage.json``, written by
-``distill.retrain``), less any the serving bundle trained on, so that neither bundle is judged on
+``distill.loop.retrain``), less any the serving bundle trained on, so that neither bundle is judged on
 an item it learnt from. Both are certified afresh on those items, as ``cascade calibrate`` does
 (same target, delta, certificate), and the share of answers their cheap tiers keep, averaged
 over the questions, is compared: the candidate passes when its share is at least the serving
@@ -34,10 +34,10 @@ from cascade.hashing import file_sha256
 from cascade.serve.swap import resolve
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
+from distill.loop.retrain import EVIDENCE_NAME, LINEAGE_NAME
 from distill.options import CorpusInput, RunOptions
-from distill.retrain import EVIDENCE_NAME, LINEAGE_NAME
 from distill.store import LabelStore
-from distill.train import staged
+from distill.training.run import staged
 
 LOG_SUFFIX = ".promotions.jsonl"
 PREVIOUS_SUFFIX = ".previous"

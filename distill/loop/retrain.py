@@ -2,13 +2,13 @@
 on held-out evidence (``cascade retrain``).
 
 The store is the serving cascade's: corpus labels, audits, and as serving grows its escalations
-and collected traffic (``distill.evidence``). Every labelled state is counted once; the store's
+and collected traffic (``distill.loop.evidence``). Every labelled state is counted once; the store's
 teacher must be the bundle's (a certificate names one teacher); the new bundle's fast tier is
 trained (frozen encoder, or fine-tuned) on its train part and certified on its calibration part,
 which never trained it. The parts are placed as the serving bundle's were (a hash of the id with
 its salt, so an item keeps its part as traffic grows), except that what can only train goes to
 the train part: escalations (chosen by the serving cascade, they may not certify) and anything
-the serving bundle itself trained on (so that ``distill.promote`` can weigh both bundles on the
+the serving bundle itself trained on (so that ``distill.loop.promote`` can weigh both bundles on the
 same held-out items). Of the calibration part, the origins ``calibrate_on`` names certify.
 
 The new bundle holds ``evidence.jsonl`` (the states, which calibration and the promotion gate
@@ -33,13 +33,13 @@ from cascade.tiers.mid_layer import MidLayerSpec
 from distill.calibration.inputs import check_teacher
 from distill.calibration.results import CalibrationResult, Certificate
 from distill.calibration.run import TEACHER_ITEMS, calibrate_bundle
-from distill.evidence import CERTIFYING, Evidence, EvidenceItem, gather
-from distill.finetune import FinetuneConfig
-from distill.mid_layer import MidLayerConfig
+from distill.loop.evidence import CERTIFYING, Evidence, EvidenceItem, gather
 from distill.options import CorpusInput, RunOptions, option
-from distill.split import PARTS, part_of
 from distill.store import LabelStore
-from distill.train import train_bundle
+from distill.training.finetune import FinetuneConfig
+from distill.training.mid_layer import MidLayerConfig
+from distill.training.run import train_bundle
+from distill.training.split import PARTS, part_of
 
 EVIDENCE_NAME = "evidence.jsonl"
 LINEAGE_NAME = "lineage.json"
@@ -67,8 +67,8 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
     """Train a new bundle at ``out`` on every labelled state ``store`` holds and calibrate it.
 
     ``corpus``: the corpus of the store's corpus labels (needed where it holds any); ``target`` and
-    ``delta``: the serving bundle's by default, so that ``distill.promote`` compares like with
-    like; ``calibrate_on``: which origins certify (``distill.evidence.CERTIFYING``: all uniform
+    ``delta``: the serving bundle's by default, so that ``distill.loop.promote`` compares like with
+    like; ``calibrate_on``: which origins certify (``distill.loop.evidence.CERTIFYING``: all uniform
     draws, traffic only, or the corpus only). The rest as ``train_bundle`` and
     ``calibrate_bundle`` take them.
     """

@@ -1,7 +1,7 @@
 """The calibration report: one self-contained HTML page, and the same figures as JSON.
 
 A report is read long after the run, on another machine, maybe offline and attached to a ticket,
-so the page carries everything: plots are base64 PNGs (``report_figures``), the style is inline,
+so the page carries everything: plots are base64 PNGs (``figures``), the style is inline,
 and nothing is fetched. ``report.json`` holds the numbers behind every plot, so a figure can be
 checked or redrawn without the page. This module says what the figures mean: the guarantee in
 words, the summary and cost tables, and the page around them.
@@ -18,7 +18,7 @@ from typing import Any
 from cascade.bundle.manifest import Bundle
 from cascade.tiers.kinds import kind_of
 from distill.calibration.results import CalibrationResult, QuestionTier
-from distill.report_figures import FIGURES_NEED, ReportFigure, draw_figures, matplotlib_missing, tier_seconds
+from distill.reports.figures import FIGURES_NEED, ReportFigure, draw_figures, matplotlib_missing, tier_seconds
 
 HTML_NAME, JSON_NAME = "report.html", "report.json"
 

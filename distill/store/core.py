@@ -6,7 +6,7 @@ killed labelling run resume where it stopped. Each item's labels go in one trans
 are keyed (item_id, question_id), and a store is bound to the one teacher that made it and to
 the input policy it read with (context size, excerpt), so labels from two models or two cuts of
 the inputs can never be mixed by pointing a run at the wrong store. Each label keeps the letter
-mass of its readout, which the teacher check (``distill.teacher_check``) reads.
+mass of its readout, which the teacher check (``distill.calibration.teacher_check``) reads.
 
 Many writers may share a store: a writer claims an item before the teacher reads it
 (``claim``), so two labelling runs never label one item twice, and audits are numbered in the
@@ -66,7 +66,7 @@ class LabelStore:
     def __init__(self, path: StoreLocation | str, teacher: Teacher, any_thread: bool = False,
                  policy: InputPolicy | None = None) -> None:
         """``any_thread``: the connection may be used (and closed) from another thread than the
-        one that opened it, for a caller that serialises its use (``distill.auditing.StoreSink``).
+        one that opened it, for a caller that serialises its use (``distill.loop.auditing.StoreSink``).
         ``policy``: how this run reads states (a labelling run); refused where the store's labels
         were read another way, recorded where the store has none yet."""
         self.path: StoreLocation = store_location(path)

@@ -3,7 +3,7 @@ order the store committed them.
 
 A collected item keeps the client's questions and the teacher's answers as they came: the same
 question may arrive under many ids, and the same state more than once. Reading them as training
-data (each distinct question by content, each state once) is ``distill.collected``'s job; this
+data (each distinct question by content, each state once) is ``distill.loop.collected``'s job; this
 table only keeps every item, whole, in one order. The table is made on the first write, as every
 appended table is (``distill.store.appended``).
 """

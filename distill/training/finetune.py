@@ -3,7 +3,7 @@
 The float all-MiniLM-L6-v2 is trained, with one linear head per question, on a soft
 cross-entropy to the teacher's probabilities; a held-out tenth of the train items picks the
 epoch. Those heads only shape the body: the bundle's heads are refitted on the exported int8
-encoder (``distill.train``). Torch is an optional extra (``pip install -e '.[finetune]'``); serving
+encoder (``distill.training.run``). Torch is an optional extra (``pip install -e '.[finetune]'``); serving
 never imports it. See docs/finetune.md.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cascade.bundle.sections import FinetuneEpoch, FinetuneSection
-from distill.finetune_base import FinetuneError, Targets, import_torch
+from distill.training.finetune_base import FinetuneError, Targets, import_torch
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def finetune_body(
     """Train the encoder body on ``targets``; returns the best epoch's body and the record."""
     config.check()
     torch = import_torch()
-    from distill import student
+    from distill.training import student
 
     _check_targets(texts, targets)
     if config.threads is not None:

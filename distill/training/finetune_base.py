@@ -1,8 +1,8 @@
 """What fine-tuning starts from: the float MiniLM's weights, torch (an optional extra), and the
 teacher's targets.
 
-Both halves of fine-tuning read these: ``distill.finetune`` (the run, importable without torch)
-and ``distill.student`` (the torch network and loops), so they live below both and neither
+Both halves of fine-tuning read these: ``distill.training.finetune`` (the run, importable without torch)
+and ``distill.training.student`` (the torch network and loops), so they live below both and neither
 imports the other's module to get them.
 """
 

@@ -1,8 +1,8 @@
 """Which questions get a head: one rule for every tier trained on the teacher's labels.
 
-The encoder's heads (``distill.train``) and the mid-layer tier's (``distill.mid_layer``) apply it
-alike, so a question skipped by one for too few labels, or for a single answer among them, is
-skipped by the other with the same reason in the manifest.
+The encoder's heads (``distill.training.run``) and the mid-layer tier's
+(``distill.training.mid_layer``) apply it alike, so a question skipped by one for too few labels,
+or for a single answer among them, is skipped by the other with the same reason in the manifest.
 """
 
 from __future__ import annotations

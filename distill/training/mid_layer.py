@@ -34,7 +34,7 @@ from cascade.readout.scorer import branch_slots
 from cascade.thresholds import CERTIFIED_SCORE, threshold_score
 from cascade.tiers.base import HeadInfo
 from cascade.tiers.mid_layer import MidLayerSpec
-from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
+from distill.training.head_rule import MIN_TRAIN_LABELS, why_no_head
 
 MID_HEADS_NAME = "mid_layer_heads.npz"
 AUTO_TARGET = 0.98

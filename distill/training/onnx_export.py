@@ -19,7 +19,7 @@ import numpy as np
 
 from cascade.bundle.sections import EncoderParity
 from cascade.encoder.onnx_encoder import Encoder, EncoderFiles
-from distill.finetune_base import FinetuneError, import_torch
+from distill.training.finetune_base import FinetuneError, import_torch
 
 OPSET = 17
 PARITY_MIN_COSINE = 0.97
@@ -63,7 +63,7 @@ def measure_parity(float_path: Path, int8_path: Path, tokenizer: Path, texts: Se
 
 def _export_float(body: Any, path: Path) -> None:
     torch = import_torch()
-    from distill.student import Served
+    from distill.training.student import Served
 
     body.eval()
     example = torch.ones((2, 8), dtype=torch.int64)

@@ -50,13 +50,13 @@ from cascade.tiers.encoder import EncoderSpec, GateInfo, NgramInfo
 from cascade.tiers.external import ExternalSpec
 from cascade.tiers.gguf import GgufSpec
 from cascade.tiers.kinds import AnyTierSpec
-from distill.finetune import FinetuneConfig
-from distill.finetune_base import check_installed
-from distill.head_rule import MIN_TRAIN_LABELS, why_no_head
-from distill.mid_layer import MidLayerConfig, layers_of, train_mid_layer
 from distill.options import CorpusInput, RunOptions, default_cache_dir, option
-from distill.split import DEFAULT_FRACTIONS, DEFAULT_SALT, PARTS, check_fractions, split_ids
 from distill.store import InputPolicy, LabelStore, Teacher
+from distill.training.finetune import FinetuneConfig
+from distill.training.finetune_base import check_installed
+from distill.training.head_rule import MIN_TRAIN_LABELS, why_no_head
+from distill.training.mid_layer import MidLayerConfig, layers_of, train_mid_layer
+from distill.training.split import DEFAULT_FRACTIONS, DEFAULT_SALT, PARTS, check_fractions, split_ids
 
 FINETUNED_NAME = "encoder.onnx"
 PARITY_TEXTS = 200
@@ -98,14 +98,14 @@ def train_bundle(
     ``corpus`` skips leaves its item out. ``run``: progress bars, the device of the encoder opened
     when none is given, and the embedding cache (default ``default_cache_dir()``); it opens no GGUF
     tier to place. With ``finetune``, the encoder itself is first fine-tuned on the train part's
-    labels (distill.finetune, needs the ``finetune`` extra) and served from the bundle as int8
+    labels (distill.training.finetune, needs the ``finetune`` extra) and served from the bundle as int8
     ONNX; the heads are then fitted on its vectors as on the frozen encoder's. ``middle``
     (``middle_tier``) are GGUF readout tiers to stand, in order, between the encoder and the
     teacher; like the heads they keep nothing until ``cascade calibrate`` certifies them.
-    ``mid_layer`` adds the teacher's own first blocks as a tier just below it (distill.mid_layer):
+    ``mid_layer`` adds the teacher's own first blocks as a tier just below it (distill.training.mid_layer):
     it needs the teacher's GGUF, and its states of the train items are collected here.
-    ``parts``: the ids of each part, given (``distill.retrain`` places what it must hold out);
-    None: each labelled item by a hash of its id (``distill.split``).
+    ``parts``: the ids of each part, given (``distill.loop.retrain`` places what it must hold out);
+    None: each labelled item by a hash of its id (``distill.training.split``).
     """
     corpus = option("train_bundle", "corpus", corpus, CorpusInput)
     run = option("train_bundle", "run", run, RunOptions, RunOptions())
@@ -233,9 +233,9 @@ def _finetuned(
     Only train items teach it (the calibration part must stay unseen for the certificate to
     hold); the parity check reads calibration texts, which needs no labels.
     """
-    from distill.finetune import finetune_body
-    from distill.finetune_base import Targets
-    from distill.onnx_export import export_int8
+    from distill.training.finetune import finetune_body
+    from distill.training.finetune_base import Targets
+    from distill.training.onnx_export import export_int8
 
     train = parts["train"]
     targets = {qid: Targets(_target_rows(qid, q.option_keys(), labels[qid], train))

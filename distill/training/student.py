@@ -1,6 +1,6 @@
 """The torch side of fine-tuning: the student network, its batches, loss and loops.
 
-Imported only once torch is known to be there (by ``distill.finetune`` and the ONNX export), so
+Imported only once torch is known to be there (by ``distill.training.finetune`` and the ONNX export), so
 that nothing else in the package needs torch (an optional extra) to import.
 """
 
@@ -17,7 +17,7 @@ from tqdm import tqdm
 from transformers import BertConfig, BertModel
 
 from cascade.encoder.onnx_encoder import load_tokenizer
-from distill.finetune_base import Targets, float_minilm
+from distill.training.finetune_base import Targets, float_minilm
 
 Wanted = dict[str, tuple[torch.Tensor, torch.Tensor]]
 """question id -> (which rows of the batch it labels, the teacher's probabilities of those rows)."""

@@ -20,13 +20,13 @@ from distill.cli.common import (
     whole_number,
 )
 from distill.cli.escalations import add_escalation_arguments, check_escalations, escalation_store
-from distill.cli.serve_limits import add_limit_arguments, limits_of
-from distill.cli.serve_upstream import add_upstream_arguments, upstream_settings
+from distill.cli.serve.limits import add_limit_arguments, limits_of
+from distill.cli.serve.upstream import add_upstream_arguments, upstream_settings
 
 if TYPE_CHECKING:
     from cascade.collect.collector import Collector
     from cascade.collect.escalation import EscalationRecord
-    from distill.escalations import StoreEscalations
+    from distill.loop.escalations import StoreEscalations
 
 DESCRIPTION = f"""\
 Serve a bundle's cascade at POST /v1/systemone, the System One API that existing SDKs call
@@ -81,7 +81,7 @@ examples:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cascade.serve.lifecycle import ServeOptions, check_auth, serve, serve_proxy, serve_teacher
-    from distill.auditing import StoreAudits
+    from distill.loop.auditing import StoreAudits
 
     url = isinstance(args.teacher, str)
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body=args.max_body,
@@ -146,7 +146,7 @@ def _check_combination(args: argparse.Namespace, url: bool) -> None:
 
 
 def _serve_proxy(args: argparse.Namespace, options: Any, serve_proxy: Any) -> None:
-    from distill.collected import StoreTraffic
+    from distill.loop.collected import StoreTraffic
 
     sink = StoreTraffic(args.collect) if args.collect is not None else None
     try:
