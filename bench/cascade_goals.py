@@ -49,6 +49,7 @@ from cascade.tiers.base import Item
 from distill.calibration.evaluate import Evaluation, evaluate_bundle
 from distill.calibration.fits import TEMPERATURE_SHARE, in_temperature_part
 from distill.calibration.maths import apply_temperature, fit_temperature, threshold_for_agreement
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.labelling.transfer import import_labels
@@ -166,7 +167,8 @@ def run_library(task: Task, rows: list[dict[str, Any]], workdir: Path, encoder: 
         import_labels(store, labels_path, questions)
         bundle = train_bundle(questions, CorpusInput(corpus), store, workdir / "bundle", encoder=encoder,
                               run=RunOptions(progress=False, cache_dir=CACHE_DIR))
-        calibration = calibrate_bundle(bundle, CorpusInput(corpus), store, TARGET, DELTA, encoder=encoder,
+        calibration = calibrate_bundle(bundle, CorpusInput(corpus), store,
+                                       CalibrationOptions(target=TARGET, delta=DELTA), encoder=encoder,
                                        run=RunOptions(progress=False, flops_per_second=flops))
         evaluation = evaluate_bundle(bundle.directory, CorpusInput(corpus), store, run=RunOptions(
             progress=False, cache_dir=CACHE_DIR, flops_per_second=flops))

@@ -25,6 +25,7 @@ from cascade.corpus import load_questions
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.evaluate import Evaluation, evaluate_bundle
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.demo.synthetic import generate, write_corpus, write_labels, write_questions
@@ -38,9 +39,10 @@ def run(family_wise: bool, bundle: Bundle, corpus: Path, store: LabelStore, args
         encoder: Encoder, flops: float) -> tuple[CalibrationResult, Evaluation]:
     copy = Bundle(bundle.manifest, bundle.directory, bundle.heads).save(
         bundle.directory.parent / ("family" if family_wise else "per-question"))
-    result = calibrate_bundle(copy, CorpusInput(corpus), store, target=args.target, delta=args.delta,
-                              run=RunOptions(progress=False, flops_per_second=flops), encoder=encoder,
-                              family_wise=family_wise)
+    result = calibrate_bundle(copy, CorpusInput(corpus), store,
+                              CalibrationOptions(target=args.target, delta=args.delta,
+                                                 family_wise=family_wise),
+                              run=RunOptions(progress=False, flops_per_second=flops), encoder=encoder)
     evaluation = evaluate_bundle(copy.directory, CorpusInput(corpus), store,
                                  run=RunOptions(progress=False, cache_dir=CACHE_DIR, flops_per_second=flops))
     return result, evaluation

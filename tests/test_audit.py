@@ -135,7 +135,7 @@ def test_a_drifted_question_is_demoted_and_a_recalibration_brings_it_back(
     recalibrated = tmp_path / "recalibrated"
     shutil.copytree(bundle_dir, recalibrated)
     assert main(["calibrate", "--bundle", str(recalibrated), "--store", str(store), "--calibrate-on",
-                 "audit", "--target-agreement", "0.6", "--teacher-items", "0", "--report",
+                 "traffic", "--target-agreement", "0.6", "--teacher-items", "0", "--report",
                  str(tmp_path / "report")]) == 0
     assert f"the traffic the audit sampled ({len(records)} items audited" in capsys.readouterr().out
     with Cascade.load(recalibrated, teacher=gemma_path, threads=2) as cascade:

@@ -1,4 +1,4 @@
-"""Calibrating on what the audit saw (``cascade calibrate --calibrate-on audit|both``).
+"""Calibrating on what the audit saw (``cascade calibrate --calibrate-on traffic|all``).
 
 The session's trained bundle and its label store; the audits are written by the test into a copy
 of the store, as ``LabelStore.put_audit`` writes them: each a corpus item of the calibration part
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from corpora import HEADED, copy_bundle, read_jsonl
@@ -19,6 +20,7 @@ from cascade.audit.record import AuditRecord
 from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.maths import CalibrationError
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
@@ -52,11 +54,11 @@ def audited_store(trained_bundle: Bundle, labelled: tuple[Path, Path],
 
 
 def calibrate(bundle: Bundle, corpus: Path | None, store_path: Path, encoder: Encoder,
-              **kwargs: object) -> CalibrationResult:
+              **options: Any) -> CalibrationResult:
     with LabelStore.open_existing(store_path) as store:
-        return calibrate_bundle(bundle, None if corpus is None else CorpusInput(corpus), store, target=TARGET,
-                                encoder=encoder, run=RunOptions(progress=False, flops_per_second=FLOPS),
-                                teacher_items=0, **kwargs)  # type: ignore[arg-type]
+        return calibrate_bundle(bundle, None if corpus is None else CorpusInput(corpus), store,
+                                CalibrationOptions(target=TARGET, teacher_items=0, **options),
+                                encoder=encoder, run=RunOptions(progress=False, flops_per_second=FLOPS))
 
 
 def test_the_audits_certify_what_the_same_items_certify_from_the_corpus(
@@ -112,7 +114,7 @@ def test_cascade_calibrate_on_the_audit_needs_no_corpus_and_says_what_it_certifi
 ) -> None:
     bundle = copy_bundle(trained_bundle, tmp_path / "cli")
     args = ["calibrate", "--bundle", str(bundle.directory), "--store", str(audited_store),
-            "--calibrate-on", "audit", "--audits-since", "2027-01-15T08:00:05", "--teacher-items", "0",
+            "--calibrate-on", "traffic", "--audits-since", "2027-01-15T08:00:05", "--teacher-items", "0",
             "--target-agreement", str(TARGET), "--report", str(tmp_path / "report")]
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -28,6 +28,7 @@ from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
 from distill.calibration.evaluate import evaluate_bundle, format_evaluation
 from distill.calibration.maths import CalibrationError
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.run import calibrate_bundle
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
@@ -233,8 +234,9 @@ def test_calibration_refuses_a_scorer_that_decodes_other_batches_than_the_router
     try:
         with LabelStore.open_existing(inputs[2]) as store, pytest.raises(
                 CalibrationError, match=r"decodes at most 2 branches at once, and the router 4 of the 4"):
-            calibrate_bundle(bundle, CorpusInput(inputs[0]), store, target=0.8, encoder=encoder,
-                             scorers={"small": scorer}, run=RunOptions(progress=False, flops_per_second=1e11))
+            calibrate_bundle(bundle, CorpusInput(inputs[0]), store, CalibrationOptions(target=0.8),
+                             encoder=encoder, scorers={"small": scorer},
+                             run=RunOptions(progress=False, flops_per_second=1e11))
     finally:
         scorer.close()
     assert (bundle.directory / "manifest.json").read_bytes() == before
@@ -249,8 +251,9 @@ def test_calibration_refuses_a_scorer_that_reads_another_prompt_layout_than_the_
         with LabelStore.open_existing(inputs[2]) as store, pytest.raises(
                 CalibrationError, match=r"reads its prompts options-first, and tier 'small' was certified "
                                         r"on prompts read state-first"):
-            calibrate_bundle(bundle, CorpusInput(inputs[0]), store, target=0.8, encoder=encoder,
-                             scorers={"small": scorer}, run=RunOptions(progress=False, flops_per_second=1e11))
+            calibrate_bundle(bundle, CorpusInput(inputs[0]), store, CalibrationOptions(target=0.8),
+                             encoder=encoder, scorers={"small": scorer},
+                             run=RunOptions(progress=False, flops_per_second=1e11))
     finally:
         scorer.close()
 
@@ -263,8 +266,9 @@ def test_budget_mode_sets_each_tier_on_what_reaches_it(
     fraction = 0.5
     bundle = copy_bundle(with_middle, tmp_path / "b")
     with LabelStore.open_existing(inputs[2]) as store:
-        result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store, escalation_fraction=fraction,
-                                  encoder=encoder, run=RunOptions(progress=False, flops_per_second=1e11))
+        result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store,
+                                  CalibrationOptions(escalation_fraction=fraction), encoder=encoder,
+                                  run=RunOptions(progress=False, flops_per_second=1e11))
         store_labels = {qid: store.labels(qid) for qid in HEADED}
     fits = {(fit.question, fit.tier): fit for fit in result.calibrations}
     texts = {row["id"]: row["text"] for row in map(json.loads, inputs[0].open(encoding="utf-8"))}

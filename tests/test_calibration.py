@@ -6,10 +6,12 @@ A calibration rewrites its bundle, so every test calibrates a ``copy_bundle`` of
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from corpora import (
@@ -30,8 +32,10 @@ from cascade.routing.router import Cascade
 from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.base import Item
 from cascade.tiers.gguf import GgufSpec, GgufTier
+from distill.calibration import early_payoff
 from distill.calibration.fits import in_temperature_part
 from distill.calibration.maths import CalibrationError
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import FACTS, CalibrationResult, QuestionTier
 from distill.calibration.run import calibrate_bundle
 from distill.calibration.scoring import score_tier
@@ -45,11 +49,13 @@ FLOPS = 1e11
 """A fixed CPU throughput, so that no test spends a second measuring one."""
 
 
-def calibrate(bundle: Bundle, corpus: Path, store_path: Path, encoder: Encoder, **kwargs: object
-              ) -> CalibrationResult:
+def calibrate(bundle: Bundle, corpus: Path, store_path: Path, encoder: Encoder,
+              scorers: dict[str, Scorer] | None = None, teacher: UpstreamSettings | None = None,
+              **options: Any) -> CalibrationResult:
     with LabelStore.open_existing(store_path) as store:
-        return calibrate_bundle(bundle, CorpusInput(corpus), store, encoder=encoder,
-                                run=RunOptions(progress=False, flops_per_second=FLOPS), **kwargs)  # type: ignore[arg-type]
+        return calibrate_bundle(bundle, CorpusInput(corpus), store, CalibrationOptions(**options),
+                                encoder=encoder, scorers=scorers, teacher=teacher,
+                                run=RunOptions(progress=False, flops_per_second=FLOPS))
 
 
 @pytest.fixture(scope="module")
@@ -308,10 +314,11 @@ def test_a_middle_tier_that_costs_more_than_it_saves_is_taken_out(
     scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1, max_branches=len(bundle.manifest.questions))
     try:
         with LabelStore.open_existing(inputs[1]) as store:
-            result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store, target=TARGET, encoder=encoder,
+            result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store,
+                                      CalibrationOptions(target=TARGET, keep_costly_tiers=keep),
+                                      encoder=encoder,
                                       run=RunOptions(progress=False, flops_per_second=1e18),
-                                      scorers={"small": scorer},
-                                      keep_costly_tiers=keep)
+                                      scorers={"small": scorer})
             labels = {qid: store.labels(qid) for qid in bundle.manifest.questions}
     finally:
         scorer.close()
@@ -329,7 +336,7 @@ def test_a_middle_tier_that_costs_more_than_it_saves_is_taken_out(
     with Cascade.load(bundle.directory, labels=labels) as cascade:
         assert [tier.name for tier in cascade.tiers] == ["encoder", *(["small"] if keep else []), "teacher"]
     page = write_report(result, Bundle.load(bundle.directory), tmp_path / "report").read_text()
-    assert payoff.reason in page.replace("&#x27;", "'")
+    assert payoff.reason in html.unescape(page)
     assert ("small (taken out)" in page) is not keep
 
 
@@ -451,7 +458,40 @@ def test_bad_arguments_are_refused_before_any_work(
 
 
 def test_calibrates_help_states_the_libraries_default_teacher_items() -> None:
-    from distill.calibration import run
+    from distill.calibration import options
     from distill.cli import calibrate as calibrate_command
 
-    assert calibrate_command.TEACHER_ITEMS == run.TEACHER_ITEMS
+    assert calibrate_command.TEACHER_ITEMS == options.TEACHER_ITEMS == CalibrationOptions().teacher_items
+
+
+def test_a_middle_tier_that_cannot_pay_is_taken_out_on_a_sample_and_certified_without(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tiny_llama: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 1e18 FLOP/s nothing the tiny GGUF keeps can pay; judged on a sample of 8 states (the
+    test corpus's calibration part is smaller than two default samples), it is taken out before
+    reading the rest, and the thresholds are certified on the encoder alone."""
+    monkeypatch.setattr(early_payoff, "SAMPLE_STATES", 8)
+    bundle = copy_with_middle(trained, tmp_path / "b", tiny_llama, "small", 1024)
+    scorer = Scorer(tiny_llama, n_ctx=1024, n_threads=1, max_branches=len(bundle.manifest.questions))
+    try:
+        with LabelStore.open_existing(inputs[1]) as store:
+            result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store,
+                                      CalibrationOptions(target=TARGET), encoder=encoder,
+                                      run=RunOptions(progress=False, flops_per_second=1e18),
+                                      scorers={"small": scorer})
+    finally:
+        scorer.close()
+    payoff = result.payoffs["small"]
+    assert not payoff.kept and payoff.scored_states == result.costs["small"].states == 8
+    assert payoff.states_reached > 16 and payoff.seconds_cost > 2 * payoff.seconds_saved
+    assert payoff.reason.startswith("taken out of the cascade before scoring every state")
+    assert {fit.tier for fit in result.calibrations} == {"encoder"}  # certified without it
+    assert result.cheap_tiers == ["encoder", "small"]
+    manifest = Bundle.load(bundle.directory).manifest
+    assert manifest.calibration.dropped() == {"small"}
+    for qid in HEADED:
+        assert manifest.threshold(qid, "small") is None
+        assert "small" not in result.cascades[qid].answered_by
+    page = write_report(result, Bundle.load(bundle.directory), tmp_path / "report").read_text()
+    assert "small (taken out)" in page

@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from distill.calibration.fits import Fit
-from distill.calibration.joint import CHAIN_METHOD, certify_chains, chain_thresholds, equal_disagreement_path
+from distill.calibration.fits import Fit, in_temperature_part
+from distill.calibration.joint import (
+    CHAIN_METHOD,
+    certify_chains,
+    certify_routed,
+    chain_thresholds,
+    equal_disagreement_path,
+)
 from distill.calibration.maths import CalibrationError, threshold_for_agreement
 from distill.calibration.results import QuestionTier
 from distill.calibration.traffic import Window, stratified_pvalue, traffic_threshold
@@ -92,6 +98,34 @@ def test_certify_chains_gives_every_tier_of_a_question_the_chains_facts() -> Non
     assert first.method == second.method == CHAIN_METHOD
     assert first.lower_bound == second.lower_bound and first.target == TARGET
     assert fits["alone"]["t0"].result.threshold == 0.5  # one tier: its own certificate stands
+
+
+def test_a_chain_a_payoff_cut_is_certified_again_on_the_tiers_that_stay() -> None:
+    rng = np.random.default_rng(5)
+    scores, correct = draw_chain(600, rng)
+    extra = rng.random(600)  # a third tier, as good as the second
+    ids = [f"item-{i}" for i in range(600)]
+    middle = (extra, rng.random(600) >= 0.5 * (1 - extra))
+    columns = [(scores[0], correct[0]), middle, (scores[1], correct[1])]
+
+    def fit(k: int) -> Fit:
+        column, agrees = columns[k]
+        return Fit(QuestionTier.model_construct(threshold=0.5 + k / 10, question="q", tier=f"t{k}"),
+                   {i: (float(s), bool(c)) for i, s, c in zip(ids, column, agrees, strict=True)})
+
+    fits = {"q": {f"t{k}": fit(k) for k in range(3)}}
+    alone = {"q": {name: fit.result for name, fit in fits["q"].items()}}
+    certify_chains(fits, ["t0", "t1", "t2"], TARGET, DELTA)
+    three = {name: fit.result.threshold for name, fit in fits["q"].items()}
+    certify_routed(fits, alone, ["t0", "t2"], TARGET, DELTA)  # the middle tier taken out
+    items = sorted(ids)
+    again = chain_thresholds(np.asarray([[fits["q"][t].scores[i][0] for i in items] for t in ("t0", "t2")]),
+                             np.asarray([[fits["q"][t].scores[i][1] for i in items] for t in ("t0", "t2")]),
+                             np.asarray([in_temperature_part(i) for i in items]), TARGET, DELTA)
+    assert [fits["q"][t].result.threshold for t in ("t0", "t2")] == again.thresholds
+    assert fits["q"]["t1"].result.threshold == three["t1"]  # the tier taken out keeps its record
+    certify_routed(fits, alone, ["t0"], TARGET, DELTA)  # one tier left: its own certificate again
+    assert fits["q"]["t0"].result == alone["q"]["t0"]
 
 
 def test_the_stratified_test_on_a_census_alone_is_the_exact_binomial_one() -> None:

@@ -23,12 +23,14 @@ from cascade.bundle.manifest import Bundle
 from cascade.errors import CascadeError
 from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
+from distill.cli.demo import CONFIG_FIELDS
+from distill.cli.renamed import is_old_flag
 from distill.demo.run import GEMMA_N_CTX, GENERATOR_NOTE, DemoConfig, DemoError, run_demo
 from distill.demo.synthetic import generate, write_corpus, write_labels, write_questions
 from distill.demo.teacher import LABELS_FILE, shipped_facts
 
-SMALL = ["--items", "200", "--gemma-items", "30", "--eval-items", "30", "--target", "0.5", "--teacher",
-         "generator"]
+SMALL = ["--items", "200", "--gemma-items", "30", "--eval-items", "30", "--target-agreement", "0.5",
+         "--labels-from", "generator"]
 """A target low enough for ~20 threshold items to certify: each of the two cheap tiers must
 reach 0.75, which 20 items with at most one disagreement do (0.975, the default's, needs 146)."""
 
@@ -101,7 +103,7 @@ def own_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
             "--questions", str(write_questions(root / "q.json")),
             "--labels", str(write_labels(items, root / "l.jsonl")),
             "--gguf", str(tiny_llama_path(root)), "--gemma-items", "100", "--eval-items", "60",
-            "--target", "0.8"]
+            "--target-agreement", "0.8"]
 
 
 def test_own_data_runs_and_a_rerun_reuses_the_calibrated_bundle(
@@ -146,7 +148,7 @@ def test_bad_settings_name_the_setting(tmp_path: Path, field: str, value: float)
 def test_the_default_teacher_is_a_real_llms_shipped_labels(tmp_path: Path) -> None:
     """The shipped labels are the 1.5B's, checked by content against the facts shipped beside them."""
     facts = shipped_facts()
-    small = [arg for arg in SMALL if arg not in ("--teacher", "generator")]
+    small = [arg for arg in SMALL if arg not in ("--labels-from", "generator")]
     status, output = _run_cli(["demo", "--workdir", str(tmp_path), *small, "--live-items", "0"])
     assert status == 0
     assert f"teacher: {facts.model}, a real LLM" in output and facts.command in output
@@ -175,12 +177,13 @@ def test_cli_errors_print_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Cap
 def test_cli_help_states_the_real_defaults() -> None:
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     demo = commands.choices["demo"]
-    helps = {action.dest: action.help or "" for action in demo._actions}
+    helps = {action.dest: action.help or "" for action in demo._actions if not is_old_flag(action)}
+    dests = {field: dest for dest, field in CONFIG_FIELDS.items()}
     defaults = DemoConfig()
     for item in fields(DemoConfig):
         value = getattr(defaults, item.name)
         if isinstance(value, int | float | Path) and not isinstance(value, bool):
-            assert f"(default {value})" in helps[item.name], item.name
+            assert f"(default {value})" in helps[dests.get(item.name, item.name)], item.name
 
 
 def test_a_bad_corpus_line_stops_the_demo_or_is_skipped_and_said_once(

@@ -134,7 +134,8 @@ def test_cli_writes_the_report_and_prints_a_table(
 
 
 def test_cli_refuses_a_bad_budget(trained: tuple, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code = main(["evaluate", "--bundle", str(trained[2].directory), "--corpus", str(trained[0]),
-                 "--store", str(trained[1]), "--budget-ms", "-3", "--json", str(tmp_path / "e.json")])
-    assert code == 2
-    assert "RequestError: budget.ms_per_call: must be a finite number" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # refused by the parser, before the bundle loads
+        main(["evaluate", "--bundle", str(trained[2].directory), "--corpus", str(trained[0]),
+              "--store", str(trained[1]), "--budget-ms", "-3", "--json", str(tmp_path / "e.json")])
+    assert exited.value.code == 2
+    assert "argument --budget-ms: must be a finite number > 0; got '-3'" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from cascade.encoder.onnx_header import weight_precision, weight_types
 from cascade.errors import RouterError
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.run import calibrate_bundle
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
@@ -71,7 +72,7 @@ def test_a_fine_tuned_bundle_pins_its_encoder_and_routes_from_anywhere(
     assert 1 <= facts.best_epoch <= len(facts.epochs) <= TINY.epochs
     moved = copy_bundle(tuned_bundle, tmp_path / "moved")
     with LabelStore.open_existing(labelled[1]) as store:
-        calibrate_bundle(moved, CorpusInput(labelled[0]), store, target=0.9, delta=0.1,
+        calibrate_bundle(moved, CorpusInput(labelled[0]), store, CalibrationOptions(target=0.9, delta=0.1),
                          run=RunOptions(progress=False))
         labels = {qid: store.labels(qid) for qid in HEADED}
     items = [Item(item.id, item.text) for item in corpus_items()[:30]]
@@ -92,7 +93,7 @@ def calibrated_tuned(tuned_bundle: Bundle, labelled: tuple[Path, Path],
     """A calibrated copy of the fine-tuned bundle, and the labels that replay its teacher."""
     copy = copy_bundle(tuned_bundle, tmp_path_factory.mktemp("calibrated") / "bundle")
     with LabelStore.open_existing(labelled[1]) as store:
-        calibrate_bundle(copy, CorpusInput(labelled[0]), store, target=0.9, delta=0.1,
+        calibrate_bundle(copy, CorpusInput(labelled[0]), store, CalibrationOptions(target=0.9, delta=0.1),
                          run=RunOptions(progress=False))
         labels = {qid: store.labels(qid) for qid in HEADED}
     return Bundle.load(copy.directory), labels
@@ -168,8 +169,8 @@ def test_a_bundle_calibrated_on_batch_dependent_vectors_is_refused_until_calibra
                        r"depended on their batch .* run `cascade calibrate` on the bundle again"):
         Cascade.load(old.directory, labels=labels)
     with LabelStore.open_existing(labelled[1]) as store:
-        calibrate_bundle(Bundle.load(old.directory), CorpusInput(labelled[0]), store, target=0.9, delta=0.1,
-                         run=RunOptions(progress=False))
+        calibrate_bundle(Bundle.load(old.directory), CorpusInput(labelled[0]), store,
+                         CalibrationOptions(target=0.9, delta=0.1), run=RunOptions(progress=False))
     with Cascade.load(old.directory, labels=labels) as cascade:
         assert cascade.manifest.schema_version == SCHEMA_VERSION
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from synthbundle import copy_bundle, corpus_ids, train, write_inputs
@@ -12,6 +13,7 @@ from synthbundle import copy_bundle, corpus_ids, train, write_inputs
 from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
 from distill.calibration.maths import CalibrationError
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
@@ -38,12 +40,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory, inputs: tuple[Path, Path, 
 
 
 def calibrate(trained: Bundle, inputs: tuple[Path, Path, Path], encoder: Encoder, directory: Path,
-              **kwargs: object) -> tuple[Bundle, CalibrationResult]:
+              **options: Any) -> tuple[Bundle, CalibrationResult]:
     bundle = copy_bundle(trained, directory)
     with LabelStore.open_existing(inputs[2]) as store:
-        result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store, target=TARGET, delta=DELTA,
-                                  run=RunOptions(progress=False, flops_per_second=FLOPS), encoder=encoder,
-                                  **kwargs)  # type: ignore[arg-type]
+        result = calibrate_bundle(bundle, CorpusInput(inputs[0]), store,
+                                  CalibrationOptions(target=TARGET, delta=DELTA, **options),
+                                  run=RunOptions(progress=False, flops_per_second=FLOPS), encoder=encoder)
     return Bundle.load(directory), result
 
 

@@ -21,6 +21,7 @@ from cascade.readout.placement import Placement
 from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
 from cascade.tiers.mid_layer import MidLayerSpec, MidLayerTier
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
 from distill.labelling.gguf import teacher_of_file
@@ -119,9 +120,10 @@ def test_calibration_certifies_and_measures_the_tier(bundle: Bundle, inputs: tup
                                                      encoder: Encoder, tmp_path: Path) -> None:
     copy = copy_bundle(bundle, tmp_path / "c")
     with LabelStore.open_existing(inputs[1]) as store:
-        calibrate_bundle(copy, CorpusInput(inputs[0]), store, target=0.8, encoder=encoder,
-                         run=RunOptions(progress=False, flops_per_second=1e11, placement=ONE_THREAD),
-                         teacher_items=0, keep_costly_tiers=True)
+        calibrate_bundle(copy, CorpusInput(inputs[0]), store,
+                         CalibrationOptions(target=0.8, teacher_items=0, keep_costly_tiers=True),
+                         encoder=encoder,
+                         run=RunOptions(progress=False, flops_per_second=1e11, placement=ONE_THREAD))
     manifest = Bundle.load(copy.directory).manifest
     cost = manifest.calibration.costs["mid-layer"]
     assert cost.seconds_per_state > 0 or cost.seconds_per_token > 0

@@ -3,6 +3,7 @@ named with what is allowed; the entry points refuse anything else before any wor
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import pytest
 from cascade.errors import CascadeError
 from cascade.readout.placement import Placement
 from distill.calibration.evaluate import evaluate_bundle
+from distill.calibration.maths import CalibrationError
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.run import calibrate_bundle
 from distill.options import CorpusInput, OptionError, RunOptions
 from distill.training.run import train_bundle
@@ -68,6 +71,9 @@ def test_the_entry_points_refuse_what_is_not_an_option_object_before_any_work(tm
         evaluate_bundle(tmp_path, CorpusInput(Path("c.jsonl")), nothing, run={"progress": False})  # type: ignore[arg-type]
     with pytest.raises(OptionError, match="The 'corpus' parameter of calibrate_bundle must be a CorpusInput"):
         calibrate_bundle(nothing, "c.jsonl", nothing)  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match="The 'options' parameter of calibrate_bundle must be a "
+                       "CalibrationOptions"):
+        calibrate_bundle(nothing, None, nothing, {"target": 0.9})  # type: ignore[arg-type]
     with pytest.raises(OptionError, match=r"The 'batch_items' parameter of evaluate_bundle must be a whole "
                        r"number >= 1\. Got 0 instead\."):
         evaluate_bundle(tmp_path, CorpusInput(Path("c.jsonl")), nothing, batch_items=0)
@@ -79,3 +85,16 @@ def test_training_refuses_run_options_it_has_no_use_for(tmp_path: Path) -> None:
     with pytest.raises(OptionError, match=r"The 'run.placement' parameter of train_bundle must be left at "
                        r"None \(train_bundle has no use for it\)"):
         train_bundle({}, CorpusInput(Path("c.jsonl")), None, tmp_path, run=run)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"certificate": "both"}, "certificate must be one of joint, split; got 'both'"),
+    ({"source": "traffic"}, "source must be one of calibration, audit, both; got 'traffic'"),
+    ({"teacher_items": -1}, "teacher_items must be a whole number >= 0; got -1"),
+    ({"family_wise": True, "escalation_fraction": 0.2}, "family_wise splits delta"),
+    ({"save": "no"}, "save must be True or False; got 'no'"),
+    ({"held_out": "item-1"}, "held_out must be a collection of item ids"),
+])
+def test_calibration_options_are_checked_once_when_made(given: dict[str, object], message: str) -> None:
+    with pytest.raises(CalibrationError, match=re.escape(message)):
+        CalibrationOptions(**given)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ every figure can be worked out on paper."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cascade.cost.pricing import TierCost as PriceCost
@@ -10,6 +11,7 @@ from cascade.cost.pricing import TierPricing, estimate_tokens
 from cascade.cost.upstream import UpstreamPrice
 from cascade.questions import NoulQuestion
 from cascade.tiers.base import Item
+from distill.calibration.early_payoff import judged_early, reaching
 from distill.calibration.fits import Fit
 from distill.calibration.payoff import teacher_traffic, tier_payoffs
 from distill.calibration.results import QuestionTier, TierCost
@@ -100,3 +102,53 @@ def test_the_teacher_is_sent_one_call_per_item_with_a_question_left_holding_only
     assert spent + saved == pytest.approx(3 * 0.01 + 6 * 0.001)
     assert traffic.line(price).endswith(f"{spent:.4g} EUR spent, {saved:.4g} EUR saved")
     assert f"{calls} calls for 3 items ({1 - calls / 3:.1%} saved)" in traffic.line()
+
+
+# Judged early (distill.calibration.early_payoff): four sampled states w, x, y, z of 40 that reach
+# the tier; on q1 its margins are 0.9, 0.8, 0.6, 0.2, and it agrees with the teacher on w only.
+# At target 0.9, the most confident k answers with their wrong count: 1 with 0, 2 with 1 (P(X >= 1)
+# = 0.19 at p = 0.1: not a contradiction), 3 with 2 (0.028) and 4 with 3 (0.0037) contradict it. So
+# at most w and x are kept, saving the teacher's state of each (10 s): 20 s on the sample, 200 s
+# on all 40.
+SAMPLE = [Item(name, f"state {name}") for name in "wxyz"]
+SAMPLED = {"q1": {"w": np.array([0.95, 0.05]), "x": np.array([0.9, 0.1]), "y": np.array([0.8, 0.2]),
+                  "z": np.array([0.6, 0.4])}}
+TEACHER = {"q1": {"w": 0, "x": 1, "y": 1, "z": 1}}
+
+
+@pytest.mark.parametrize(("per_state", "taken_out"), [(6.0, False), (11.0, True)])
+def test_a_middle_tier_is_taken_out_on_a_sample_only_where_it_costs_over_twice_what_it_could_save(
+    per_state: float, taken_out: bool
+) -> None:
+    cost = TierCost(tier="middle", kind="gguf", states=4, tokens=40, seconds=4 * per_state, batches=4,
+                    seconds_per_state=per_state, seconds_per_token=0.0)
+    payoff = judged_early(SAMPLE, 40, SAMPLED, cost, ({}, []), TEACHER, 0.9, top(10.0),
+                          {"q1": QUESTIONS["q1"]})
+    if not taken_out:  # 240 s against at most 200 saved: it might pay, so it is scored on every state
+        assert payoff is None
+        return
+    assert payoff is not None and not payoff.kept
+    assert (payoff.states_reached, payoff.scored_states) == (40, 4)
+    assert payoff.states_resolved == 20  # w and x answered whole: 2 of the 4 sampled, so 20 of 40
+    assert (payoff.seconds_cost, payoff.seconds_saved) == (pytest.approx(440.0), pytest.approx(200.0))
+    assert payoff.reason.startswith("taken out of the cascade before scoring every state: on a seeded "
+                                    "sample of 4 of the 40 calibration states that reach it")
+
+
+def test_a_question_the_tiers_below_keep_saves_nothing_on_the_sample() -> None:
+    below = {"q1": {"encoder": Fit(result=QuestionTier.model_construct(threshold=0.5),
+                                   scores={i: (0.9, True) for i in "wxyz"})}}
+    cost = TierCost(tier="middle", kind="gguf", states=4, tokens=40, seconds=0.4, batches=4,
+                    seconds_per_state=0.1, seconds_per_token=0.0)
+    payoff = judged_early(SAMPLE, 40, SAMPLED, cost, (below, ["encoder"]), TEACHER, 0.9, top(10.0),
+                          {"q1": QUESTIONS["q1"]})
+    assert payoff is not None and payoff.seconds_saved == 0.0  # 4 s against nothing it could save
+
+
+def test_the_states_sampled_are_those_reaching_the_tier_in_an_order_set_by_their_ids() -> None:
+    labels = {qid: dict.fromkeys("abc", 0) for qid in QUESTIONS}
+    found = reaching(ITEMS, FITS, ["encoder"], labels)
+    assert {item.id for item in found} == {"b", "c"}  # the encoder keeps both questions of a
+    assert [item.id for item in reaching(list(reversed(ITEMS)), FITS, ["encoder"], labels)] == [
+        item.id for item in found]
+    assert {item.id for item in reaching(ITEMS, FITS, [], labels)} == {"a", "b", "c"}  # none below

@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import base64
+import fnmatch
 import html
+import importlib.resources
 import json
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
-from corpora import HEADED, copy_bundle
+from corpora import HEADED, TEACHER, copy_bundle, corpus_items, write_jsonl
 from test_calibration import FLOPS, calibrate
 
 from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
+from cascade.questions import parse_request
 from distill.calibration.results import CalibrationResult
 from distill.cli import build_parser, main
-from distill.reports.calibration_report import write_report
+from distill.demo.synthetic import QUESTIONS_JSON as DEMO_QUESTIONS
+from distill.demo.synthetic import write_corpus
+from distill.labelling.transfer import import_labels
+from distill.options import CorpusInput, RunOptions
+from distill.reports.calibration_report import TEMPLATE_NAME, write_report
+from distill.store import LabelStore
+from distill.training.run import train_bundle
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest needs tomli below 3.11
+    import tomli as tomllib
 
 PNG = b"\x89PNG\r\n\x1a\n"
 IMG = '<img src="data:image/png;base64,'
@@ -119,11 +134,12 @@ def test_cli_calibrates_prints_a_table_and_writes_the_report(
 
 def test_cli_reports_a_bad_target(trained: Bundle, inputs: tuple[Path, Path], tmp_path: Path,
                                   capsys: pytest.CaptureFixture) -> None:
-    code = main(["calibrate", "--bundle", str(trained.directory), "--corpus", str(inputs[0]), "--store",
-                 str(inputs[1]), "--target-agreement", "98", "--report", str(tmp_path)])
-    assert code == 2
-    assert capsys.readouterr().err.strip() == (
-        "CalibrationError: target must be a number in (0, 1); got 98.0")
+    with pytest.raises(SystemExit) as exited:  # refused by the flag's type, before any work
+        main(["calibrate", "--bundle", str(trained.directory), "--corpus", str(inputs[0]), "--store",
+              str(inputs[1]), "--target-agreement", "98", "--report", str(tmp_path)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "cascade calibrate: error: argument --target-agreement: must be a probability in (0, 1); got '98'")
 
 
 def test_cli_help_has_an_example(capsys: pytest.CaptureFixture) -> None:
@@ -150,3 +166,80 @@ def test_without_matplotlib_the_command_writes_the_report_without_figures_and_sa
     assert install in html.unescape(page) and IMG not in page
     assert data["figures"] == [] and data["figures_note"] == install
     assert all(f'id="q-{qid}"' in page for qid in HEADED)  # each question's outcome is still there
+
+
+HOSTILE = """<script>alert(1)</script>"onmouseover=alert(2) x='"""
+"""Markup a question id, an option, instructions and a bundle's name may hold: shown as text."""
+
+
+class _Tags(HTMLParser):
+    """Every element, attribute and piece of text of a page, as a browser's parser reads them."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory, encoder: Encoder, embedding_cache: Path
+            ) -> tuple[str, list[str], Path]:
+    """A bundle trained and calibrated on a question whose id, options and instructions carry
+    HOSTILE, in a folder whose name carries an attribute and a tag: (question id, option keys,
+    report folder)."""
+    root = tmp_path_factory.mktemp("hostile")
+    qid = "department" + HOSTILE.replace("/", "")  # a question id has no "/" (a heads file key)
+    department = DEMO_QUESTIONS["department"]
+    keys = {key: key + HOSTILE for key in department["criteria"]}
+    question = {"type": "choice", "instructions": department["instructions"] + HOSTILE,
+                "criteria": {keys[key]: text for key, text in department["criteria"].items()}}
+    questions = parse_request({"state": "x", "questions": {qid: question}}).questions
+    items = corpus_items()
+    rows = [{"id": item.id, "question": qid,
+             "probabilities": {keys[key]: p for key, p in item.labels["department"].items()}}
+            for item in items]
+    corpus = write_corpus(items, root / "corpus.jsonl")
+    with LabelStore(root / "labels.sqlite", TEACHER) as store:
+        import_labels(store, write_jsonl(root / "labels.jsonl", rows), questions)
+        bundle = train_bundle(questions, CorpusInput(corpus), store, root / ('b"onmouseover=alert(3) <i>'),
+                              encoder=encoder, run=RunOptions(progress=False, cache_dir=embedding_cache))
+    result = calibrate(bundle, corpus, root / "labels.sqlite", encoder, target=0.85, delta=0.1)
+    write_report(result, Bundle.load(bundle.directory), root / "report")
+    return qid, list(keys.values()), root / "report"
+
+
+def test_markup_in_names_is_shown_as_text_never_run(hostile: tuple[str, list[str], Path]) -> None:
+    """The template escapes every value: a question id, option or bundle name holding a script
+    or an attribute stays text, and no element or event handler comes of it."""
+    qid, options, report = hostile
+    page, data = read(report)
+    parsed = _Tags()
+    parsed.feed(page)
+    assert [tag for tag, _ in parsed.tags if tag == "script"] == []
+    assert [name for _, attrs in parsed.tags for name in attrs if name.startswith("on")] == []
+    assert "<script>" not in page and '"onmouseover=' not in page
+    text = "".join(parsed.text)
+    assert f"Calibration report: {data['name']}" in text and "onmouseover=alert(3) <i>" in data["name"]
+    assert f"{qid} choice" in text and DEMO_QUESTIONS["department"]["instructions"] + HOSTILE in text
+    assert any(repr(option) in text for option in options)  # the teacher check names the top answer
+    assert ("section", {"id": f"q-{qid}"}) in parsed.tags
+    figures = {attrs["id"]: attrs["alt"] for tag, attrs in parsed.tags if tag == "img"}
+    assert figures == {f["id"]: f["title"] for f in data["figures"]} and len(figures) == 4
+
+
+def test_the_template_ships_as_package_data() -> None:
+    """The page's template is found through importlib.resources, and pyproject's package-data
+    takes every file of the templates folder into a wheel."""
+    templates = importlib.resources.files("distill.reports").joinpath("templates")
+    assert templates.joinpath(TEMPLATE_NAME).is_file()
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    globs = pyproject["tool"]["setuptools"]["package-data"]["distill.reports"]
+    shipped = [entry.name for entry in templates.iterdir()]
+    assert TEMPLATE_NAME in shipped
+    assert all(any(fnmatch.fnmatch(f"templates/{name}", glob) for glob in globs) for name in shipped)

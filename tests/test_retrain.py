@@ -22,6 +22,7 @@ from cascade.encoder.onnx_encoder import Encoder
 from distill.cli import main
 from distill.demo.synthetic import SyntheticItem, generate
 from distill.loop.evidence import EvidenceError, state_sha256
+from distill.loop.gate import RULE, certificate_delta
 from distill.loop.promote import PromoteError, latest_promotion, promote, promotions_log
 from distill.loop.retrain import RetrainError, RetrainResult, retrain_bundle
 from distill.options import CorpusInput, RunOptions
@@ -118,42 +119,88 @@ def test_a_retrain_refuses_another_teacher_missing_states_and_its_own_serving_fo
         retrain(trained_bundle, served, trained_bundle.directory, labelled[0], encoder, embedding_cache)
 
 
-def test_a_candidate_that_certifies_more_is_promoted_and_the_pointer_moves(
-        retrained: RetrainResult, trained_bundle: Bundle, served: Path, encoder: Encoder,
-        embedding_cache: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def weak(trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
+         embedding_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
+    """A bundle retrained like ``retrained`` with a head regularised to near-uniform answers."""
+    root = tmp_path_factory.mktemp("weak")
+    training = trained_bundle.manifest.training.model_copy(update={"C": 1e-6})
+    manifest = trained_bundle.manifest.model_copy(update={"training": training})
+    parent = Bundle(manifest, trained_bundle.directory).save(root / "parent")
+    return retrain(parent, served, root / "weak", labelled[0], encoder, embedding_cache).bundle
+
+
+def copied(bundle: Bundle, to: Path) -> Path:
+    """A bundle's folder copied whole (lineage and evidence too), so a promotion may rewrite it."""
+    shutil.copytree(bundle.directory, to)
+    return to
+
+
+def test_a_candidate_that_keeps_clearly_more_is_promoted_with_the_gates_thresholds(
+        retrained: RetrainResult, weak: Bundle, served: Path, encoder: Encoder, embedding_cache: Path,
+        tmp_path: Path) -> None:
+    serving = copied(weak, tmp_path / "weak")
+    candidate = copied(retrained.bundle, tmp_path / "candidate")
     pointer = tmp_path / "current"
-    pointer.write_text(str(trained_bundle.directory.resolve()) + "\n", encoding="utf-8")
+    pointer.write_text(str(serving.resolve()) + "\n", encoding="utf-8")
     with LabelStore.open_existing(served) as store:
-        decision = promote(pointer, retrained.bundle.directory, store, run=run(embedding_cache),
-                           encoder=encoder)
+        decision = promote(pointer, candidate, store, run=run(embedding_cache), encoder=encoder)
     gate = decision.gate
-    assert decision.promoted and gate.candidate_share >= gate.serving_share > 0
+    assert decision.promoted and gate.rule == RULE and gate.attempt == 1
+    assert gate.lower_bound is not None and gate.difference is not None
+    assert 0 < gate.lower_bound <= gate.difference
     assert gate.items == len(retrained.lineage["certified_on"]) and set(gate.shares) == set(HEADED)
     assert decision.reason.startswith("promoted: on the same")
+    level = certificate_delta(gate.delta, 1)
+    assert gate.delta == retrained.bundle.manifest.calibration.delta and gate.certificate_delta == level
+    promoted = Bundle.load(candidate).manifest.calibration  # served with the gate's thresholds
+    assert promoted.delta == level and promoted.items == gate.items
+    assert {facts.delta for row in promoted.questions.values() for facts in row.values()} == {level}
+    assert decision.candidate.calibration_version == Bundle.load(candidate).manifest.calibration.version()
+    assert decision.candidate.calibration_version != retrained.bundle.manifest.calibration.version()
     named = (pointer.parent / pointer.read_text(encoding="utf-8").strip()).resolve()
-    assert named == retrained.bundle.directory.resolve()
+    assert named == candidate.resolve()
     assert latest_promotion(promotions_log(pointer)) == decision
-    assert decision.serving.name == trained_bundle.manifest.name
-    assert decision.candidate.calibration_version == retrained.bundle.manifest.calibration.version()
+    assert decision.serving.name == weak.manifest.name
+
+
+def test_a_tie_is_kept_aside_and_each_attempt_spends_less_delta(
+        retrained: RetrainResult, served: Path, encoder: Encoder, embedding_cache: Path,
+        tmp_path: Path) -> None:
+    serving = copied(retrained.bundle, tmp_path / "serving")  # the same heads: every item scores the same
+    candidate = copied(retrained.bundle, tmp_path / "candidate")
+    log = tmp_path / "promotions.jsonl"
+    with LabelStore.open_existing(served) as store:
+        first, second = (promote(serving, candidate, store, run=run(embedding_cache), encoder=encoder,
+                                 log=log) for _ in range(2))
+    for attempt, decision in enumerate((first, second), start=1):
+        gate = decision.gate
+        assert not decision.promoted and decision.reason.startswith("kept aside:")
+        assert gate.difference == 0 and gate.lower_bound == 0 and gate.candidate_share == gate.serving_share
+        assert gate.attempt == attempt and gate.certificate_delta == certificate_delta(gate.delta, attempt)
+    assert second.gate.certificate_delta is not None and first.gate.certificate_delta is not None
+    assert second.gate.certificate_delta == pytest.approx(first.gate.certificate_delta / 4)
+    assert Bundle.load(candidate).manifest == retrained.bundle.manifest  # not rewritten when refused
+    assert latest_promotion(log) is None
 
 
 def test_a_candidate_that_certifies_less_is_kept_aside_with_the_reason(
-        trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
-        embedding_cache: Path, tmp_path: Path) -> None:
-    weak = trained_bundle.manifest.model_copy(update={"training": trained_bundle.manifest.training.model_copy(
-        update={"C": 1e-6})})
-    parent = Bundle(weak, trained_bundle.directory).save(tmp_path / "weak-parent")
-    candidate = retrain(parent, served, tmp_path / "weak", labelled[0], encoder, embedding_cache).bundle
+        trained_bundle: Bundle, weak: Bundle, served: Path, embedding_cache: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    candidate = copied(weak, tmp_path / "weak")
     serving = Bundle(trained_bundle.manifest, trained_bundle.directory).save(tmp_path / "serving")
     log = tmp_path / "promotions.jsonl"
-    status = main(["promote", "--bundle", str(serving.directory), "--candidate", str(candidate.directory),
+    status = main(["promote", "--bundle", str(serving.directory), "--candidate", str(candidate),
                    "--store", str(served), "--log", str(log), "--cache-dir", str(embedding_cache)])
     assert status == 1
+    printed = capsys.readouterr().out
+    assert f"rule: {RULE} at one-sided level" in printed and "lower bound" in printed
     [line] = log.read_text(encoding="utf-8").splitlines()
     decision = json.loads(line)
     assert not decision["promoted"] and decision["reason"].startswith("kept aside:")
-    assert decision["gate"]["candidate_share"] < decision["gate"]["serving_share"]
-    kept = json.loads((candidate.directory / "promotion.json").read_text(encoding="utf-8"))
+    assert decision["gate"]["rule"] == RULE and decision["gate"]["lower_bound"] < 0
+    assert decision["gate"]["candidate_plugin"] < decision["gate"]["serving_plugin"]
+    kept = json.loads((candidate / "promotion.json").read_text(encoding="utf-8"))
     assert kept["reason"] == decision["reason"]
     assert Bundle.load(serving.directory).manifest.name == trained_bundle.manifest.name  # untouched
     assert latest_promotion(log) is None

@@ -176,7 +176,9 @@ def test_audits_survive_a_sigkill_whole_and_in_one_gapless_order(place: Place) -
     with LabelStore.open_existing(location) as store:
         stream = [position for position, _ in store.audits_after(0, limit=100000)]
         audits, labelled = store.audits(), set(store.labels("urgent"))
+        counted = store.audit_count()
     assert len(audits) > 20 and {a.item_id for a in audits} == labelled, "no audit without its labels"
+    assert counted == len(audits), "the loop's cheap count (cascade loop) is the audits' number"
     assert stream == list(range(1, len(audits) + 1))
     assert [a.item_id for a in audits] == [f"audit:{n}" for n in range(len(audits))], "in the order written"
 

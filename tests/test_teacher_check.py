@@ -98,6 +98,7 @@ def test_calibration_refuses_a_collapsed_question_and_the_report_leads_with_it_w
     from corpora import QUESTIONS, corpus_items, label_rows, train, write_jsonl
 
     from distill.calibration.maths import CalibrationError
+    from distill.calibration.options import CalibrationOptions
     from distill.calibration.run import calibrate_bundle
     from distill.demo.synthetic import write_corpus
     from distill.labelling.transfer import import_labels
@@ -118,9 +119,11 @@ def test_calibration_refuses_a_collapsed_question_and_the_report_leads_with_it_w
     with LabelStore.open_existing(tmp_path / "labels.sqlite") as store:
         with pytest.raises(CalibrationError, match=r"degenerate.* department: the labels collapse onto "
                            rf"'{keys[0]}'.*--accept-degenerate-teacher"):
-            calibrate_bundle(bundle, CorpusInput(corpus), store, target=0.9, run=run, encoder=encoder)  # type: ignore[arg-type]
-        result = calibrate_bundle(bundle, CorpusInput(corpus), store, target=0.9, run=run, encoder=encoder,  # type: ignore[arg-type]
-                                  accept_degenerate_teacher=True)
+            calibrate_bundle(bundle, CorpusInput(corpus), store, CalibrationOptions(target=0.9), run=run,
+                             encoder=encoder)  # type: ignore[arg-type]
+        result = calibrate_bundle(bundle, CorpusInput(corpus), store,
+                                  CalibrationOptions(target=0.9, accept_degenerate_teacher=True), run=run,
+                                  encoder=encoder)
     assert [c.question for c in result.teacher_checks if c.flagged] == ["department"]
     page = write_report(result, bundle, tmp_path / "report").read_text()
     assert page.index("The teacher check: DEGENERATE LABELS") < page.index("What the guarantee means")

@@ -31,6 +31,7 @@ from cascade.questions import Question, parse_request
 from cascade.routing.router import Cascade
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
 from distill.labelling.endpoint import EndpointRun, label_through_endpoint
@@ -230,7 +231,8 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
             with pytest.raises(TrainError, match=r"not a GGUF: leave out --teacher-model"):
                 train_bundle(QUESTIONS, CorpusInput(corpus), store, tmp_path / "gguf", teacher_model=corpus)
             bundle = train_bundle(QUESTIONS, CorpusInput(corpus), store, tmp_path / "bundle")
-            result = calibrate_bundle(bundle, CorpusInput(corpus), store, 0.6, 0.2)
+            result = calibrate_bundle(bundle, CorpusInput(corpus), store,
+                                      CalibrationOptions(target=0.6, delta=0.2))
         assert bundle.manifest.teacher.kind == "endpoint"  # the store's identity, checked at every answer
         # the report names the endpoint it cannot time, not "labels only" nor "external"
         assert result.teacher_cost is None and "the System One endpoint" in result.teacher_cost_note
@@ -240,8 +242,9 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
             "Teacher tier 'teacher' (the System One endpoint of model 'jevcompat-mock-0.1', taken as a 4B "
             "model) estimated")
         with LabelStore.open_existing(store_path) as store:  # given its URL, the endpoint is timed
-            timed = calibrate_bundle(bundle, CorpusInput(corpus), store, 0.6, 0.2, teacher_items=4,
-                                     teacher=UpstreamSettings(url, model=MOCK_MODEL), save=False)
+            timed = calibrate_bundle(bundle, CorpusInput(corpus), store,
+                                     CalibrationOptions(target=0.6, delta=0.2, teacher_items=4, save=False),
+                                     teacher=UpstreamSettings(url, model=MOCK_MODEL))
         assert timed.teacher_cost is not None and timed.teacher_cost.states == 4
         assert timed.teacher_cost_note == (f"measured on 4 calibration states through {url} (the network "
                                            "and the upstream's queue included)")

@@ -9,6 +9,7 @@ GGUF teacher can audit: with recorded labels as the top tier there is nothing ne
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -56,6 +57,18 @@ class Auditor:
         self.audited = 0
         self.unreadable = 0
         self.run_id = uuid.uuid4().hex[:12]
+        self.routed: dict[str, int] = dict.fromkeys(cascade.questions, 0)
+        self._routing = threading.Lock()
+
+    def route(self, response: DecisionResponse, bundle_ids: Mapping[str, str]) -> dict[str, int]:
+        """Count an answered item among the routed ones (per bundle question it has a certified
+        answer to: what the alarm watches) and return the counts so far, this item's included:
+        logged with each audit, they tell estimators the population the audits were drawn from."""
+        certified = certified_answers(response.answers, bundle_ids)
+        with self._routing:
+            for qid in certified:
+                self.routed[qid] = self.routed.get(qid, 0) + 1
+            return dict(self.routed)
 
     def replay(self, records: list[AuditRecord] | None = None) -> None:
         """Count records written before (a restart): a question demoted stays demoted. With a
@@ -71,12 +84,14 @@ class Auditor:
         if self.follower is not None:
             self.follower.close()
 
-    def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str]
-              ) -> AuditRecord | None:
+    def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str],
+              survival: float = 1.0, routed: Mapping[str, int] | None = None) -> AuditRecord | None:
         """Ask the teacher every bundle question about ``item``; ``response`` is what the system
-        answered, ``bundle_ids`` maps its question ids to the bundle's. None (said once per run,
-        counted in ``unreadable``) when the teacher's context cannot hold the state: nothing to
-        compare with."""
+        answered, ``bundle_ids`` maps its question ids to the bundle's. ``survival``: the chance
+        the audit survived a full queue's random drops (1: audited inline), logged times the share
+        as the item's inclusion probability, with ``routed`` (``route``'s counts). None (said once
+        per run, counted in ``unreadable``) when the teacher's context cannot hold the state:
+        nothing to compare with."""
         qids = list(self.cascade.questions)
         reply = self.cascade.tiers[-1].reply([item], [qids], self.cascade.questions)
         if reply.too_long[0] is not None:
@@ -91,7 +106,8 @@ class Auditor:
             item_id=f"audit:{self.run_id}:{item.id}", state=item.state,
             calibration_version=self.cascade.calibration_version, at=time.time(), teacher=teacher,
             prompt_hashes={qid: r.prompt_hash for qid, r in reply.readouts[0].items()},
-            system=certified_answers(response.answers, bundle_ids))
+            system=certified_answers(response.answers, bundle_ids),
+            inclusion=self.sampler.share * survival, routed=dict(routed or {}))
         self.sink(record)
         self.audited += 1
         if self.follower is not None:  # this record, and every one the store put before it

@@ -117,9 +117,12 @@ class Cascade:
         close_tiers(self.tiers)
 
     def __enter__(self) -> Cascade:
+        """``with Cascade.load(...) as cascade:``, so that the models are freed however the block
+        ends."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the tiers (``close``) on leaving the ``with`` block, an exception included."""
         self.close()
 
     def decide(

@@ -27,10 +27,14 @@ reason, until the server loads a recalibrated bundle. With ``forward_auth``, a c
 the upstream has not accepted lately gets every question from the upstream (which checks it).
 
 With an ``Auditor``, the answered requests its sample chooses (keyed on the engine's count of
-answered requests) are audited on the top tier's worker at the lowest priority. At most
-``audit_queue`` audits wait; one past it is dropped and counted. With an escalation ``Collector``,
-the teacher's answers to the questions a request escalated are handed to it once answered
-(``cascade.routing.escalations``), to be written on its own thread.
+answered requests) are deferred in a queue of at most ``audit_queue`` (``cascade.audit.deferral``):
+a local GGUF teacher takes them on its worker at the lowest priority, when no live job waits; an
+upstream teacher takes them on its own capacity, ``audit_in_flight`` at once, whatever the local
+queue, pausing only when the upstream answers 429 or 503 (``cascade.serve.audit_pool``). Past
+``audit_queue`` one audit is dropped at random, never the newest by rule, so each audited item's
+inclusion probability is known and written with it, with the routed counts (``Auditor.route``).
+With an escalation ``Collector``, the teacher's answers to the questions a request escalated are
+handed to it once answered (``cascade.routing.escalations``), to be written on its own thread.
 """
 
 from __future__ import annotations
@@ -49,10 +53,11 @@ from typing import Literal
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor
+from cascade.audit.deferral import DeferralQueue, Deferred
 from cascade.collect.collector import Collector, size_of
 from cascade.collect.escalation import EscalationRecord
 from cascade.cost.upstream import UpstreamLedger
-from cascade.errors import CascadeError, QueueFullError, TeacherChangedError
+from cascade.errors import CascadeError, QueueFullError, ServiceError, TeacherChangedError
 from cascade.questions import Question, State
 from cascade.readout.prompts import read_chars
 from cascade.routing.budget import Budget, Run
@@ -61,6 +66,7 @@ from cascade.routing.router import Cascade
 from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
+from cascade.serve.totals import Totals
 from cascade.teachers.admission import Admission, RateAdmission, Ticket, work_of
 from cascade.tiers.base import Item
 from cascade.tiers.upstream import UpstreamTier
@@ -68,6 +74,7 @@ from cascade.tiers.upstream import UpstreamTier
 log = logging.getLogger("cascade.serve")
 Overload = Literal["refuse", "keep"]
 _LIVE, _STOP, _AUDIT = 0, 1, 2  # a worker takes live jobs first, audits only when none waits
+_BUSY = (429, 503)  # what an upstream answers when an audit should wait
 DEFAULT_MAX_WAIT = 8.0
 """Seconds a request may expect to wait for the top tier: below the 10 s System One SDKs wait."""
 DRIFT_WHY = "a drift alarm on audited traffic: agreement with the teacher fell below the target"
@@ -78,8 +85,9 @@ class EngineSettings:
     """``batch``: route the requests waiting at the encoder together (False: one at a time).
     ``max_batch``: most requests in one encoder batch. ``max_wait``: the expected wait past which
     the top tier's queue refuses a job. ``overload``: what a refused job gets (see the module).
-    ``audit_queue``: most audits waiting for the top tier; past it an audit is dropped (and
-    counted). ``forward_auth``: callers' keys are the upstream's to check (see the module).
+    ``audit_queue``: most audits waiting for the top tier; past it one is dropped at random (and
+    counted). ``audit_in_flight``: most audits at an upstream teacher at once.
+    ``forward_auth``: callers' keys are the upstream's to check (see the module).
     ``lower_queue``: most requests waiting at a tier below the top; past it 503 with Retry-After
     (the top tier's queue is bounded by its expected wait instead)."""
 
@@ -88,24 +96,13 @@ class EngineSettings:
     max_wait: float = DEFAULT_MAX_WAIT
     overload: Overload = "refuse"
     audit_queue: int = 64
+    audit_in_flight: int = 4
     forward_auth: bool = False
     lower_queue: int = 1024
 
 
 class Retired(Exception):
     """This engine has handed over to another (a new bundle): submit to the current one."""
-
-
-@dataclass
-class Totals:
-    """An engine's running totals: ``audits`` by outcome (audited, dropped, failed, unreadable) and
-    ``abandoned`` jobs (dropped uncomputed: their client had gone). An object of their own, so that
-    the server's metrics go on adding up an engine a swap retired (its last audits still running)
-    without keeping the engine itself."""
-
-    audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("audited", "dropped", "failed", "unreadable"), 0))
-    abandoned: int = 0
 
 
 @dataclass
@@ -127,27 +124,31 @@ class Job:
 
 @dataclass
 class _Audit:
-    """An answered request the teacher is to audit: the item, its response, its bundle ids."""
+    """An answered request the teacher is to audit: the item, its response, its bundle ids, and
+    the routed counts when it was answered."""
 
     item: Item
     response: DecisionResponse
     bundle_ids: dict[str, str]
+    routed: dict[str, int]
     authorization: str | None = None
 
 
-_Entry = tuple[int, int, "Job | _Audit | None"]
+_Entry = tuple[int, int, "Job | None"]
 
 
 class _Worker:
     """A thread serving one tier's queue: ``serve`` gets the live jobs it takes at once, ``audit``
-    one audit at a time, taken only when no live job waits."""
+    one audit of ``deferred`` at a time, taken only when no live job waits (an ``_AUDIT`` entry
+    says one was deferred)."""
 
     def __init__(self, name: str, serve: Callable[[list[Job]], None], batch: int,
-                 audit: Callable[[_Audit], None]) -> None:
+                 deferred: DeferralQueue[_Audit] | None = None,
+                 audit: Callable[[Deferred[_Audit]], float | None] | None = None) -> None:
         self.queue: queue.PriorityQueue[_Entry] = queue.PriorityQueue()
-        self.serve, self.audit, self.batch = serve, audit, batch
+        self.serve, self.batch = serve, batch
+        self.deferred, self.audit = deferred, audit
         self.depth = 0  # live jobs queued and not yet taken
-        self.audits = 0  # audits queued and not yet taken
         self.lock = threading.Lock()
         self._order = itertools.count()
         self.thread = threading.Thread(target=self._loop, name=f"cascade-{name}", daemon=True)
@@ -158,20 +159,19 @@ class _Worker:
             self.depth += 1
         self.queue.put((_LIVE, next(self._order), job))
 
-    def put_audit(self, audit: _Audit) -> None:
-        with self.lock:
-            self.audits += 1
-        self.queue.put((_AUDIT, next(self._order), audit))
+    def audit_deferred(self) -> None:
+        """An audit was deferred: taken when no live job waits."""
+        self.queue.put((_AUDIT, next(self._order), None))
 
     def _loop(self) -> None:
         while True:
             kind, _, first = self.queue.get()
             if kind == _STOP:
                 return
-            if isinstance(first, _Audit):
-                with self.lock:
-                    self.audits -= 1
-                self.audit(first)
+            if kind == _AUDIT:  # the audit it stood for may have been dropped since: then none
+                deferred = self.deferred.take() if self.deferred is not None else None
+                if deferred is not None and self.audit is not None:
+                    self.audit(deferred)
                 continue
             jobs = [first] if isinstance(first, Job) else []
             while len(jobs) < self.batch:
@@ -188,7 +188,7 @@ class _Worker:
             self.serve(jobs)
 
     def stop(self) -> None:
-        """Stop after the live jobs queued; audits still waiting are left undone."""
+        """Stop after the live jobs queued; audits still waiting are left (the engine counts them)."""
         self.queue.put((_STOP, next(self._order), None))
         self.thread.join()
 
@@ -220,17 +220,20 @@ class Engine:
             RateAdmission(self.settings.max_wait, what=what)  # an upstream's parallelism is its own
         self.voided: str | None = None  # why the certificate is void (the teacher changed)
         self.totals = Totals()
+        self.deferred: DeferralQueue[_Audit] = DeferralQueue(self.settings.audit_queue)
         self._answered = itertools.count()  # what the audit sample is keyed on
         self._gate = threading.Lock()
+        self._sampling = threading.Lock()
         self._retired = False
         self.workers: list[_Worker | PoolWorker[Job, _Audit]] = [
-            _Worker(tier.name, self._serving(t), self._batch_of(t), self._audit)
+            _Worker(tier.name, self._serving(t), self._batch_of(t))
             for t, tier in enumerate(cascade.tiers[:-1])]
         if self.upstream is not None:
-            self.workers.append(PoolWorker(top.name, self._serving(self.top), parallel, self._audit))
+            self.workers.append(PoolWorker(top.name, self._serving(self.top), parallel, self.deferred,
+                                           self._audit, self.settings.audit_in_flight))
         else:
             self.workers.append(_Worker(top.name, self._serving(self.top), self._batch_of(self.top),
-                                        self._audit))
+                                        self.deferred, self._audit))
 
     def _batch_of(self, t: int) -> int:
         batched = self.settings.batch and not self.cascade.tiers[t].meters_tokens
@@ -275,8 +278,10 @@ class Engine:
         self.cascade.close()
 
     def close(self) -> None:
+        """Stop the workers; the audits left waiting are counted dropped (stopped)."""
         for worker in self.workers:
             worker.stop()
+        self.totals.drop("stopped", len(self.deferred.clear()))
 
     def _serving(self, t: int) -> Callable[[list[Job]], None]:
         return lambda jobs: self._serve(t, jobs)
@@ -434,35 +439,65 @@ class Engine:
             job.future.set_exception(exc)
 
     def _sample(self, job: Job, response: DecisionResponse) -> None:
-        """Queue the audit of an answered request where the sample chose it (keyed on the count of
-        answered requests, not on anything the client sent); none while the certificate is void."""
-        if self.auditor is None or self.voided or not self.auditor.sampler.chosen(str(next(self._answered))):
+        """Count an answered request among the routed ones and defer its audit where the sample
+        chose it (keyed on the count of answered requests, not on anything the client sent);
+        none while the certificate is void. A full queue drops one audit at random."""
+        if self.auditor is None or self.voided:
             return
-        top = self.workers[self.top]
-        if top.audits >= self.settings.audit_queue:
-            self.totals.audits["dropped"] += 1
-            return
+        bundle_ids = dict(job.matched.bundle)
+        with self._sampling:  # the workers finishing jobs count at once
+            routed = self.auditor.route(response, bundle_ids)
+            self.totals.routed = routed
+            self.totals.eligible += 1
+            if not self.auditor.sampler.chosen(str(next(self._answered))):
+                return
+            self.totals.chosen += 1
         # a client may send the same X-Request-Id twice: the audit's id is the server's own
         item = Item(f"{job.item.id}.{uuid.uuid4().hex[:12]}", job.item.state)
-        top.put_audit(_Audit(item, response, dict(job.matched.bundle), job.authorization))
+        audit = _Audit(item, response, bundle_ids, routed, job.authorization)
+        dropped = self.deferred.put(audit)
+        if dropped is not None:
+            with self._sampling:
+                self.totals.drop("queue_full")
+        if dropped is not audit:
+            self.workers[self.top].audit_deferred()
 
-    def _audit(self, audit: _Audit) -> None:
+    def _audit(self, deferred: Deferred[_Audit]) -> float | None:
+        """Run one deferred audit; the seconds to pause where the upstream answered 429/503 (the
+        audit is then put back, not counted), else None."""
         assert self.auditor is not None
-        started = time.perf_counter()
+        audit, started = deferred.audit, time.perf_counter()
         try:
             if self.upstream is not None:
                 with self.upstream.on_behalf_of(audit.authorization):
-                    record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
+                    record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
+                                                deferred.survival, audit.routed)
                 self.ledger.audit(len(self.cascade.questions), time.perf_counter() - started)
             else:
-                record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids)
-            self.totals.audits["audited" if record is not None else "unreadable"] += 1
+                record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
+                                            deferred.survival, audit.routed)
+            self._counted("audited" if record is not None else "unreadable")
         except TeacherChangedError as exc:  # an audit's answer is an answer: the change is caught here too
             self._teacher_changed(exc)
-            self.totals.audits["failed"] += 1
+            self._counted("failed")
+        except ServiceError as exc:
+            if self.upstream is not None and exc.status in _BUSY:
+                self._counted("paused")
+                return float(exc.retry_after or 1)
+            log.exception("audit of request %s failed", audit.item.id)
+            self._counted("failed")
         except Exception:  # an audit never fails a request; it is logged and counted
             log.exception("audit of request %s failed", audit.item.id)
-            self.totals.audits["failed"] += 1
+            self._counted("failed")
+        return None
+
+    def _counted(self, outcome: str) -> None:
+        """One audit's outcome (or pause) counted: audits run on several threads at once."""
+        with self._sampling:
+            if outcome == "paused":
+                self.totals.paused += 1
+            else:
+                self.totals.audits[outcome] += 1
 
     def _overloaded(self, job: Job, exc: QueueFullError) -> None:
         keep = (self.settings.overload == "keep" and not job.matched.foreign and job.run is not None

@@ -17,9 +17,7 @@ flight: no job waits for another's call to finish, as a batch would make it.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +27,11 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from cascade.answers import Usage
+from cascade.audit.deferral import DeferralQueue
 from cascade.questions import Question
 from cascade.routing.budget import Run
 from cascade.routing.router import Cascade
+from cascade.serve.audit_pool import AuditPool, Busy
 from cascade.serve.matching import Matched, content_key
 from cascade.serve.responses import Foreign, foreign_answers
 from cascade.tiers.base import Item, Reply
@@ -99,19 +99,17 @@ def _one(raw: Mapping[str, np.ndarray]) -> Reply:
 
 class PoolWorker(Generic[J, A]):
     """The top tier's worker for an upstream: each live job on a thread of a pool of ``size``
-    (``serve`` gets it alone), audits one at a time on a thread of their own, at most
-    ``audit_queue`` waiting. ``depth`` counts live jobs queued and not yet taken, as ``_Worker``'s."""
+    (``serve`` gets it alone); audits from ``deferred`` on an ``AuditPool`` of their own,
+    ``audit_in_flight`` at once, never waiting for live jobs. ``depth`` counts live jobs queued
+    and not yet taken, as ``_Worker``'s."""
 
     def __init__(self, name: str, serve: Callable[[list[J]], None], size: int,
-                 audit: Callable[[A], None]) -> None:
-        self.serve, self.audit = serve, audit
-        self.depth = self.audits = 0
+                 deferred: DeferralQueue[A], audit: Busy[A], audit_in_flight: int) -> None:
+        self.serve = serve
+        self.depth = 0
         self.lock = threading.Lock()
         self._pool = ThreadPoolExecutor(size, f"cascade-{name}")
-        self._audits: queue.Queue[tuple[int, A | None]] = queue.Queue()
-        self._order = itertools.count()
-        self._auditor = threading.Thread(target=self._audit_loop, name=f"cascade-{name}-audit", daemon=True)
-        self._auditor.start()
+        self.audits = AuditPool(name, deferred, audit, audit_in_flight)
 
     def put(self, job: J) -> None:
         with self.lock:
@@ -126,25 +124,12 @@ class PoolWorker(Generic[J, A]):
         except Exception:  # serve settles its jobs itself; this is a bug, said loudly
             log.exception("the upstream worker failed")
 
-    def put_audit(self, audit: A) -> None:
-        with self.lock:
-            self.audits += 1
-        self._audits.put((next(self._order), audit))
-
-    def _audit_loop(self) -> None:
-        while True:
-            _, audit = self._audits.get()
-            if audit is None:
-                return
-            with self.lock:
-                self.audits -= 1
-            self.audit(audit)
+    def audit_deferred(self) -> None:
+        """An audit was deferred: an audit thread takes it when the upstream lets it."""
+        self.audits.wake()
 
     def stop(self) -> None:
-        """Finish the live jobs taken or queued; audits still waiting are left undone."""
+        """Finish the live jobs taken or queued and the audits in flight; audits still waiting
+        are left (the engine counts them)."""
         self._pool.shutdown(wait=True)
-        with self.lock:
-            while not self._audits.empty():
-                self._audits.get_nowait()
-        self._audits.put((next(self._order), None))
-        self._auditor.join()
+        self.audits.stop()

@@ -61,7 +61,8 @@ class ServeOptions:
     together, at most ``max_batch``; the top tier's queue (a local GGUF or an upstream) admits a
     request only while its expected wait fits ``max_wait``, and past it one is refused with 503
     and Retry-After or ``overload="keep"`` keeps its best cheaper answer; at most ``audit_queue``
-    audits wait. ``forward_auth``: an upstream teacher checks each caller's key (the client's
+    audits wait (past it one drawn at random is dropped), and at most ``audit_in_flight`` are at
+    an upstream teacher at once. ``forward_auth``: an upstream teacher checks each caller's key (the client's
     Authorization is sent on), and local answers go only to keys it accepted lately.
     ``watch``: seconds between looks at ``--bundle`` for a promoted bundle (0: on SIGHUP only).
     ``upstream_price``: what an upstream teacher costs (None: priced by its measured latency).
@@ -85,6 +86,7 @@ class ServeOptions:
     max_batch: int = 64
     overload: Literal["refuse", "keep"] = "refuse"
     audit_queue: int = 64
+    audit_in_flight: int = 4
     max_wait: float = 8.0
     forward_auth: bool = False
     watch: float = 2.0
@@ -144,6 +146,7 @@ def serve(
     Cascade.preflight(resolve(bundle), teacher=teacher, accept_other_teacher=accept_other_teacher)
     settings = EngineSettings(batch=options.batch, max_batch=options.max_batch, max_wait=options.max_wait,
                               overload=options.overload, audit_queue=options.audit_queue,
+                              audit_in_flight=options.audit_in_flight,
                               forward_auth=options.forward_auth, lower_queue=options.lower_queue)
 
     def load(directory: Path) -> Cascade:

@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from cascade.collect.collector import Collector
     from cascade.collect.escalation import EscalationRecord
     from cascade.routing.router import Cascade
-    from cascade.serve.engine import Engine, Totals
+    from cascade.serve.engine import Engine
     from cascade.serve.swap import BundleWatch, Version
+    from cascade.serve.totals import Totals
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -92,8 +93,24 @@ class ServerMetrics:
         self.queue = Gauge("cascade_queue_depth", "Requests waiting for a tier's worker", ["tier"],
                            registry=self.registry)
         self.audits = Total("cascade_audits", "Audits since the server started, by outcome: audited, "
-                            "dropped (the audit queue was full), failed, unreadable (the state does not "
-                            "fit the teacher's context)", ["outcome"], registry=self.registry)
+                            "dropped (by reason: cascade_audits_dropped_total), failed, unreadable (the "
+                            "state does not fit the teacher's context)", ["outcome"], registry=self.registry)
+        self.audits_dropped = Total("cascade_audits_dropped", "Audits dropped since the server started, by "
+                                    "reason: queue_full (--audit-queue audits waited: one drawn at random "
+                                    "was dropped), stopped (left waiting when a bundle's engine stopped)",
+                                    ["reason"], registry=self.registry)
+        self.audit_sample = Total("cascade_audit_requests", "Answered requests since the server started that "
+                                  "the audit sample looked at (eligible: a certificate in force) and chose",
+                                  ["count"], registry=self.registry)
+        self.audit_routed = Total("cascade_audit_routed", "Eligible answered requests since the server "
+                                  "started with a certified answer to a bundle question: the population "
+                                  "its audits sample", ["question"], registry=self.registry)
+        self.audit_pauses = Total("cascade_audit_pauses", "Audits the upstream teacher answered 429 or 503: "
+                                  "each is kept and retried after its Retry-After", registry=self.registry)
+        self.audit_asked = Gauge("cascade_audit_share_asked", "The share of answered requests the audit "
+                                 "sample asks for (--audit-share)", registry=self.registry)
+        self.audit_realised = Gauge("cascade_audit_share_realised", "Audited over eligible answered "
+                                    "requests since the server started", registry=self.registry)
         self.audited = Gauge("cascade_audited_items", "Audited items counted by a question's drift alarm "
                              "(the serving calibration's: a new one starts afresh)",
                              ["question"], registry=self.registry)
@@ -154,6 +171,7 @@ class ServerMetrics:
         self.queues(engine.queue_depths())
         auditor = engine.auditor
         self.watched(self._audits(), auditor.watch if auditor is not None else None)
+        self.sampled(auditor.sampler.share if auditor is not None else 0.0)
         self.void.set(float(engine.voided is not None))
         self.abandoned.set(sum(totals.abandoned for totals in self._engines))
         self.admitted.set(engine.admission.inside)
@@ -177,6 +195,25 @@ class ServerMetrics:
             for outcome, n in list(totals.audits.items()):
                 added[outcome] = added.get(outcome, 0) + n
         return added
+
+    def sampled(self, asked: float) -> None:
+        """The audit sample's share asked for and realised, and what it was drawn from."""
+        engines = self._engines
+        eligible = sum(totals.eligible for totals in engines)
+        audited = sum(totals.audits["audited"] for totals in engines)
+        self.audit_asked.set(asked)
+        self.audit_realised.set(audited / eligible if eligible else 0.0)
+        self.audit_sample.set(eligible, "eligible")
+        self.audit_sample.set(sum(totals.chosen for totals in engines), "chosen")
+        self.audit_pauses.set(sum(totals.paused for totals in engines))
+        for reason in ("queue_full", "stopped"):
+            self.audits_dropped.set(sum(totals.dropped[reason] for totals in engines), reason)
+        routed: dict[str, int] = {}
+        for totals in engines:
+            for qid, n in totals.routed.items():
+                routed[qid] = routed.get(qid, 0) + n
+        for qid, n in routed.items():
+            self.audit_routed.set(n, qid)
 
     def answered(self, response: DecisionResponse, bundle_ids: Mapping[str, str],
                  cascade: Cascade | None = None) -> None:

@@ -31,6 +31,7 @@ from sklearn.isotonic import IsotonicRegression
 
 from distill.calibration.fits import Fit, in_temperature_part
 from distill.calibration.maths import CalibrationError, _cp_lower
+from distill.calibration.results import QuestionTier
 
 CHAIN_METHOD = "ltt-chain"
 PRIOR_ITEMS = 5.0
@@ -183,6 +184,20 @@ def certify_chains(fits: dict[str, dict[str, Fit]], tiers: Sequence[str], target
         chain = chain_thresholds(scores, correct, path, target, delta)
         for k, name in enumerate(names):
             by_tier[name].result = by_tier[name].result.model_copy(update=_chain_facts(chain, k))
+
+
+def certify_routed(fits: dict[str, dict[str, Fit]], alone: dict[str, dict[str, QuestionTier]],
+                   routed: Sequence[str], target: float, delta: float) -> None:
+    """After a payoff took a tier out of a certified chain, in place: the tiers that stay get their
+    own results back (``alone``: each fit's result before ``certify_chains``) and are certified
+    again as the chain they now are. With three or more cheap tiers the items the removed tier kept
+    go to the next cheap tier, not to the teacher, so the old chain's certificate says nothing about
+    them; a question one tier answers now keeps that tier's own certificate."""
+    for qid, by_tier in fits.items():
+        for name in routed:
+            if name in by_tier:
+                by_tier[name].result = alone[qid][name]
+    certify_chains(fits, routed, target, delta)
 
 
 def _chain_facts(chain: ChainResult, k: int) -> dict[str, object]:

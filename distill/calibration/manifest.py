@@ -45,7 +45,8 @@ def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
     A run rewrites every (question, cheap tier) threshold, so all of them are then on
     ``CERTIFIED_SCORE`` (schema 2), whatever score an older bundle's were on, and certify the
     encoder's vectors of each text alone (schema 3). A tier taken out of the cascade (it cost
-    more than it saved) keeps its facts for the record, and empty thresholds.
+    more than it saved) keeps its facts for the record, and empty thresholds (one taken out on a
+    sample, ``distill.calibration.early_payoff``, has no facts: its thresholds are emptied).
     """
     thresholds = {qid: dict(row) for qid, row in manifest.thresholds.items()}
     temperatures = {qid: dict(row) for qid, row in manifest.temperatures.items()}
@@ -56,6 +57,8 @@ def updated_manifest(manifest: Manifest, result: CalibrationResult) -> Manifest:
     for fit in result.calibrations:
         thresholds.setdefault(fit.question, {})[fit.tier] = None if fit.tier in dropped else fit.threshold
         temperatures.setdefault(fit.question, {})[fit.tier] = fit.temperature
+    for row in thresholds.values():  # a tier taken out before it was scored on every state has no fit
+        row.update(dict.fromkeys(dropped & row.keys()))
     data = manifest.model_dump() | {"schema_version": SCHEMA_VERSION, "threshold_on": CERTIFIED_SCORE,
                                     "thresholds": thresholds, "temperatures": temperatures,
                                     "calibration": calibration_section(result).model_dump()}

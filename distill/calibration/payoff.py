@@ -79,7 +79,7 @@ def _weigh(tier: str, below: list[str], fits: Fits, texts: Mapping[str, str], to
         escalated = [q for q in reach if not keeps(fits[q].get(tier), item)]
         reached += 1
         resolved += not escalated
-        saved += _top_seconds(top, texts[item], reach, questions) - _top_seconds(
+        saved += top_seconds(top, texts[item], reach, questions) - top_seconds(
             top, texts[item], escalated, questions)
     return reached, resolved, saved
 
@@ -104,7 +104,7 @@ def _labelled(fits: Fits) -> dict[str, list[str]]:
     return out
 
 
-def _top_seconds(top: TierPricing, text: str, qids: Sequence[str],
+def top_seconds(top: TierPricing, text: str, qids: Sequence[str],
                  questions: Mapping[str, Question]) -> float:
     """Predicted seconds of the top tier answering ``qids`` about one state (0 for none)."""
     if not qids:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from cascade.bundle.sections import AuditSpan, QuestionFacts, TierPayoff, dropped_tiers
 from distill.calibration.inputs import Source
@@ -123,6 +123,9 @@ class CalibrationResult(BaseModel):
     certified only because it was accepted). ``certificate``: how several cheap tiers shared the
     target and delta (``Certificate``; with one cheap tier both are the same). ``teacher_traffic``:
     on the certifying items, the calls and questions a teacher behind a URL would get.
+    ``item_scores``: question -> cheap tier -> item -> (raw score, agrees with the teacher), on the
+    items that certified: what a paired comparison of two bundles on the same items
+    (``distill.loop.gate``) reads; kept in memory only (never dumped: a report needs none of it).
     """
 
     bundle: str
@@ -152,6 +155,7 @@ class CalibrationResult(BaseModel):
     teacher_checks: list[QuestionCheck] = []
     certificate: Certificate = "split"
     teacher_traffic: TeacherTraffic | None = None
+    item_scores: dict[str, dict[str, dict[str, tuple[float, bool]]]] = Field(default={}, exclude=True)
 
     def dropped(self) -> set[str]:
         """Cheap tiers taken out of the cascade because they cost more than they saved."""

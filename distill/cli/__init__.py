@@ -24,6 +24,7 @@ from distill.cli import (
     demo,
     evaluate,
     label,
+    loop,
     promote,
     retrain,
     roofline,
@@ -38,7 +39,8 @@ COMMANDS = {"score": score.add_parser, "roofline": roofline.add_parser, "label":
             "train": train.add_parser, "decide": decide.add_parser, "evaluate": evaluate.add_parser,
             "calibrate": calibrate.add_parser, "demo": demo.add_parser,
             "teacher-model": teacher_model.add_parser, "serve": serve.add_parser, "audit": audit.add_parser,
-            "collected": collected.add_parser, "retrain": retrain.add_parser, "promote": promote.add_parser}
+            "collected": collected.add_parser, "retrain": retrain.add_parser, "promote": promote.add_parser,
+            "loop": loop.add_parser}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,7 +42,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
               f"{alarm}")
     if any(row.monitor.alarm for row in rows):
         print(f"to certify on what the audit saw: cascade calibrate --bundle {args.bundle} --store "
-              f"{args.store} --calibrate-on audit --report REPORT_DIR (add --audits-since TIME to keep "
+              f"{args.store} --calibrate-on traffic --report REPORT_DIR (add --audits-since TIME to keep "
               "the recent audits only)")
     plot = args.plot or (args.store.with_suffix(".audit.png") if isinstance(args.store, Path)
                          else Path(f"{args.store.database}.audit.png"))

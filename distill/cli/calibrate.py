@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from distill.cli.common import (
     add_bundle_argument,
+    add_calibrate_on_argument,
     add_corpus_argument,
     add_on_error_argument,
     add_placement_arguments,
@@ -16,18 +17,22 @@ from distill.cli.common import (
     add_text_field_argument,
     optional_corpus_input,
     run_options,
-    whole_number,
 )
 from distill.cli.endpoint import add_endpoint_arguments, key_source, url_argument
 from distill.cli.serve.upstream import add_upstream_price_argument
+from distill.cli.values import positive_seconds, probability, share, whole_number
 
 TEACHER_ITEMS = 16
-"""``distill.calibration.run.TEACHER_ITEMS``, repeated so that --help imports no library (a test
+"""``distill.calibration.options.TEACHER_ITEMS``, repeated so that --help imports no library (a test
 holds them equal)."""
 
 if TYPE_CHECKING:
     from cascade.teachers.settings import UpstreamSettings
+    from distill.calibration.inputs import Source
     from distill.calibration.results import CalibrationResult
+
+SOURCE: dict[str, Source] = {"corpus": "calibration", "traffic": "audit", "all": "both"}
+"""--calibrate-on's words (``distill.cli.common.EVIDENCE``) -> ``calibrate_bundle``'s ``source``."""
 
 DESCRIPTION = """\
 Run every cheap tier of a bundle on its held-out calibration items (never the items the heads
@@ -56,17 +61,17 @@ Writes report.html (self-contained) and report.json.
 
 Recalibrating from the audit: `cascade serve` and `cascade decide --audit-store S` keep a seeded
 uniform share of live traffic in the store, each item answered by the teacher on every question.
---calibrate-on audit certifies on those instead (no --corpus needed; --audits-since keeps the
+--calibrate-on traffic certifies on those instead (no --corpus needed; --audits-since keeps the
 recent ones, e.g. those after a drift alarm): the guarantee is then about new items from the
 traffic the audit sampled, for as long as it stays so, and a question the drift alarm demoted
-routes again as certified (a new calibration starts the watch afresh). --calibrate-on both pools
+routes again as certified (a new calibration starts the watch afresh). --calibrate-on all pools
 the calibration part and the audits: it certifies the pooled mixture, so choose it only where the
-two come from one distribution."""
+two come from one distribution. The words are `cascade retrain`'s (corpus, traffic, all)."""
 EPILOG = """\
 example:
   cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
       --target-agreement 0.98 --delta 0.05 --report models/support-v1/report
-  cascade calibrate --bundle models/support-v1 --store labels.sqlite --calibrate-on audit \\
+  cascade calibrate --bundle models/support-v1 --store labels.sqlite --calibrate-on traffic \\
       --audits-since 2026-11-30T00:00:00Z --report models/support-v1/report
   cascade calibrate --bundle models/support-v1 --corpus emails.jsonl --store labels.sqlite \\
       --teacher https://decide.example.com/v1/systemone --report models/support-v1/report"""
@@ -74,20 +79,21 @@ example:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from cascade.bundle.manifest import Bundle
+    from distill.calibration.options import CalibrationOptions
     from distill.calibration.run import calibrate_bundle
     from distill.reports.calibration_report import figures_note, write_report
     from distill.store import LabelStore
 
     bundle = Bundle.load(args.bundle)
     with LabelStore.open_existing(args.store) as store:
-        result = calibrate_bundle(
-            bundle, optional_corpus_input(args), store, target=args.target_agreement, delta=args.delta,
-            escalation_fraction=args.escalation_fraction, run=run_options(args),
+        options = CalibrationOptions(
+            target=args.target_agreement, delta=args.delta, escalation_fraction=args.escalation_fraction,
             family_wise=args.family_wise, teacher_items=args.teacher_items,
-            keep_costly_tiers=args.keep_costly_tiers, source=args.calibrate_on,
+            keep_costly_tiers=args.keep_costly_tiers, source=SOURCE[args.calibrate_on],
             audits_since=args.audits_since, accept_degenerate_teacher=args.accept_degenerate_teacher,
-            certificate=args.certificate, teacher=_teacher(args),
-        )
+            certificate=args.certificate)
+        result = calibrate_bundle(bundle, optional_corpus_input(args), store, options, run=run_options(args),
+                                  teacher=_teacher(args))
     path = write_report(result, Bundle.load(args.bundle), args.report)
     for check in result.teacher_checks:
         if check.flagged:  # certified only because it was accepted: said before anything else
@@ -175,13 +181,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_bundle_argument(p, "bundle folder (from `cascade train`); its manifest is rewritten")
     add_corpus_argument(p, "the JSONL corpus the bundle was trained on (needed unless --calibrate-on "
-                        "audit)", required=False)
+                        "traffic)", required=False)
     add_store_argument(p, "the label store the bundle was trained from (teacher labels)")
-    p.add_argument("--target-agreement", type=float, default=0.98, metavar="P",
+    p.add_argument("--target-agreement", type=probability, default=0.98, metavar="P",
                    help="share of answers that must agree with the teacher, in (0, 1) (default 0.98)")
-    p.add_argument("--delta", type=float, default=0.05, metavar="D",
+    p.add_argument("--delta", type=probability, default=0.05, metavar="D",
                    help="allowed probability that the guarantee fails, in (0, 1) (default 0.05)")
-    p.add_argument("--escalation-fraction", type=float, metavar="F",
+    p.add_argument("--escalation-fraction", type=share, metavar="F",
                    help="budget mode: each cheap tier escalates this share of the items that reach "
                    "it, in [0, 1], instead of meeting a target")
     add_upstream_price_argument(p)
@@ -208,7 +214,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      "latency from here; its answers must state the labels' identity (default: not "
                      "called, priced on the roofline as the 4B decision model)")
     add_endpoint_arguments(url, "endpoint")
-    url.add_argument("--upstream-timeout", type=float, default=60.0, metavar="S",
+    url.add_argument("--upstream-timeout", type=positive_seconds, default=60.0, metavar="S",
                      help="seconds to wait for one answer (default 60); a call with its retries gets twice")
     p.add_argument("--accept-degenerate-teacher", action="store_true",
                    help="certify even where the teacher check finds the labels degenerate (one answer "
@@ -219,11 +225,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="keep a middle tier that costs more than it saves the top tier on the "
                    "calibration items (by default it is taken out: empty thresholds, never loaded; "
                    "the figures are printed either way)")
-    p.add_argument("--calibrate-on", choices=("calibration", "audit", "both"), default="calibration",
-                   help="the labelled items that certify: the bundle's calibration part (default), "
-                   "the audited live items in --store, or both pooled (one distribution only)")
+    add_calibrate_on_argument(p, "corpus", "the audited live items in --store")
     p.add_argument("--audits-since", type=utc_time, metavar="TIME",
-                   help="with --calibrate-on audit or both: only items audited at or after TIME "
+                   help="with --calibrate-on traffic or all: only items audited at or after TIME "
                    "(ISO 8601, e.g. 2026-11-30T12:00:00Z; no zone means UTC)")
     add_on_error_argument(p)
     add_placement_arguments(p)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from distill.cli.common import STORE_METAVAR, store_argument, whole_number
+from distill.cli.common import STORE_METAVAR, store_argument
+from distill.cli.values import whole_number
 
 DESCRIPTION = """\
 Read the traffic a pass-through collected (cascade serve --teacher URL --collect S) and count each

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cascade.errors import RequestError
 from cascade.readout.placement import EXTRA_BUFFER_SETTINGS, Placement
+from distill.cli.renamed import renamed_values
+from distill.cli.values import positive_number, share, whole_number
 
 if TYPE_CHECKING:
     from cascade.questions import DecisionRequest
     from cascade.routing.budget import Budget
     from distill.options import CorpusInput, RunOptions
     from distill.store import StoreLocation
+    from distill.training.finetune import FinetuneConfig
 
 CORPUS_HELP = 'JSONL corpus, one {"id": ..., "text": ...} object per line'
 
@@ -96,6 +98,22 @@ def optional_corpus_input(args: argparse.Namespace) -> CorpusInput | None:
     return None if args.corpus is None else corpus_input(args)
 
 
+def finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
+    """The fine-tuning --finetune, --epochs and --seed ask for (train, retrain, loop), or None;
+    --epochs or --seed without --finetune is refused rather than ignored."""
+    from distill.training.finetune import FinetuneConfig, FinetuneError
+
+    defaults = FinetuneConfig()
+    tuning = {"epochs": args.epochs, "seed": args.seed}
+    if not args.finetune:
+        given = [f"--{name}" for name, value in tuning.items() if value is not None]
+        if given:
+            raise FinetuneError(f"{', '.join(given)} set how the encoder is fine-tuned; add --finetune")
+        return None
+    return FinetuneConfig(epochs=args.epochs or defaults.epochs, seed=args.seed or defaults.seed,
+                          threads=args.threads)
+
+
 def add_device_argument(p: argparse.ArgumentParser, help: str = "where the encoder runs (default cpu)"
                         ) -> None:
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu", help=help)
@@ -136,9 +154,9 @@ def report_skipped(bad: object) -> None:
 
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     """The two budget bounds, spelled the same wherever a cascade routes items."""
-    p.add_argument("--budget-ms", type=float, metavar="X",
+    p.add_argument("--budget-ms", type=positive_number, metavar="X",
                    help="predicted milliseconds per item, pooled over each batch (default: no bound)")
-    p.add_argument("--max-escalation", type=float, metavar="F",
+    p.add_argument("--max-escalation", type=share, metavar="F",
                    help="most of each batch's questions the top tier may answer, 0..1 (default: no bound)")
 
 
@@ -149,44 +167,11 @@ def budget_of(args: argparse.Namespace) -> Budget:
     return Budget(ms_per_call=args.budget_ms, max_escalation_fraction=args.max_escalation)
 
 
-def whole_number(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number; got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {minimum} or more; got {value}")
-        return value
-    return parse
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0; got {text!r}")
-    return value
-
-
 THREADS_DEFAULT = ("(default: the cores free when a model loads, the cores less those other processes "
                    "keep busy then: "
                    "all on an idle machine, fewer beside other work; on 2 cores, 2 threads read "
                    "1.67x faster idle and 1.24x slower beside one busy process)")
 """What --threads defaults to, said the same by every command (``cascade.readout.placement``)."""
-
-
-def share(text: str) -> float:
-    """A share in [0, 1], refused at parse time with the value given."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a share in [0, 1]; got {text!r}")
-    return value
 
 
 def add_placement_arguments(p: argparse.ArgumentParser, threads: bool = True,
@@ -221,7 +206,7 @@ def add_audit_arguments(p: argparse.ArgumentParser) -> None:
                    "anytime-valid drift alarm per question, over every writer's audits in the store's "
                    "order; a postgresql:// URL lets replicas share one store and one watch (default: no "
                    "audit)")
-    p.add_argument("--audit-share", type=float, default=0.02, metavar="F",
+    p.add_argument("--audit-share", type=share, default=0.02, metavar="F",
                    help="share of routed items audited, in [0, 1] (default 0.02; 0: none)")
     p.add_argument("--audit-seed", default="audit", metavar="TEXT",
                    help="seed of the audit sample (default 'audit')")
@@ -241,3 +226,22 @@ def teacher_argument(text: str) -> str | Path:
     """A ``--teacher`` value: an http(s) URL of a System One endpoint stays text (a Path would fold
     its "//"), anything else is a GGUF's path."""
     return text if text.startswith(("http://", "https://")) else Path(text)
+
+
+EVIDENCE = ("corpus", "traffic", "all")
+"""Where the labelled items that certify come from, named the same by ``calibrate`` and ``retrain``:
+the corpus's held-out calibration part, uniform draws of live traffic answered by the teacher (the
+audits, and with ``retrain`` the collected traffic too), or both pooled. Never escalations: the
+cascade chose them."""
+OLD_EVIDENCE = {"calibration": "corpus", "audit": "traffic", "both": "all"}
+"""``calibrate --calibrate-on``'s values before they were named as ``retrain`` names them."""
+
+
+def add_calibrate_on_argument(p: argparse.ArgumentParser, default: str, traffic: str) -> None:
+    """``--calibrate-on`` in ``EVIDENCE``'s words (the old ones still taken, with a warning);
+    ``traffic`` says which traffic records the command reads."""
+    p.add_argument("--calibrate-on", type=renamed_values("--calibrate-on", OLD_EVIDENCE), choices=EVIDENCE,
+                   default=default,
+                   help="which held-out labelled items certify: corpus (the corpus items of the bundle's "
+                   f"calibration part), traffic ({traffic}), or all of them pooled, which certifies the "
+                   f"mixture: choose it where both come from one distribution (default {default})")

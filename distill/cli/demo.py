@@ -12,17 +12,19 @@ from distill.cli.common import (
     add_placement_arguments,
     add_questions_argument,
 )
+from distill.cli.renamed import add_old_flag
+from distill.cli.values import probability, whole_number
 
 DESCRIPTION = """\
 Run every step of the cascade, end to end, on embedded defaults:
   1. a corpus: support messages generated from parts (seeded), or your --corpus
   2. teacher labels: by default a real LLM's, Qwen2.5-Coder-1.5B-Instruct, made once with
      `cascade label` and shipped with the project, with a few items scored live by the model
-     where the teachers extra is installed (--teacher live labels every item now; --teacher
-     generator uses the corpus generator's own labels), or your --labels
+     where the teachers extra is installed (--labels-from live labels every item now;
+     --labels-from generator uses the corpus generator's own labels), or your --labels
   3. the encoder tier trained on them
   4. a bundle with the embedded gemma-3-270m GGUF as a readout tier between encoder and teacher
-  5. thresholds calibrated for the --target agreement with the teacher
+  5. thresholds calibrated for the --target-agreement with the teacher
   6. the calibration report (HTML)
   7. the evaluation items routed through the cascade: per-tier shares, agreement with the
      teacher, cost against the teacher answering everything alone
@@ -31,21 +33,25 @@ nothing it depends on changed, the calibrated bundle (--force rebuilds it)."""
 EPILOG = """\
 examples:
   cascade demo
-  cascade demo --teacher live          # label the corpus with the 1.5B now (about an hour)
-  cascade demo --teacher generator --items 2000
-  cascade demo --teacher generator --items 600 --gemma-items 80 --eval-items 80 --workdir /tmp/demo
+  cascade demo --labels-from live          # label the corpus with the 1.5B now (about an hour)
+  cascade demo --labels-from generator --items 2000
+  cascade demo --labels-from generator --items 600 --gemma-items 80 --eval-items 80 --workdir /tmp/demo
   cascade demo --corpus emails.jsonl --questions q.json --labels labels.jsonl"""
 
 
-_CONFIG_FIELDS = ("workdir", "items", "seed", "teacher", "live_items", "gemma_items", "eval_items",
-                  "target", "delta", "family_wise", "threads", "gpu_layers", "extra_buffers", "gguf",
-                  "corpus", "questions", "labels", "force", "on_error")
+CONFIG_FIELDS = {"workdir": "workdir", "items": "items", "seed": "seed", "labels_from": "teacher",
+                  "live_items": "live_items", "gemma_items": "gemma_items", "eval_items": "eval_items",
+                  "target_agreement": "target", "delta": "delta", "family_wise": "family_wise",
+                  "threads": "threads", "gpu_layers": "gpu_layers", "extra_buffers": "extra_buffers",
+                  "gguf": "gguf", "corpus": "corpus", "questions": "questions", "labels": "labels",
+                  "force": "force", "on_error": "on_error"}
+"""Each flag's destination -> the DemoConfig field it sets (named as every other command names it)."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from distill.demo.run import DemoConfig, format_summary, run_demo
 
-    given = {name: getattr(args, name) for name in _CONFIG_FIELDS if hasattr(args, name)}
+    given = {field: getattr(args, dest) for dest, field in CONFIG_FIELDS.items() if hasattr(args, dest)}
     result = run_demo(DemoConfig(**given))
     print()
     steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in result.seconds.items())
@@ -67,30 +73,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workdir", type=Path, metavar="DIR",
                    help="where every file of the run goes (default runs/demo)")
-    p.add_argument("--items", type=int, metavar="N",
+    p.add_argument("--items", type=whole_number(1), metavar="N",
                    help="messages to generate (default: the shipped teacher labels' count; 2000 with "
-                   "--teacher generator)")
-    p.add_argument("--seed", type=int, help="generator seed (default 0)")
-    p.add_argument("--teacher", choices=("shipped", "generator", "live"),
-                   help="whose labels teach and calibrate the cascade: the real 1.5B LLM's shipped "
-                   "labels (default shipped), the corpus generator's, or the 1.5B labelling now "
-                   "(needs pip install -e '.[teachers]')")
-    p.add_argument("--live-items", type=int, metavar="N",
+                   "--labels-from generator)")
+    p.add_argument("--seed", type=whole_number(0), metavar="S", help="generator seed (default 0)")
+    labels_from = p.add_argument(
+        "--labels-from", choices=("shipped", "generator", "live"),
+        help="where the labels that teach and calibrate the cascade come from: the real 1.5B LLM's "
+        "shipped labels (default shipped), the corpus generator's, or the 1.5B labelling now (needs "
+        "pip install -e '.[teachers]')")
+    add_old_flag(p, "--teacher", labels_from)
+    p.add_argument("--live-items", type=whole_number(0), metavar="N",
                    help="with the shipped labels: items the 1.5B scores live beside them, when the "
                    "teachers extra is installed; 0: none (default 3)")
-    p.add_argument("--gemma-items", type=int, metavar="N",
+    p.add_argument("--gemma-items", type=whole_number(1), metavar="N",
                    help="calibration items, each scored by gemma: its main cost (default 300, or 30%% "
                    "of fewer than 1000 items)")
-    p.add_argument("--eval-items", type=int, metavar="N",
+    p.add_argument("--eval-items", type=whole_number(1), metavar="N",
                    help="evaluation items routed through the cascade (default 200, or 20%% of fewer than "
                    "1000 items)")
-    p.add_argument("--target", type=float, metavar="P",
-                   help="agreement with the teacher to calibrate for (default 0.95)")
-    p.add_argument("--delta", type=float, metavar="D",
-                   help="the target may be missed with probability at most D (default 0.05)")
+    target = p.add_argument("--target-agreement", type=probability, metavar="P",
+                            help="share of answers that must agree with the teacher, in (0, 1) "
+                            "(default 0.95)")
+    add_old_flag(p, "--target", target)
+    p.add_argument("--delta", type=probability, metavar="D",
+                   help="allowed probability that the guarantee fails, in (0, 1) (default 0.05)")
     p.add_argument("--family-wise", action="store_true",
                    help="certify all questions at once at 1 - D (default: each question on its own)")
-    p.add_argument("--threads", type=int, metavar="N",
+    p.add_argument("--threads", type=whole_number(1), metavar="N",
                    help=f"CPU threads for the encoder and gemma {THREADS_DEFAULT}")
     add_placement_arguments(p, threads=False, gpu_default=" 0")
     add_on_error_argument(p)

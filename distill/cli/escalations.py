@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cascade.errors import CascadeError
-from distill.cli.common import share
+from distill.cli.values import share
 
 if TYPE_CHECKING:
     from distill.loop.escalations import StoreEscalations

@@ -14,9 +14,9 @@ from distill.cli.common import (
     add_store_argument,
     add_text_field_argument,
     teacher_argument,
-    whole_number,
 )
 from distill.cli.endpoint import add_endpoint_arguments, key_source
+from distill.cli.values import positive_number, positive_seconds, whole_number
 
 if TYPE_CHECKING:
     from cascade.questions import Question
@@ -334,7 +334,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher-identity", metavar="JSON",
                    help='with --import: the labels came from an endpoint stating this identity, e.g. '
                    '\'{"model": "jev-1.13.0", "model_hash": "...", "calibration_version": "..."}\'')
-    p.add_argument("--permutations", type=int, default=1, metavar="K",
+    p.add_argument("--permutations", type=whole_number(1), default=1, metavar="K",
                    help="average over K balanced option orders to cancel position bias (cost: K x)")
     p.add_argument("--layout", choices=("state-first", "options-first", "auto"), default="state-first",
                    help="prompt layout, a teacher identity as its model is (a store holds one): the "
@@ -347,7 +347,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--excerpt", metavar="head_tail:N",
                    help="label over-long items from their first and last N/2 state tokens "
                    "(default: an over-long item is a bad item, see --on-error)")
-    p.add_argument("--n-ctx", type=int, default=4096, metavar="N",
+    p.add_argument("--n-ctx", type=whole_number(1), default=4096, metavar="N",
                    help="context tokens (default 4096). The context and --excerpt are the input policy: "
                    "the store records it, refuses a resume under another, and the bundle follows it")
     chosen = p.add_argument_group("which items (default: every item of the corpus)")
@@ -356,7 +356,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="N items drawn at random with --seed (the same N on every resume), "
                         "stratified by --gold-field where given: a corpus sorted by label gives one "
                         "class with --limit")
-    chosen.add_argument("--seed", type=int, default=0, metavar="S", help="seed of --sample (default 0)")
+    chosen.add_argument("--seed", type=whole_number(0), default=0, metavar="S",
+                        help="seed of --sample (default 0)")
     p.add_argument("--gold-field", metavar="NAME",
                    help="a corpus field holding gold answers (option keys; true/false or yes/no for "
                    "noul, level numbers for score): the teacher check reports the teacher's agreement "
@@ -365,9 +366,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     url = p.add_argument_group("through a URL teacher (--teacher http://host:port/v1/systemone)")
     url.add_argument("--concurrency", type=whole_number(1), default=4, metavar="N",
                      help="calls in flight at once (default 4)")
-    url.add_argument("--rate", type=float, metavar="R", help="at most R calls a second (default: no limit)")
+    url.add_argument("--rate", type=positive_number, metavar="R",
+                     help="at most R calls a second, > 0 (default: no limit)")
     add_endpoint_arguments(url, "endpoint")
-    url.add_argument("--upstream-timeout", type=float, default=60.0, metavar="S",
+    url.add_argument("--upstream-timeout", type=positive_seconds, default=60.0, metavar="S",
                      help="seconds to wait for one answer (default 60); a call with its retries gets twice")
     ray = p.add_argument_group("labelling on a Ray cluster (pip install -e '.[ray]')")
     ray.add_argument("--ray", metavar="ADDRESS",

@@ -1,5 +1,6 @@
-"""``cascade promote``: a retrained bundle replaces the serving one only where, on the same held-out
-evidence, it certifies at least as much; every decision goes to the promotions log."""
+"""``cascade promote``: a retrained bundle replaces the serving one only where a paired comparison on
+the same held-out evidence says it keeps more; every decision, with its rule and figures, goes to
+the promotions log."""
 
 from __future__ import annotations
 
@@ -21,14 +22,19 @@ KEPT_ASIDE = 1
 DESCRIPTION = """\
 Weigh a bundle made by `cascade retrain` (--candidate) against the serving one (--bundle) on the
 same evidence: the held-out items that certified the candidate, less any the serving bundle
-trained on. Both are certified afresh on those items at the candidate's target and delta, and the
-share of answers their cheap tiers keep (averaged over the questions) is compared. The rule: the
-candidate replaces the serving bundle only if its share is at least the serving one's. Promoted,
-it is copied over the serving folder in one swap (the replaced bundle kept as NAME.previous
-beside it), which a running `cascade serve` watching the folder picks up; kept aside, it stays
-where it is with the reason in its promotion.json. Every decision, promoted or not, is one line
-of NAME.promotions.jsonl beside the serving folder: both bundles' names, manifest hashes and
-calibration versions, when, and the figures. Exit status 0 promoted, 1 kept aside."""
+trained on. The rule: on those items, the share of answers each bundle's cheap tiers keep at the
+candidate's target (the plug-in share, averaged over the questions) is compared paired, item by
+item; the candidate replaces the serving bundle only if the 80% paired bootstrap lower bound on
+how much more it keeps is above 0 (a tie never promotes). Both are certified afresh on those
+items at half the delta this attempt may spend (the k-th attempt against one serving bundle,
+counted from the log, spends delta x 6/(pi^2 k^2)), so the certificate of the one serving after
+the gate holds whichever was chosen; a promoted candidate is served with those thresholds, its
+manifest's delta the level they were certified at. Promoted, it is copied over the serving folder
+in one swap (the replaced bundle kept as NAME.previous beside it), which a running `cascade
+serve` watching the folder picks up; kept aside, it stays where it is with the reason in its
+promotion.json. Every decision, promoted or not, is one line of NAME.promotions.jsonl beside the
+serving folder: both bundles' names, manifest hashes and calibration versions, when, the rule and
+its figures. Exit status 0 promoted, 1 kept aside. See docs/retraining.md."""
 EPILOG = """\
 example:
   cascade retrain --bundle models/support --store labels.sqlite --out models/support-r2
@@ -42,13 +48,20 @@ def _cmd_promote(args: argparse.Namespace) -> int:
     with LabelStore.open_existing(args.store) as store:
         record = promote(args.bundle, args.candidate, store, run=run_options(args), log=args.log)
     gate = record.gate
+    print(f"rule: {gate.rule} at one-sided level {gate.alpha} ({gate.resamples} paired resamples of "
+          f"{gate.items} held-out items); attempt {gate.attempt} against this serving bundle")
+    print(f"kept at target {gate.target} (plug-in, mean over questions): serving {gate.serving_plugin:.1%}, "
+          f"candidate {gate.candidate_plugin:.1%}, difference {gate.difference:+.1%}, lower bound "
+          f"{gate.lower_bound:+.1%} (promotes only above 0)")
+    print(f"certified at delta {gate.certificate_delta:.4g} each (delta {gate.delta} x 6/(pi^2 "
+          f"{gate.attempt}^2) / 2):")
     rows = [("question", "serving keeps", "candidate keeps")]
     rows += [(qid, f"{share['serving']:.1%}", f"{share['candidate']:.1%}")
              for qid, share in gate.shares.items()]
     rows.append(("mean", f"{gate.serving_share:.1%}", f"{gate.candidate_share:.1%}"))
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     if gate.excluded:
         print(f"{gate.excluded} held-out items of the candidate trained the serving bundle: left out of both")
     print(record.reason)
@@ -59,7 +72,8 @@ def _cmd_promote(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("promote", help="swap a retrained bundle in only if it certifies at least as much",
+    p = sub.add_parser("promote", help="swap a retrained bundle in only where a paired comparison says it "
+                       "keeps more",
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bundle_argument(p, "the serving bundle's folder (replaced if the candidate passes)")

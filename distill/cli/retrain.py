@@ -12,20 +12,21 @@ from distill.cli.common import (
     THREADS_DEFAULT,
     add_bundle_argument,
     add_cache_dir_argument,
+    add_calibrate_on_argument,
     add_corpus_argument,
     add_device_argument,
     add_on_error_argument,
     add_placement_arguments,
     add_store_argument,
     add_text_field_argument,
+    finetune_config,
     optional_corpus_input,
     run_options,
-    whole_number,
 )
+from distill.cli.values import probability, whole_number
 
 if TYPE_CHECKING:
     from distill.loop.retrain import RetrainResult
-    from distill.training.finetune import FinetuneConfig
 
 DESCRIPTION = """\
 Retrain the serving bundle's fast tier on every teacher-labelled state its label store holds: the
@@ -34,7 +35,8 @@ collected traffic). Each state counts once (the same state audited twice, or see
 and again as traffic, is one item); the store's teacher must be the bundle's. Items keep the part
 the serving bundle's split gives their id, so an item never moves as traffic grows; escalations
 and what the serving bundle trained on go to the train part. The new bundle is calibrated on the
-calibration part's uniform draws (--calibrate-on: all of them, traffic only, or the corpus only):
+calibration part's uniform draws (--calibrate-on: all of them, traffic only, or the corpus only,
+the words `cascade calibrate` takes):
 escalations are chosen by the serving cascade, so they train but never certify. It is written to
 --out with its evidence (evidence.jsonl) and lineage (lineage.json); the serving bundle is not
 touched: `cascade promote` swaps the new one in only if it certifies at least as much."""
@@ -44,17 +46,6 @@ example:
       --out models/support-r2 --finetune
   cascade promote --bundle models/support --candidate models/support-r2 --store labels.sqlite"""
 
-
-def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
-    from distill.training.finetune import FinetuneConfig, FinetuneError
-
-    if not args.finetune:
-        if args.epochs is not None or args.seed is not None:
-            raise FinetuneError("--epochs and --seed set how the encoder is fine-tuned; add --finetune")
-        return None
-    defaults = FinetuneConfig()
-    return FinetuneConfig(epochs=args.epochs or defaults.epochs, seed=args.seed or defaults.seed,
-                          threads=args.threads)
 
 
 def _cmd_retrain(args: argparse.Namespace) -> int:
@@ -66,7 +57,7 @@ def _cmd_retrain(args: argparse.Namespace) -> int:
     serving = Bundle.load(resolve(args.bundle))  # a folder, a link to one, or a pointer file
     with LabelStore.open_existing(args.store) as store:
         result = retrain_bundle(serving, store, args.out, optional_corpus_input(args),
-                                finetune=_finetune_config(args), target=args.target_agreement,
+                                finetune=finetune_config(args), target=args.target_agreement,
                                 delta=args.delta, calibrate_on=args.calibrate_on,
                                 certificate=args.certificate, run=run_options(args),
                                 teacher_items=args.teacher_items)
@@ -106,12 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         required=False)
     add_text_field_argument(p, bundle=True)
     add_on_error_argument(p)
-    p.add_argument("--target-agreement", type=float, metavar="P",
+    p.add_argument("--target-agreement", type=probability, metavar="P",
                    help="agreement to certify, in (0, 1) (default: the serving bundle's)")
-    p.add_argument("--delta", type=float, metavar="D", help="in (0, 1) (default: the serving bundle's)")
-    p.add_argument("--calibrate-on", choices=("all", "traffic", "corpus"), default="all",
-                   help="which held-out uniform draws certify: the corpus and the audited or collected "
-                   "traffic pooled (default), the traffic only, or the corpus only")
+    p.add_argument("--delta", type=probability, metavar="D", help="in (0, 1) (default: the serving bundle's)")
+    add_calibrate_on_argument(p, "all", "the audited and the collected states in --store")
     p.add_argument("--certificate", choices=("joint", "split"), default="joint",
                    help="several cheap tiers: one certificate for the chain (default), or each tier its "
                    "share of the target and delta")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from distill.cli.values import whole_number
+
 
 def _cmd_roofline(args: argparse.Namespace) -> int:
     from cascade.cost.roofline import ROOFS, ModelShape, cpu_roof, format_roofline, roofline
@@ -35,5 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--device", choices=[*ROOFS, "cpu"], default="cpu", help="device (default: this CPU)"
     )
-    p.add_argument("--tokens", type=int, default=512, help="prompt tokens per decision (default 512)")
+    p.add_argument("--tokens", type=whole_number(1), default=512, metavar="N",
+                   help="prompt tokens per decision (default 512)")
     p.set_defaults(run=_cmd_roofline)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from distill.cli.common import add_placement_arguments, placement_of, read_request
+from distill.cli.values import whole_number
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
@@ -60,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--permutations",
-        type=int,
+        type=whole_number(1),
         default=1,
         metavar="K",
         help="average over K balanced option orders to cancel position bias (cost: K x branches)",
@@ -71,9 +72,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="when the prompt is too long, score the first and last N/2 tokens of the state "
         "(default: refuse over-long input)",
     )
-    p.add_argument("--n-ctx", type=int, default=4096, help="context tokens (default 4096)")
+    p.add_argument("--n-ctx", type=whole_number(1), default=4096, help="context tokens (default 4096)")
     p.add_argument(
-        "--max-branches", type=int, default=16, help="questions decoded per llama_decode (default 16)"
+        "--max-branches", type=whole_number(1), default=16, metavar="N",
+        help="questions decoded per llama_decode (default 16)",
     )
     add_placement_arguments(p)
     p.add_argument(

@@ -19,13 +19,13 @@ from distill.cli.common import (
     add_store_argument,
     add_text_field_argument,
     corpus_input,
+    finetune_config,
     run_options,
-    whole_number,
 )
+from distill.cli.values import positive_number, whole_number
 
 if TYPE_CHECKING:
     from cascade.tiers.kinds import AnyTierSpec
-    from distill.training.finetune import FinetuneConfig
     from distill.training.mid_layer import MidLayerConfig
 
 DEFAULT_EPOCHS = 4
@@ -55,19 +55,6 @@ example:
   cascade train --questions q.json --corpus emails.jsonl --store labels.sqlite \\
       --bundle models/support-v1 --teacher-model qwen3.5-4b-q4_k_m.gguf"""
 
-
-def _finetune_config(args: argparse.Namespace) -> FinetuneConfig | None:
-    from distill.training.finetune import FinetuneConfig, FinetuneError
-
-    defaults = FinetuneConfig()
-    tuning = {"epochs": args.epochs, "seed": args.seed}
-    if not args.finetune:
-        given = [f"--{name}" for name, value in tuning.items() if value is not None]
-        if given:
-            raise FinetuneError(f"{', '.join(given)} set how the encoder is fine-tuned; add --finetune")
-        return None
-    return FinetuneConfig(epochs=args.epochs or defaults.epochs, seed=args.seed or defaults.seed,
-                          threads=args.threads)
 
 
 def _layer_or_auto(text: str) -> int | str:
@@ -110,7 +97,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         bundle = train_bundle(
             questions, corpus_input(args), store, args.bundle, C=args.C, run=run_options(args),
             teacher_model=args.teacher_model, teacher_placement=Placement(gpu_layers=args.teacher_gpu_layers),
-            ngrams=args.ngrams, finetune=_finetune_config(args),
+            ngrams=args.ngrams, finetune=finetune_config(args),
             middle=[middle_tier(path, n_ctx=args.middle_n_ctx) for path in args.middle],
             mid_layer=_mid_layer_config(args),
         )
@@ -149,7 +136,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_bundle_argument(p, "bundle folder to write (created; an existing bundle there is replaced)")
     add_text_field_argument(p)
     add_on_error_argument(p)
-    p.add_argument("--C", type=float, default=1.0, metavar="C",
+    p.add_argument("--C", type=positive_number, default=1.0, metavar="C",
                    help="inverse L2 regularisation strength of the heads (default 1.0)")
     p.add_argument("--no-ngrams", dest="ngrams", action="store_false",
                    help="heads read the sentence embedding alone, without the hashed word 1-2 grams "

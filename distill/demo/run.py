@@ -32,6 +32,7 @@ from cascade.readout.placement import ExtraBuffers, Placement
 from cascade.readout.scorer import Scorer
 from cascade.tiers.gguf import GgufSpec
 from distill.calibration.evaluate import Evaluation, evaluate_bundle, format_evaluation
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.demo.synthetic import GENERATOR_VERSION, generate, write_corpus, write_labels, write_questions
@@ -239,10 +240,11 @@ def _calibrate(run: _Run, bundle: Bundle, encoder: Encoder, tier: str, gguf: Pat
                     extra_buffers=config.extra_buffers)
     try:
         with run.timed("calibrate"):
-            result = calibrate_bundle(bundle, run.corpus(), run.store, target=config.target,
-                                      delta=config.delta, family_wise=config.family_wise,
+            options = CalibrationOptions(target=config.target, delta=config.delta,
+                                         family_wise=config.family_wise, accept_degenerate_teacher=True)
+            result = calibrate_bundle(bundle, run.corpus(), run.store, options,
                                       run=RunOptions(progress=config.progress), encoder=encoder,
-                                      scorers={tier: scorer}, accept_degenerate_teacher=True)
+                                      scorers={tier: scorer})
     finally:
         scorer.close()
     for check in result.teacher_checks:

@@ -5,7 +5,7 @@ questions each), far past the demo's five minutes, so its labels of the generate
 items were made once with ``cascade label`` and ship in ``distill/data/`` (the command, the
 model's sha256 and the prompt version are in the file beside them). The demo imports them as the
 teacher's labels and, where the ``teachers`` extra is installed, scores a few items live with the
-same model to show the teacher running and that it gives the shipped answers. ``--teacher live``
+same model to show the teacher running and that it gives the shipped answers. ``--labels-from live``
 labels the whole corpus with the model instead, and says first how long that will take.
 """
 
@@ -61,12 +61,12 @@ def check_shipped(facts: ShippedLabels, seed: int, items: int) -> None:
     """The shipped labels fit only the corpus and prompts they were made for; say so, not guess."""
     if items > facts.items:
         raise CascadeError(f"the shipped teacher labels cover the first {facts.items} generated items; "
-                           f"{items} were asked. Use --items {facts.items} or fewer, --teacher live "
-                           "to label more now, or --teacher generator")
+                           f"{items} were asked. Use --items {facts.items} or fewer, --labels-from "
+                           "live to label more now, or --labels-from generator")
     if facts.generator_version != GENERATOR_VERSION or facts.seed != seed:
         raise CascadeError(f"the shipped teacher labels are of the {facts.generator_version} corpus with "
                            f"seed {facts.seed}; this run generates {GENERATOR_VERSION} with seed {seed}. "
-                           "Use --teacher generator, or --teacher live to label it now")
+                           "Use --labels-from generator, or --labels-from live to label it now")
     if facts.prompt_version != PROMPT_VERSION:
         raise CascadeError(f"the shipped teacher labels were made with prompt {facts.prompt_version}, "
                            f"this cascade prompts with {PROMPT_VERSION}; remake them with: {facts.command}")

@@ -10,4 +10,6 @@
   (``cascade retrain``).
 - ``promote``: the gate: a retrained bundle replaces the serving one only if it certifies at
   least as much on the same evidence (``cascade promote``); the swap and the promotions log.
+- ``watch``: the loop as one command: retrain and promote every N new teacher labels,
+  restart-safe, one loop per serving path (``cascade loop``).
 """

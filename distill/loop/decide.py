@@ -86,8 +86,9 @@ def _write(cascade: Cascade, batch: list[Item], budget: Budget, out: IO[str], de
     if auditor is not None:
         every = {qid: qid for qid in cascade.questions}
         for item, response in zip(batch, responses, strict=True):
+            routed = auditor.route(response, every)  # the population the audits are drawn from
             if auditor.sampler.chosen(item.id):
-                auditor.audit(item, response, every)
+                auditor.audit(item, response, every, routed=routed)
     for item, response in zip(batch, responses, strict=True):
         decided.tiers.update(answer.routing.tier for answer in response.answers.values() if answer.routing)
         decided.errors += [(item.id, qid, error.message) for qid, error in (response.errors or {}).items()]

@@ -1,19 +1,24 @@
-"""Promotion with a gate (``cascade promote``): a retrained bundle replaces the serving one only if,
-on the same held-out evidence, it certifies at least the serving bundle's share at the same
-target and delta.
+"""Promotion with a gate (``cascade promote``): a retrained bundle replaces the serving one only
+where a paired comparison on the same held-out evidence says it keeps more, and it is swapped in
+with a certificate that the choice did not break.
 
 The evidence is the candidate's: the items that certified it (``lineage.json``, written by
-``distill.loop.retrain``), less any the serving bundle trained on, so that neither bundle is judged on
-an item it learnt from. Both are certified afresh on those items, as ``cascade calibrate`` does
-(same target, delta, certificate), and the share of answers their cheap tiers keep, averaged
-over the questions, is compared: the candidate passes when its share is at least the serving
-one's. Refused, it stays where it is with the reason in ``promotion.json``. Passed, it is swapped
-in as ``cascade serve --bundle PATH`` follows one (``cascade.serve.swap``): where PATH is a link or
-a pointer file, PATH is replaced in one rename to name the candidate's folder (each version stays
-in its own folder); where PATH is the bundle folder itself, the candidate is copied over it (the
-replaced bundle kept beside it as ``NAME.previous``). Either way one line goes to the promotions
-log beside PATH (``NAME.promotions.jsonl``): both bundles' versions, when, and the figures
-(``latest_promotion`` reads the last one).
+``distill.loop.retrain``), less any the serving bundle trained on, so that neither bundle is judged
+on an item it learnt from. Both are certified afresh on those items, as ``cascade calibrate`` does
+(same target and certificate), each at half the delta this attempt may spend
+(``distill.loop.gate``: Bonferroni over the two, and the k-th attempt against one serving bundle,
+counted from the promotions log, spends delta x 6 / (pi^2 k^2)); so with probability 1 - delta
+both certificates hold, whichever bundle the rule then picks. The rule (``gate.compare``): the
+candidate passes only where the paired bootstrap lower bound on how much more it keeps at the
+target on those items (plug-in shares, averaged over the questions) is above 0; a tie never passes.
+Refused, it stays where it is with the reason in ``promotion.json``. Passed, its calibration is
+replaced by the one the gate certified (the manifest's ``delta`` is then that level) and it is
+swapped in as ``cascade serve --bundle PATH`` follows one (``cascade.serve.swap``): where PATH is a
+link or a pointer file, PATH is replaced in one rename to name the candidate's folder (each version
+stays in its own folder); where PATH is the bundle folder itself, the candidate is copied over it
+(the replaced bundle kept beside it as ``NAME.previous``). Either way one line goes to the
+promotions log beside PATH (``NAME.promotions.jsonl``): both bundles' versions, when, the rule and
+its figures (``latest_promotion`` reads the last promotion).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel
 
 from cascade.bundle.manifest import MANIFEST_NAME, Bundle
@@ -32,8 +38,11 @@ from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import CascadeError
 from cascade.hashing import file_sha256
 from cascade.serve.swap import resolve
+from distill.calibration.manifest import updated_manifest
+from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
+from distill.loop.gate import RULE, Comparison, Question, certificate_delta, chain_ranks, compare
 from distill.loop.retrain import EVIDENCE_NAME, LINEAGE_NAME
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
@@ -64,9 +73,14 @@ class BundleVersion(BaseModel):
 
 
 class Gate(BaseModel):
-    """The figures a promotion is decided on: both bundles certified on the same ``items`` at one
-    target and delta; ``excluded``: held-out items of the candidate the serving bundle trained on;
-    shares are of answers the cheap tiers keep, per question and averaged."""
+    """The figures a promotion is decided on: both bundles certified on the same ``items`` at
+    ``target`` and ``certificate_delta`` each (half of what attempt ``attempt`` against this
+    serving bundle may spend of ``delta``: ``distill.loop.gate``); ``excluded``: held-out items of
+    the candidate the serving bundle trained on. ``serving_share`` and ``candidate_share``: the
+    shares the certified thresholds keep (answers the cheap tiers keep, per question in ``shares``
+    and averaged). ``rule``: the choosing rule; ``serving_plugin`` and ``candidate_plugin`` the
+    plug-in shares it compares, ``difference`` theirs and ``lower_bound`` its one-sided
+    ``1 - alpha`` paired bootstrap bound over ``resamples``; promoted only where it is above 0."""
 
     target: float
     delta: float
@@ -76,6 +90,15 @@ class Gate(BaseModel):
     serving_share: float
     candidate_share: float
     shares: dict[str, dict[str, float]]
+    rule: str = "certified-share"
+    attempt: int = 1
+    certificate_delta: float | None = None
+    alpha: float | None = None
+    resamples: int | None = None
+    serving_plugin: float | None = None
+    candidate_plugin: float | None = None
+    difference: float | None = None
+    lower_bound: float | None = None
 
 
 class Promotion(BaseModel):
@@ -98,18 +121,15 @@ def promotions_log(serving: Path) -> Path:
 
 def latest_promotion(log: Path) -> Promotion | None:
     """The last promotion the log records (refusals skipped), or None: what a server serves."""
-    if not Path(log).is_file():
-        return None
-    lines = [line for line in Path(log).read_text(encoding="utf-8").splitlines() if line.strip()]
-    records = [Promotion.model_validate_json(line) for line in lines]
-    return next((record for record in reversed(records) if record.promoted), None)
+    return next((record for record in reversed(_records(log)) if record.promoted), None)
 
 
 def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: RunOptions | None = None,
             encoder: Encoder | None = None, log: Path | None = None) -> Promotion:
     """Weigh the candidate against the bundle ``serving_path`` names (a folder, a link to one, or a
-    pointer file: ``cascade.serve.swap``) on the candidate's held-out evidence, and swap it in
-    where it certifies at least as much; record the decision either way."""
+    pointer file: ``cascade.serve.swap``) on the candidate's held-out evidence, and swap it in,
+    with the thresholds the gate certified, where the rule says it keeps more; record the
+    decision either way."""
     try:
         serving_dir = resolve(Path(serving_path))
     except CascadeError as exc:
@@ -118,27 +138,50 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
         raise PromoteError(f"the candidate {candidate_dir} is the bundle serving already")
     serving, candidate = Bundle.load(serving_dir), Bundle.load(candidate_dir)
     held, excluded = _evidence(serving, candidate)
-    target, delta = _level(candidate)
+    log = log or promotions_log(serving_path)
+    target, delta = _level(candidate, serving, log)
+    attempt = _attempt(log, serving)
+    level = certificate_delta(delta, attempt)
     section = candidate.manifest.calibration
     certificate = section.certificate or "split"
     states = CorpusInput(Path(candidate_dir) / EVIDENCE_NAME)
-    results = {name: calibrate_bundle(bundle, states, store, target, delta, run=run, encoder=encoder,
-                                      family_wise=section.family_wise, certificate=certificate,
-                                      held_out=held, teacher_items=0, save=False)
+    options = CalibrationOptions(target=target, delta=level, family_wise=section.family_wise,
+                                 certificate=certificate, held_out=held, teacher_items=0, save=False)
+    results = {name: calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
                for name, bundle in (("serving", serving), ("candidate", candidate))}
-    gate = _gate(results, target, delta, certificate, len(held), excluded)
-    promoted = gate.candidate_share >= gate.serving_share
-    record = Promotion(at=datetime.now(timezone.utc).isoformat(timespec="seconds"), promoted=promoted,
-                       serving=BundleVersion.of(serving), candidate=BundleVersion.of(candidate), gate=gate,
-                       reason=_reason(gate, promoted))
-    if promoted:
+    comparison = _compare(results, sorted(held), target)
+    gate = _gate(results, comparison, delta, attempt, len(held), excluded)
+    if comparison.promotes:  # served with the thresholds the gate certified, at its level
+        Bundle(updated_manifest(candidate.manifest, results["candidate"]), candidate.directory,
+               candidate.heads).save()
+        candidate = Bundle.load(candidate_dir)
+    record = Promotion(at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       promoted=comparison.promotes, serving=BundleVersion.of(serving),
+                       candidate=BundleVersion.of(candidate), gate=gate,
+                       reason=_reason(gate, comparison.promotes))
+    if record.promoted:
         record.previous = str(_swap(Path(serving_path), serving_dir, Path(candidate_dir)))
     else:
         (Path(candidate_dir) / KEPT_ASIDE_NAME).write_text(record.model_dump_json(indent=2) + "\n",
                                                            encoding="utf-8")
-    with (log or promotions_log(serving_path)).open("a", encoding="utf-8") as handle:
+    with log.open("a", encoding="utf-8") as handle:
         handle.write(record.model_dump_json() + "\n")
     return record
+
+
+def _attempt(log: Path, serving: Bundle) -> int:
+    """Which attempt against this serving bundle (its manifest hash) this is, counted from the log:
+    every attempt reuses held-out items like the last ones, so each spends its own share of delta."""
+    sha = file_sha256(serving.directory / MANIFEST_NAME)
+    return 1 + sum(record.serving.manifest_sha256 == sha for record in _records(log))
+
+
+def _records(log: Path) -> list[Promotion]:
+    """Every decision the log holds, oldest first (none where there is no log)."""
+    if not Path(log).is_file():
+        return []
+    lines = [line for line in Path(log).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [Promotion.model_validate_json(line) for line in lines]
 
 
 def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], int]:
@@ -162,32 +205,73 @@ def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], int]:
     return held, len(certified_on) - len(held)
 
 
-def _level(candidate: Bundle) -> tuple[float, float]:
-    """The target and delta the candidate was certified at: both bundles are weighed at them."""
+def _level(candidate: Bundle, serving: Bundle, log: Path) -> tuple[float, float]:
+    """The target and delta the candidate was certified at: both bundles are weighed at them. Where
+    the gate put the serving bundle in, its manifest's delta is the level the gate certified it at,
+    which a retrain inherits; the delta asked for is then the one that promotion's gate spent."""
     section = candidate.manifest.calibration
     if section.mode != "agreement" or section.target is None or section.delta is None:
         raise PromoteError(f"candidate {candidate.manifest.name!r} is not calibrated for a target "
                            "agreement; calibrate it (cascade retrain does) before promoting it")
+    last = latest_promotion(log)
+    sha = file_sha256(serving.directory / MANIFEST_NAME)
+    inherited = last is not None and last.candidate.manifest_sha256 == sha
+    if last is not None and inherited and section.delta == last.gate.certificate_delta:
+        return section.target, last.gate.delta
     return section.target, section.delta
 
 
-def _gate(results: dict[str, CalibrationResult], target: float, delta: float, certificate: str, items: int,
-          excluded: int) -> Gate:
+def _compare(results: dict[str, CalibrationResult], ids: list[str], target: float) -> Comparison:
+    """Both bundles' per-item evidence on the same items, per question, through ``gate.compare``."""
+    index = {item: k for k, item in enumerate(ids)}
+    qids = sorted(set().union(*(result.item_scores for result in results.values())))
+    if not qids:
+        raise PromoteError("no question was calibrated on the held-out items for either bundle: there is "
+                           "nothing to compare; label more items and retrain")
+    sides = {name: [_question(result, qid, index) for qid in qids] for name, result in results.items()}
+    return compare(sides["serving"], sides["candidate"], len(ids), target)
+
+
+def _question(result: CalibrationResult, qid: str, index: dict[str, int]) -> Question:
+    """One bundle's ranking of one question's items: its routed cheap tiers as one chain."""
+    dropped = result.dropped()
+    by_tier = {tier: scores for tier, scores in result.item_scores.get(qid, {}).items()
+               if tier not in dropped}
+    items = sorted({item for scores in by_tier.values() for item in scores}, key=index.__getitem__)
+    if not by_tier or not items:
+        return Question(np.empty(0, dtype=np.int64), np.empty(0), np.empty(0, dtype=bool))
+    tiers = [tier for tier in result.cheap_tiers if tier in by_tier]
+    scores = np.asarray([[by_tier[t].get(i, (np.nan, True))[0] for i in items] for t in tiers])
+    correct = np.asarray([[by_tier[t].get(i, (np.nan, True))[1] for i in items] for t in tiers])
+    rank, agrees = chain_ranks(scores, correct)
+    return Question(np.asarray([index[i] for i in items]), rank, agrees)
+
+
+def _gate(results: dict[str, CalibrationResult], comparison: Comparison, delta: float, attempt: int,
+          items: int, excluded: int) -> Gate:
     shares = {qid: {name: 1.0 - result.cascades[qid].answered_by.get(result.teacher_tier, 1.0)
                     if qid in result.cascades else 0.0 for name, result in results.items()}
               for qid in sorted(set().union(*(result.cascades for result in results.values())))}
     mean = {name: sum(row[name] for row in shares.values()) / max(len(shares), 1) for name in results}
-    return Gate(target=target, delta=delta, certificate=certificate, items=items, excluded=excluded,
-                serving_share=mean["serving"], candidate_share=mean["candidate"], shares=shares)
+    ours = results["candidate"]
+    return Gate(target=ours.target, delta=delta, certificate=ours.certificate, items=items, excluded=excluded,
+                serving_share=mean["serving"], candidate_share=mean["candidate"], shares=shares, rule=RULE,
+                attempt=attempt, certificate_delta=ours.delta, alpha=comparison.alpha,
+                resamples=comparison.resamples, serving_plugin=comparison.serving_share,
+                candidate_plugin=comparison.candidate_share, difference=comparison.difference,
+                lower_bound=comparison.lower_bound)
 
 
 def _reason(gate: Gate, promoted: bool) -> str:
-    figures = (f"on the same {gate.items} held-out items at target {gate.target} / delta {gate.delta}, the "
-               f"candidate's cheap tiers keep {gate.candidate_share:.1%} of answers and the serving "
-               f"bundle's {gate.serving_share:.1%}")
+    figures = (f"on the same {gate.items} held-out items at target {gate.target}, the candidate's cheap "
+               f"tiers keep {gate.candidate_plugin:.1%} of answers at the target and the serving bundle's "
+               f"{gate.serving_plugin:.1%} (difference {gate.difference:+.1%}, {1 - (gate.alpha or 0):.0%} "
+               f"paired lower bound {gate.lower_bound:+.1%}); certified at delta "
+               f"{gate.certificate_delta:.4g} each (attempt {gate.attempt} against this bundle, of delta "
+               f"{gate.delta}), they keep {gate.candidate_share:.1%} and {gate.serving_share:.1%}")
     return (f"promoted: {figures}" if promoted else
-            f"kept aside: {figures}; a candidate replaces the serving bundle only where it certifies at "
-            "least as much")
+            f"kept aside: {figures}; a candidate replaces the serving bundle only where the lower bound "
+            "is above 0")
 
 
 def _swap(path: Path, serving_dir: Path, candidate_dir: Path) -> Path:

@@ -31,8 +31,9 @@ from cascade.hashing import file_sha256
 from cascade.tiers.gguf import GgufSpec
 from cascade.tiers.mid_layer import MidLayerSpec
 from distill.calibration.inputs import check_teacher
+from distill.calibration.options import TEACHER_ITEMS, CalibrationOptions
 from distill.calibration.results import CalibrationResult, Certificate
-from distill.calibration.run import TEACHER_ITEMS, calibrate_bundle
+from distill.calibration.run import calibrate_bundle
 from distill.loop.evidence import CERTIFYING, Evidence, EvidenceItem, gather
 from distill.options import CorpusInput, RunOptions, option
 from distill.store import LabelStore
@@ -101,8 +102,9 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
                               manifest.training.C or 1.0, run=training, finetune=finetune, parts=parts,
                               ngrams=manifest.training.ngrams is not False, **_tiers_of(serving))
     states = CorpusInput(evidence.write(out / EVIDENCE_NAME))
-    calibration = calibrate_bundle(bundle, states, store, target, delta, run=run, encoder=encoder,
-                                   certificate=certificate, held_out=held, teacher_items=teacher_items)
+    options = CalibrationOptions(target=target, delta=delta, certificate=certificate, held_out=held,
+                                 teacher_items=teacher_items)
+    calibration = calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
     lineage = _lineage(serving, evidence, parts, held, calibrate_on)
     (out / LINEAGE_NAME).write_text(json.dumps(lineage, indent=2) + "\n", encoding="utf-8")
     return RetrainResult(Bundle.load(out), evidence, calibration, lineage)

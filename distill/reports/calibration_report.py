@@ -4,16 +4,20 @@ A report is read long after the run, on another machine, maybe offline and attac
 so the page carries everything: plots are base64 PNGs (``figures``), the style is inline,
 and nothing is fetched. ``report.json`` holds the numbers behind every plot, so a figure can be
 checked or redrawn without the page. This module says what the figures mean: the guarantee in
-words, the summary and cost tables, and the page around them.
+words, the summary and cost tables, and the page around them, as a ``ReportPage`` of formatted
+values; the package's jinja2 template (``templates/report.html.j2``, autoescaped) lays it out, so
+every value shown is escaped in one place and no HTML is written in Python.
 """
 
 from __future__ import annotations
 
-import html
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import jinja2
 
 from cascade.bundle.manifest import Bundle
 from cascade.tiers.kinds import kind_of
@@ -21,6 +25,8 @@ from distill.calibration.results import CalibrationResult, QuestionTier
 from distill.reports.figures import FIGURES_NEED, ReportFigure, draw_figures, matplotlib_missing, tier_seconds
 
 HTML_NAME, JSON_NAME = "report.html", "report.json"
+TEMPLATE_NAME = "report.html.j2"
+"""The page's template, package data in ``distill/reports/templates``."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ def write_report(result: CalibrationResult, bundle: Bundle, report_dir: Path) ->
     }
     (report_dir / JSON_NAME).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     path = report_dir / HTML_NAME
-    path.write_text(_page(result, bundle, data, figures), encoding="utf-8")
+    path.write_text(render_page(report_page(result, bundle, data, figures)), encoding="utf-8")
     return path
 
 
@@ -316,170 +322,181 @@ def _cost_rows(result: CalibrationResult, teacher: _TeacherCost) -> list[dict[st
     return rows
 
 
-def _page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
-          figures: list[ReportFigure]) -> str:
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One coloured line of the page: ok or warn, led by its tier in bold where it has one."""
+
+    status: Literal["ok", "warn"]
+    text: str
+    tier: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One table row: plain cells, then an optional coloured last cell spanning ``span`` columns."""
+
+    cells: list[str]
+    last: str | None = None
+    status: Literal["ok", "warn"] = "ok"
+    span: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TeacherCheck:
+    """The teacher check's box; ``flagged`` heads it with what an overridden finding voids."""
+
+    flagged: bool
+    lines: list[Message]
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """One plot on the page: its base64 PNG, its id (``report.json``'s) and its title as alt text."""
+
+    id: str
+    title: str
+    png: str
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One question: each tier's outcome in words, then its figures."""
+
+    question: str
+    type: str
+    instructions: str
+    messages: list[Message]
+    figures: list[Figure]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportPage:
+    """What ``report.html.j2`` shows, every value already formatted: the template only lays it
+    out and escapes it, so no HTML is written here. Plain frozen dataclasses, not pydantic: the
+    values come from a validated result, and nothing reads them back."""
+
+    name: str
+    bundle: str
+    tiers: str
+    mode: str
+    items: str
+    temperature: str
+    rest: str
+    teacher_check: TeacherCheck | None
+    guarantee: str
+    not_promised: list[str]
+    summary: list[Row]
+    costs: list[Row]
+    payoffs: list[Message]
+    cost_assumption: str
+    figures_note: str | None
+    sections: list[Section]
+
+
+@cache
+def _template() -> jinja2.Template:
+    """The page's template from package data, loaded and compiled once per process; every value
+    it shows is escaped (autoescape on for every template), and a name it lacks is an error."""
+    environment = jinja2.Environment(
+        loader=jinja2.PackageLoader("distill.reports", "templates"),
+        autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
+        undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+    )
+    return environment.get_template(TEMPLATE_NAME)
+
+
+def render_page(page: ReportPage) -> str:
+    """The report's HTML: ``page`` laid out by the package's template."""
+    return _template().render(page=page)
+
+
+def report_page(result: CalibrationResult, bundle: Bundle, data: dict[str, Any],
+                figures: list[ReportFigure]) -> ReportPage:
+    """What the page shows, formatted: the run, the guarantee, the tables, then each question;
+    ``data`` is what ``report.json`` holds."""
     questions = bundle.manifest.parsed_questions()
     shown = {fit.question for fit in result.calibrations} | set(result.cascades)
-    sections = [_question_section(qid, questions[qid].type, questions[qid].instructions, result, figures)
-                for qid in questions if qid in shown]
     scope = "for all questions at once" if result.family_wise else "per question"
     mode = (f"target agreement {result.target:.4g}, delta {result.delta:.3g} {scope}"
             if result.escalation_fraction is None
             else f"budget mode: escalation fraction {result.escalation_fraction:.3g}")
-    return _TEMPLATE.format(
-        name=_e(result.name), bundle=_e(result.bundle), mode=_e(mode), items=_e(_items_text(result)),
+    return ReportPage(
+        name=result.name, bundle=result.bundle, mode=mode, items=_items_text(result),
         temperature=f"{result.temperature_share:.0%}", rest=f"{1 - result.temperature_share:.0%}",
-        tiers=_e(" -> ".join([*(f"{name} (taken out)" if name in result.dropped() else name
-                                for name in result.cheap_tiers), result.teacher_tier])),
-        guarantee=_e(data["guarantee"]),
-        not_promised="".join(f"<li>{_e(text)}</li>" for text in _NOT_PROMISED),
-        summary=_summary_table(data["summary"]), costs=_costs_table(data["costs"]),
-        payoffs="".join(f'<p class="message {"ok" if p.kept else "warn"}"><b>tier {_e(tier)}:</b> '
-                        f'{_e(p.reason)}</p>' for tier, p in result.payoffs.items()) + _traffic_note(result),
-        cost_assumption=_e(data["cost_assumption"]), sections="\n".join(sections),
-        figures_note=(f'\n<p class="message warn">{_e(data["figures_note"])}</p>'
-                      if "figures_note" in data else ""),
-        teacher_check=_teacher_check_box(result),
+        tiers=" -> ".join([*(f"{name} (taken out)" if name in result.dropped() else name
+                             for name in result.cheap_tiers), result.teacher_tier]),
+        teacher_check=_teacher_check(result), guarantee=data["guarantee"], not_promised=_NOT_PROMISED,
+        summary=[_summary_row(row) for row in data["summary"]],
+        costs=[_cost_row(row) for row in data["costs"]],
+        payoffs=[*(Message(status="ok" if p.kept else "warn", tier=tier, text=p.reason)
+                   for tier, p in result.payoffs.items()), *_traffic_note(result)],
+        cost_assumption=data["cost_assumption"], figures_note=data.get("figures_note"),
+        sections=[_section(qid, questions[qid].type, questions[qid].instructions, result, figures)
+                  for qid in questions if qid in shown],
     )
 
 
-def _traffic_note(result: CalibrationResult) -> str:
+def _traffic_note(result: CalibrationResult) -> list[Message]:
     """What the thresholds would send a teacher behind a URL, on the certifying items."""
     traffic = result.teacher_traffic
     if traffic is None or not traffic.items:
-        return ""
-    return f'<p class="message ok">On the certifying items, {_e(traffic.line())}.</p>'
+        return []
+    return [Message(status="ok", text=f"On the certifying items, {traffic.line()}.")]
 
 
-def _teacher_check_box(result: CalibrationResult) -> str:
+def _teacher_check(result: CalibrationResult) -> TeacherCheck | None:
     """The teacher check, above the guarantee: a finding there voids what the guarantee says."""
     if not result.teacher_checks:
-        return ""
-    flagged = [check for check in result.teacher_checks if check.flagged]
-    head = ("<h2>The teacher check: DEGENERATE LABELS</h2><p>These questions were certified only "
-            "because the check was overridden (--accept-degenerate-teacher): agreement with this "
-            "teacher says nothing about them.</p>" if flagged else "<h2>The teacher check</h2>")
-    rows = "".join(f'<p class="message {"warn" if c.flagged else "ok"}">{_e(c.line())}</p>'
-                   for c in result.teacher_checks)
-    return f'<div class="box">{head}{rows}</div>'
+        return None
+    return TeacherCheck(
+        flagged=any(check.flagged for check in result.teacher_checks),
+        lines=[Message(status="warn" if c.flagged else "ok", text=c.line()) for c in result.teacher_checks])
 
 
-
-def _question_section(
-    qid: str, qtype: str, instructions: Any, result: CalibrationResult, figures: list[ReportFigure]
-) -> str:
+def _section(qid: str, qtype: str, instructions: Any, result: CalibrationResult,
+             figures: list[ReportFigure]) -> Section:
     """Each tier's outcome in words, then every figure of the question in one grid."""
-    parts = [f'<section id="q-{_e(qid)}"><h2>{_e(qid)} <span class="type">{_e(qtype)}</span></h2>',
-             f'<p class="instructions">{_e(str(instructions))}</p>']
+    messages: list[Message] = []
     for fit in (f for f in result.calibrations if f.question == qid):
         out = (" It was taken out of the cascade: it costs more than it saves (see Costs)."
                if fit.tier in result.dropped() else "")
-        status = "warn" if out else _status(fit)
-        parts.append(f'<p class="message {status}"><b>tier {_e(fit.tier)}:</b> '
-                     f'{_e(fit.message)}{_e(out)}</p>')
+        messages.append(Message(status="warn" if out else _status(fit), tier=fit.tier,
+                                text=fit.message + out))
         if fit.temperature_note:
-            parts.append(f'<p class="message warn">tier {_e(fit.tier)}: temperature not fitted: '
-                         f'{_e(fit.temperature_note)}; the confidences answers report are the raw '
-                         f'ones (ECE {fit.ece_after:.3f})</p>')
+            messages.append(Message(status="warn", text=(
+                f"tier {fit.tier}: temperature not fitted: {fit.temperature_note}; the confidences "
+                f"answers report are the raw ones (ECE {fit.ece_after:.3f})")))
     for tier, cost in result.costs.items():
         counts = cost.inputs.get(qid)
         if counts is not None and (line := counts.line(tier)):
-            parts.append(f'<p class="message warn">{_e(line)}</p>')
-    imgs = "".join(_img(f) for f in figures if f.question == qid)
-    parts.append(f'<div class="grid">{imgs}</div></section>' if imgs else "</section>")
-    return "\n".join(parts)
+            messages.append(Message(status="warn", text=line))
+    return Section(question=qid, type=qtype, instructions=str(instructions), messages=messages,
+                   figures=[Figure(id=f.id, title=f.title, png=f.png) for f in figures if f.question == qid])
 
 
-def _status(fit: QuestionTier) -> str:
+def _status(fit: QuestionTier) -> Literal["ok", "warn"]:
     return "ok" if fit.threshold is not None else "warn"
 
 
-def _img(figure: ReportFigure) -> str:
-    return (f'<figure><img src="data:image/png;base64,{figure.png}" id="{_e(figure.id)}" '
-            f'alt="{_e(figure.title)}"></figure>')
+def _summary_row(row: dict[str, Any]) -> Row:
+    """A calibrated (question, tier) with its numbers, or a skipped one with why, across the rest."""
+    if "n" not in row:
+        return Row(cells=[row["question"], row["type"], row["tier"]],
+                   last=f"not calibrated: {row['message']}", status="warn", span=10)
+    ok = row["threshold"] is not None and "taken out" not in row["guarantee"]
+    return Row(cells=[row["question"], row["type"], row["tier"], f"{row['n']} ({row['n_temperature']})",
+                      f"{row['temperature']:.3g}", f"{row['ece_before']:.3f}", f"{row['ece_after']:.3f}",
+                      _fmt(row["threshold"], ".4g"), f"{row['kept_share']:.1%}",
+                      f"{row['escalation_rate']:.1%}", f"{row['agreement']:.4f}",
+                      f"{row['lower_bound']:.4f}"],
+               last=row["guarantee"], status="ok" if ok else "warn")
 
 
-def _summary_table(rows: list[dict[str, Any]]) -> str:
-    head = ("question", "type", "tier", "n (of which T fitted on)", "T", "ECE before", "ECE after",
-            "threshold", "kept", "escalated", "agreement", "lower bound", "guarantee reached?")
-    body = []
-    for row in rows:
-        if "n" not in row:
-            body.append(f"<tr><td>{_e(row['question'])}</td><td>{_e(row['type'])}</td>"
-                        f"<td>{_e(row['tier'])}</td><td colspan=\"10\" class=\"warn\">"
-                        f"not calibrated: {_e(row['message'])}</td></tr>")
-            continue
-        n = f"{row['n']} ({row['n_temperature']})"
-        cells = (row["question"], row["type"], row["tier"], n, f"{row['temperature']:.3g}",
-                 f"{row['ece_before']:.3f}", f"{row['ece_after']:.3f}", _fmt(row["threshold"], ".4g"),
-                 f"{row['kept_share']:.1%}", f"{row['escalation_rate']:.1%}", f"{row['agreement']:.4f}",
-                 f"{row['lower_bound']:.4f}", row["guarantee"])
-        css = "ok" if row["threshold"] is not None and "taken out" not in row["guarantee"] else "warn"
-        body.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells[:-1])
-                    + f'<td class="{css}">{_e(cells[-1])}</td></tr>')
-    return _table(head, body)
-
-
-def _costs_table(rows: list[dict[str, Any]]) -> str:
-    head = ("tier", "kind", "source", "states", "tokens / state", "s / state", "s / token", "ms / decision")
-    body = []
-    for row in rows:
-        cells = (row["tier"], row["kind"], row["source"], _fmt(row["states"], "d"),
-                 f"{row['tokens_per_state']:.1f}", f"{row['seconds_per_state']:.3g}",
-                 f"{row['seconds_per_token']:.3g}", f"{row['seconds_per_decision'] * 1e3:.2f}")
-        body.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
-    return _table(head, body)
-
-
-def _table(head: tuple[str, ...], body: list[str]) -> str:
-    header = "".join(f"<th>{_e(h)}</th>" for h in head)
-    return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+def _cost_row(row: dict[str, Any]) -> Row:
+    return Row(cells=[row["tier"], row["kind"], row["source"], _fmt(row["states"], "d"),
+                      f"{row['tokens_per_state']:.1f}", f"{row['seconds_per_state']:.3g}",
+                      f"{row['seconds_per_token']:.3g}", f"{row['seconds_per_decision'] * 1e3:.2f}"])
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-def _e(text: Any) -> str:
-    return html.escape(str(text), quote=True)
-
-
-_TEMPLATE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Calibration report: {name}</title>
-<style>
-body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; padding: 1.5rem;
-       max-width: 1200px; color: #222; line-height: 1.45; }}
-h1 {{ margin-bottom: 0.2rem; }}
-h2 {{ border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; margin-top: 2rem; }}
-.meta {{ color: #555; margin-top: 0; }}
-.box {{ background: #f5f8fb; border-left: 4px solid #2471a3; padding: 0.6rem 1rem; margin: 1rem 0; }}
-table {{ border-collapse: collapse; width: 100%; font-size: 0.85rem; margin: 0.5rem 0; }}
-th, td {{ border: 1px solid #ddd; padding: 0.25rem 0.45rem; text-align: left; vertical-align: top; }}
-th {{ background: #f0f0f0; }} td:nth-child(n+4) {{ font-variant-numeric: tabular-nums; }}
-.ok {{ color: #1e7b34; }} .warn {{ color: #a04000; }}
-.type {{ font-size: 0.8rem; font-weight: normal; color: #fff; background: #777; border-radius: 3px;
-         padding: 0.05rem 0.4rem; vertical-align: middle; }}
-.instructions {{ font-style: italic; }} .note {{ color: #555; font-size: 0.9rem; }}
-.grid {{ display: grid; grid-template-columns: repeat(2, minmax(0, 1fr)); gap: 0.8rem; }}
-figure {{ margin: 0; }} figure img {{ width: 100%; height: auto; border: 1px solid #eee; }}
-</style></head>
-<body>
-<h1>Calibration report: {name}</h1>
-<p class="meta">Bundle {bundle}<br>Cascade {tiers}; {mode}; {items}
-(all of them certify the thresholds, on each tier's raw margin: its top probability's lead over
-the runner-up; {temperature} of them fit the temperatures, whose reliability diagrams are drawn
-on the other {rest}).</p>
-{teacher_check}
-<div class="box"><h2>What the guarantee means</h2><p>{guarantee}</p>
-<p>What it does not promise:</p><ul>{not_promised}</ul></div>
-<h2>Summary</h2>
-{summary}
-<h2>Costs</h2>
-{costs}
-{payoffs}
-<p class="note">{cost_assumption}</p>{figures_note}
-{sections}
-</body></html>
-"""

@@ -56,12 +56,16 @@ AUDIT_PAGE = 400
 """Audits read per query (each with its labels, looked up by an IN list of that many ids)."""
 ROWS_PER_INSERT = 100
 T = TypeVar("T")
+_DESIGN = (("inclusion", "DOUBLE PRECISION"), ("routed", "TEXT"))
+"""The audits' columns past the first schema-3 ones: the sampling design of each audit."""
 _LABEL_COLUMNS = "item_id, question_id, probabilities, prompt_hash, created_at, letter_mass"
 
 
 class LabelStore:
     """Labels of one teacher, written one item per transaction, in a SQLite file or a PostgreSQL
     database (``path``: a path, or a ``postgresql://`` URL; ``distill.store.location``)."""
+
+    _design: str | None = None  # the design columns to select (``_design_columns``)
 
     def __init__(self, path: StoreLocation | str, teacher: Teacher, any_thread: bool = False,
                  policy: InputPolicy | None = None) -> None:
@@ -76,6 +80,7 @@ class LabelStore:
         with self._db.opening(), self._transaction():
             self._db.serialise()
             self._db.create_tables()
+            self._add_design()
             rows = [("schema_version", str(SCHEMA_VERSION))]
             rows += [(f"teacher_{f}", getattr(self.teacher, f)) for f in TEACHER_FIELDS]
             self._db.executemany("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
@@ -83,6 +88,22 @@ class LabelStore:
             meta = self._read_meta()
             self._check_teacher(meta)
             self.policy = self._bind_policy(meta, policy)
+
+    def _add_design(self) -> None:
+        """The audits' design columns, added to a store made before them (left NULL there): each
+        audit's inclusion probability and the routed counts it was drawn from. Added columns a
+        reader of an older cascade does not select, so the schema version stays."""
+        have = self._db.columns("audits")
+        for name, kind in _DESIGN:
+            if name not in have:
+                self._db.execute(f"ALTER TABLE audits ADD COLUMN {name} {kind}")
+
+    def _design_columns(self) -> str:
+        """What to select for the design columns: NULLs in a read-only store made before them."""
+        if self._design is None:
+            have = self._db.columns("audits")
+            self._design = ", ".join(name if name in have else "NULL" for name, _ in _DESIGN)
+        return self._design
 
     @classmethod
     def open_existing(cls, path: StoreLocation | str) -> LabelStore:
@@ -269,17 +290,18 @@ class LabelStore:
                 raise StoreError(conflict_message(record.item_id, conflicts))
             system = json.dumps({q: a.model_dump() for q, a in record.system.items()})
             self._db.execute(
-                "INSERT INTO audits (item_id, state, calibration_version, system, created_at, seq) "
-                "SELECT ?, ?, ?, ?, ?, COALESCE(MAX(seq), 0) + 1 FROM audits WHERE TRUE "
+                "INSERT INTO audits (item_id, state, calibration_version, system, created_at, inclusion, "
+                "routed, seq) SELECT ?, ?, ?, ?, ?, ?, ?, COALESCE(MAX(seq), 0) + 1 FROM audits WHERE TRUE "
                 "ON CONFLICT (item_id) DO NOTHING",
-                (record.item_id, json.dumps(record.state), record.calibration_version, system, record.at))
+                (record.item_id, json.dumps(record.state), record.calibration_version, system, record.at,
+                 record.inclusion, json.dumps(record.routed)))
 
     def audits_after(self, position: int, limit: int = AUDIT_PAGE) -> list[tuple[int, AuditRecord]]:
         """Up to ``limit`` audits past ``position`` in the store's order, each with its position:
         the stream every replica's drift watch follows (``cascade.audit.stream``)."""
         rows = self._db.execute(
-            "SELECT seq, item_id, state, calibration_version, system, created_at FROM audits "
-            "WHERE seq > ? ORDER BY seq LIMIT ?", (position, limit)).fetchall()
+            f"SELECT seq, item_id, state, calibration_version, system, created_at, {self._design_columns()} "
+            "FROM audits WHERE seq > ? ORDER BY seq LIMIT ?", (position, limit)).fetchall()
         return list(zip([r[0] for r in rows], self._records([r[1:] for r in rows]), strict=True))
 
     def audits(self) -> list[AuditRecord]:
@@ -289,8 +311,8 @@ class LabelStore:
         if "audits" not in tables:
             return []
         if "seq" not in self._db.columns("audits"):
-            rows = self._db.execute("SELECT item_id, state, calibration_version, system, created_at "
-                                    "FROM audits ORDER BY created_at, item_id").fetchall()
+            rows = self._db.execute("SELECT item_id, state, calibration_version, system, created_at, "
+                                    "NULL, NULL FROM audits ORDER BY created_at, item_id").fetchall()
             return self._records(rows)
         records: list[AuditRecord] = []
         position = 0
@@ -300,14 +322,16 @@ class LabelStore:
         return records
 
     def _records(self, rows: list[tuple]) -> list[AuditRecord]:
-        """Audit rows (item, state, version, system, time) as records, their labels looked up."""
+        """Audit rows (item, state, version, system, time, inclusion, routed) as records, their
+        labels looked up."""
         labels = self._labels_of([r[0] for r in rows])
         return [AuditRecord(
             item_id=item_id, state=json.loads(state), calibration_version=version, at=created,
             teacher={q: json.loads(p) for q, p, _ in labels.get(item_id, [])},
             prompt_hashes={q: h for q, _, h in labels.get(item_id, []) if h},
-            system={q: SystemAnswer.model_validate(a) for q, a in json.loads(system).items()})
-            for item_id, state, version, system, created in rows]
+            system={q: SystemAnswer.model_validate(a) for q, a in json.loads(system).items()},
+            inclusion=inclusion, routed=json.loads(routed) if routed else {})
+            for item_id, state, version, system, created, inclusion, routed in rows]
 
     def _labels_of(self, items: list[str]) -> dict[str, list[tuple[str, str, str | None]]]:
         """Per item, its label rows (question, probabilities JSON, prompt hash) by question id."""
@@ -362,6 +386,12 @@ class LabelStore:
     def escalation_count(self) -> int:
         """Escalated requests the store holds."""
         return escalation_count(self._db)
+
+    def audit_count(self) -> int:
+        """Audited items the store holds (none in a store made before audits existed)."""
+        if "audits" not in self._db.tables():
+            return 0
+        return int(self._db.execute("SELECT COUNT(*) FROM audits").fetchone()[0])
 
     def labels(self, question_id: str) -> dict[str, dict[str, float]]:
         """item_id -> probabilities for one question (empty if the store has none)."""

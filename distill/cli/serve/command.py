@@ -15,13 +15,12 @@ from distill.cli.common import (
     add_device_argument,
     add_placement_arguments,
     placement_of,
-    positive_seconds,
     teacher_argument,
-    whole_number,
 )
 from distill.cli.escalations import add_escalation_arguments, check_escalations, escalation_store
 from distill.cli.serve.limits import add_limit_arguments, limits_of
 from distill.cli.serve.upstream import add_upstream_arguments, upstream_settings
+from distill.cli.values import positive_seconds, seconds_or_zero, whole_number
 
 if TYPE_CHECKING:
     from cascade.collect.collector import Collector
@@ -89,6 +88,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                            insecure_no_auth=args.insecure_no_auth,
                            grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
                            overload=args.overload, audit_queue=args.audit_queue, max_wait=args.max_wait,
+                           audit_in_flight=args.audit_in_flight,
                            forward_auth=args.forward_auth, watch=args.watch_bundle,
                            upstream_price=args.upstream_price, limits=limits_of(args),
                            lower_queue=args.lower_queue, max_connections=args.max_connections,
@@ -175,7 +175,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "admits a request only while its expected wait (measured seconds per request x "
                    "requests ahead) is at most S (default 8, below the SDKs' 10 s timeout); past it, 503 "
                    "with Retry-After at once (or see --overload)")
-    p.add_argument("--watch-bundle", type=float, default=2.0, metavar="S",
+    p.add_argument("--watch-bundle", type=seconds_or_zero, default=2.0, metavar="S",
                    help="look at --bundle every S seconds (default 2; 0: only on SIGHUP) and serve a "
                    "promoted bundle when it changes: --bundle may be a bundle folder, a link to one, or a "
                    "file naming one; requests in flight finish on the old bundle, none is refused")
@@ -213,9 +213,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "has it, and each answer's x_cascade.ran_on says which it got)")
     add_audit_arguments(p)
     p.add_argument("--audit-queue", type=whole_number(1), default=64, metavar="N",
-                   help="most audits waiting for the teacher, which takes them only when no live request "
-                   "waits (default 64); past it an audit is dropped and counted in /metrics")
-    p.add_argument("--audit-poll", type=float, default=1.0, metavar="S",
+                   help="most audits waiting for the teacher (default 64): a local teacher takes them only "
+                   "when no live request waits, an upstream one at its own pace (--audit-in-flight); past N "
+                   "one drawn at random is dropped, counted in /metrics, and each audited item is written "
+                   "with its inclusion probability")
+    p.add_argument("--audit-in-flight", type=whole_number(1), default=4, metavar="N",
+                   help="most audits at an upstream teacher at once (default 4), on the upstream's capacity "
+                   "and never behind local requests; they pause only while it answers 429 or 503, for "
+                   "its Retry-After")
+    p.add_argument("--audit-poll", type=positive_seconds, default=1.0, metavar="S",
                    help="seconds between reads of the audit store for other replicas' audits (default 1): "
                    "a demotion raised on any replica sharing --audit-store holds here within S plus one read")
     kept = add_escalation_arguments(p, "escalated requests")

@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from cascade.questions import MAX_OPTIONS
-from distill.cli.common import positive_seconds, whole_number
+from distill.cli.values import positive_seconds, whole_number
 
 if TYPE_CHECKING:
     from cascade.serve.limits import RequestLimits
@@ -32,7 +32,7 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         "limits", "what one request may carry and one client may hold; each refusal names its limit. "
         "The defaults sit far above what the System One SDKs send and bound the work of the worst request")
     for name, (default, text) in _LIMITS.items():
-        count = _options if name == "options" else whole_number(1)
+        count = whole_number(1, MAX_OPTIONS if name == "options" else None)
         flag = f"--limit-{name.replace('_', '-')}"
         limits.add_argument(flag, dest=f"limit_{name}", metavar="N", type=count, default=default, help=text)
     limits.add_argument("--lower-queue", type=whole_number(1), default=1024, metavar="N",
@@ -51,11 +51,4 @@ def limits_of(args: argparse.Namespace) -> RequestLimits:
     from cascade.serve.limits import RequestLimits
 
     return RequestLimits(**{f.name: getattr(args, f"limit_{f.name}") for f in fields(RequestLimits)})
-
-
-def _options(text: str) -> int:
-    value = whole_number(1)(text)
-    if value > MAX_OPTIONS:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_OPTIONS}, the wire's own limit; got {value}")
-    return value
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from distill.cli.common import STORE_METAVAR, store_argument, whole_number
+from distill.cli.common import STORE_METAVAR, store_argument
 from distill.cli.endpoint import add_endpoint_arguments, key_source
+from distill.cli.values import positive_seconds, share, whole_number
 
 if TYPE_CHECKING:
     from cascade.cost.upstream import UpstreamPrice
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
     url = p.add_argument_group("a URL teacher (--teacher http://host:port/v1/systemone)")
     add_endpoint_arguments(url)
-    url.add_argument("--upstream-timeout", type=float, default=8.0, metavar="S",
+    url.add_argument("--upstream-timeout", type=positive_seconds, default=8.0, metavar="S",
                      help="seconds to wait for one upstream answer (default 8; every call, retries "
                      "included, ends within 9 s, below the SDKs' 10 s)")
     url.add_argument("--upstream-in-flight", type=whole_number(1), default=32, metavar="N",
@@ -38,7 +39,7 @@ def add_upstream_arguments(p: argparse.ArgumentParser) -> None:
     collect.add_argument("--collect", type=store_argument, metavar=STORE_METAVAR,
                          help="label store to record forwarded requests in: state, questions, the upstream's "
                          "answers and identity (`cascade collected` turns them into a training set)")
-    collect.add_argument("--collect-share", type=float, default=1.0, metavar="F",
+    collect.add_argument("--collect-share", type=share, default=1.0, metavar="F",
                          help="seeded share of forwarded requests recorded, in [0, 1] (default 1)")
     collect.add_argument("--collect-max", type=whole_number(0), default=None, metavar="N",
                          help="stop recording once the store holds N requests (default: no limit)")

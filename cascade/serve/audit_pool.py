@@ -1,0 +1,87 @@
+"""Audits against an upstream teacher: on the upstream's capacity, never behind local requests.
+
+An upstream's audit costs this machine a thread waiting on a socket, so audits do not wait for
+the live queue to be empty (as a local GGUF's must, on its one model): ``in_flight`` threads take
+them from the deferral queue (``cascade.audit.deferral``) as fast as the upstream answers. The
+only brake is the upstream's own: an audit it answers 429 or 503 (after the client's retries) is
+put back at the head of the queue, and every audit thread pauses for its Retry-After (1 s where it
+gave none) before taking the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from cascade.audit.deferral import DeferralQueue, Deferred
+
+log = logging.getLogger("cascade.serve")
+A = TypeVar("A")
+Busy = Callable[[Deferred[A]], "float | None"]
+"""Runs one audit; the seconds the upstream asked to wait (429/503), or None when it is done."""
+
+
+class AuditPool(Generic[A]):
+    """``in_flight`` threads running ``run`` on the audits of ``deferred``, paused while the
+    upstream asks to wait."""
+
+    def __init__(self, name: str, deferred: DeferralQueue[A], run: Busy[A], in_flight: int) -> None:
+        if in_flight < 1:
+            raise ValueError(f"audits in flight must be at least 1; got {in_flight!r}")
+        self.deferred, self.run = deferred, run
+        self._resume_at = 0.0
+        self._stopping = False
+        self._ready = threading.Condition()
+        self._threads = [threading.Thread(target=self._loop, name=f"cascade-{name}-audit-{n}", daemon=True)
+                         for n in range(in_flight)]
+        for thread in self._threads:
+            thread.start()
+
+    def wake(self) -> None:
+        """An audit was deferred: one thread takes it (unless paused)."""
+        with self._ready:
+            self._ready.notify()
+
+    def _next(self) -> Deferred[A] | None:
+        """The next audit to run, waiting out a pause; None once stopping."""
+        with self._ready:
+            while True:
+                if self._stopping:
+                    return None
+                paused = self._resume_at - time.monotonic()
+                if paused > 0:
+                    self._ready.wait(paused)
+                    continue
+                deferred = self.deferred.take()
+                if deferred is not None:
+                    return deferred
+                self._ready.wait()
+
+    def _loop(self) -> None:
+        while (deferred := self._next()) is not None:
+            wait = self.run(deferred)
+            if wait is not None:
+                self._pause(deferred, wait)
+
+    def _pause(self, deferred: Deferred[A], wait: float) -> None:
+        """Put the audit back and hold every audit thread for ``wait`` seconds."""
+        self.deferred.put_back(deferred)
+        with self._ready:
+            resume = time.monotonic() + wait
+            if resume > self._resume_at:
+                if self._resume_at <= time.monotonic():
+                    log.warning("audits paused for %g s: the upstream asked to wait (429/503); the "
+                                "audits waiting are kept, and resume after", wait)
+                self._resume_at = resume
+            self._ready.notify_all()
+
+    def stop(self) -> None:
+        """Let each thread finish its audit, then end; the audits still waiting are left."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify_all()
+        for thread in self._threads:
+            thread.join()

@@ -1,0 +1,31 @@
+"""An engine's running totals, kept apart from the engine so that the server's metrics go on
+adding up an engine a swap retired (its last audits still running) without keeping the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Totals:
+    """An engine's running totals: ``audits`` by outcome (audited, dropped, failed, unreadable),
+    ``dropped`` audits by reason (queue_full: dropped at random from a full queue; stopped: left
+    waiting when the engine stopped), the answered requests the audit sample looked at
+    (``eligible``) and chose (``chosen``), the times an upstream asked audits to wait
+    (``paused``: each such audit is put back and retried), ``routed`` (``Auditor.route``'s
+    counts) and ``abandoned`` jobs (dropped uncomputed: their client had gone). An object of
+    their own, so that the server's metrics go on adding up an engine a swap retired (its last
+    audits still running) without keeping the engine itself."""
+
+    audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("audited", "dropped", "failed", "unreadable"), 0))
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("queue_full", "stopped"), 0))
+    eligible: int = 0
+    chosen: int = 0
+    paused: int = 0
+    routed: dict[str, int] = field(default_factory=dict)
+    abandoned: int = 0
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.audits["dropped"] += n
+        self.dropped[reason] += n

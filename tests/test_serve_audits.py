@@ -1,0 +1,202 @@
+"""Audits that keep up with a busy server, each with a known inclusion probability.
+
+The deferral queue's random drops give every audit a survival probability whose inverse is an
+unbiased weight; the store keeps it, with the routed counts, on both backends; and ``cascade
+serve`` over real HTTP on loopback audits every chosen item of a burst through a real upstream
+teacher server (gemma-3-270m, the bundle's certified teacher), and with a local teacher defers
+audits behind live requests and drops the overflow at random, counted by reason in ``/metrics``.
+Every wait is bounded on a condition (``servers.until``), never on the time taken.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from corpora import QUESTIONS_JSON, corpus_items
+from servers import KEPT, running, serving_bundle, teacher_server, until, upstream
+
+from cascade.audit.auditor import Auditor
+from cascade.audit.deferral import DeferralQueue
+from cascade.audit.record import AuditRecord, SystemAnswer
+from cascade.bundle.manifest import Bundle
+from cascade.routing.router import Cascade
+from cascade.serve.app import ServeConfig
+from cascade.serve.engine import EngineSettings
+from cascade.teachers.settings import UpstreamSettings
+from distill.loop.auditing import StoreSink, auditor_for, stored_audits
+from distill.store import LabelStore
+from distill.store.records import Teacher
+
+pytest_plugins = ("pgfixtures",)  # place: the store test on both backends
+OUTCOMES = ("audited", "dropped", "failed", "unreadable")
+
+
+def test_a_full_queue_drops_at_random_and_the_inverse_survival_weighs_each_audit_up_to_the_whole() -> None:
+    """A slow taker (one audit taken per three deferred) behind a queue of 4: two thirds are
+    dropped. Dropping the newcomer by rule would leave every survival at 1, and the weights would
+    add up to the audits taken, a third of the whole; drawn at random, they add up to the whole."""
+    put = 30_000
+    for seed in range(3):
+        queue: DeferralQueue[int] = DeferralQueue(4, random.Random(seed))
+        taken, dropped_waiting, weight = 0, 0, 0.0
+        for n in range(put):
+            dropped = queue.put(n)
+            dropped_waiting += dropped is not None and dropped != n
+            if n % 3 == 0 and (deferred := queue.take()) is not None:
+                if n % 7 == 0:  # an upstream asked to wait: put back, its survival kept
+                    queue.put_back(deferred)
+                    continue
+                assert 0 < deferred.survival <= 1
+                taken, weight = taken + 1, weight + 1 / deferred.survival
+        while (deferred := queue.take()) is not None:
+            taken, weight = taken + 1, weight + 1 / deferred.survival
+        assert taken < put / 2 and dropped_waiting > put / 4
+        assert abs(weight - put) < 0.02 * put
+
+
+def test_the_store_keeps_each_audit_s_inclusion_probability_and_routed_counts(
+        place: Callable[[str], str]) -> None:
+    path = place("labels.db")
+    teacher = Teacher(kind="gguf", model="m.gguf", model_sha256="0" * 64, prompt_version="v1")
+    record = AuditRecord(item_id="audit:r:1", state="state", calibration_version="v", at=1.0,
+                         teacher={"team": {"billing": 0.7, "sales": 0.3}},
+                         system={"team": SystemAnswer(answer="billing", tier="encoder")},
+                         inclusion=0.25, routed={"team": 7})
+    sink = StoreSink(path, teacher)
+    try:
+        sink(record)
+        sink(record.model_copy(update={"item_id": "audit:r:2", "inclusion": None, "routed": {}}))
+    finally:
+        sink.close()
+    with LabelStore.open_existing(path) as store:
+        read = store.audits()
+    assert [(r.inclusion, r.routed) for r in read] == [(0.25, {"team": 7}), (None, {})]
+    with pytest.raises(ValueError, match="inclusion"):  # a probability of 0 would be an infinite weight
+        AuditRecord.model_validate(record.model_dump() | {"inclusion": 0.0})
+
+
+def test_a_store_made_before_the_design_columns_reads_them_as_unknown_and_gains_them_when_written(
+        tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    teacher = Teacher(kind="gguf", model="m.gguf", model_sha256="0" * 64, prompt_version="v1")
+    LabelStore(path, teacher).close()
+    with sqlite3.connect(path) as db:  # the audits table as the cascade before them made it
+        db.execute("ALTER TABLE audits DROP COLUMN inclusion")
+        db.execute("ALTER TABLE audits DROP COLUMN routed")
+        db.execute("INSERT INTO audits (item_id, state, calibration_version, system, created_at, seq) "
+                   "VALUES ('audit:r:0', '\"old\"', 'v', '{}', 0.0, 1)")
+    db.close()
+    with LabelStore.open_existing(path) as store:
+        assert [(r.item_id, r.inclusion, r.routed) for r in store.audits()] == [("audit:r:0", None, {})]
+    with LabelStore(path, teacher) as store:
+        store.put_audit(AuditRecord(item_id="audit:r:1", state="new", calibration_version="v", at=1.0,
+                                    teacher={"team": {"billing": 1.0}}, inclusion=0.5, routed={"team": 2}))
+        assert [(r.inclusion, r.routed) for r in store.audits()] == [(None, {}), (0.5, {"team": 2})]
+
+
+# --- cascade serve under a burst ---
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(trained_bundle: Bundle, gemma_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return serving_bundle(trained_bundle, tmp_path_factory.mktemp("audits") / "support", gemma_path)
+
+
+@pytest.fixture(scope="module")
+def gemma_server(gemma_path: Path) -> Iterator[Any]:
+    with upstream(teacher_server(gemma_path)) as server:
+        yield server
+
+
+def auditing(store: Path, sinks: list[StoreSink]) -> Callable[[Cascade], Auditor | None]:
+    """The server's audit hook: every answered request chosen (share 1), the alarm only reported
+    (so that every request keeps its route), the records in ``store``."""
+    def audit(cascade: Cascade) -> Auditor | None:
+        auditor, sink = auditor_for(cascade, store, 1.0, "s", "alarm")
+        assert sink is not None
+        sinks.append(sink)
+        return auditor
+    return audit
+
+
+def burst(base: str, n: int, clients: int = 8) -> list[int]:
+    """``n`` requests of the question the encoder keeps, from ``clients`` at once: their statuses."""
+    texts = [item.text for item in corpus_items()]
+
+    def one(k: int) -> int:
+        body = {"state": f"{texts[k % len(texts)]} (case {k})", "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+        return httpx.post(f"{base}/v1/systemone", json=body, timeout=120).status_code
+    with ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def metrics(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def settled(base: str, n: int) -> Callable[[], bool]:  # gemma on shared cores: bounded at 600 s
+    """Whether every one of ``n`` chosen audits has an outcome."""
+    names = [f'cascade_audits_total{{outcome="{o}"}}' for o in OUTCOMES]
+    return lambda: sum(metrics(base).get(name, 0.0) for name in names) >= n
+
+
+def test_with_an_upstream_teacher_every_item_of_a_burst_is_audited_on_the_upstream_s_capacity(
+        bundle_dir: Path, gemma_server: Any, tmp_path: Path) -> None:
+    """16 requests from 8 clients, answered at the encoder, each chosen for audit: the audits run
+    on the upstream (a teacher server on one thread: 2 at once, waited for as long as it takes, and
+    held back while it answers 503), never waiting for local requests, so none is dropped and
+    each record carries inclusion 1 and its routed count."""
+    n, sinks = 16, list[StoreSink]()
+    config = ServeConfig(engine=EngineSettings(audit_in_flight=2),
+                         audit=auditing(tmp_path / "labels.sqlite", sinks))
+    patient = UpstreamSettings(gemma_server.url, read_timeout=120, deadline=120)
+    load = lambda: Cascade.load(bundle_dir, teacher=patient, threads=1)  # noqa: E731
+    with running(load, config) as base:
+        assert burst(base, n) == [200] * n
+        until(settled(base, n), "every chosen audit has an outcome", 600)
+        seen = metrics(base)
+    for sink in sinks:
+        sink.close()
+    assert seen['cascade_audits_total{outcome="audited"}'] == n
+    assert seen['cascade_audits_dropped_total{reason="queue_full"}'] == 0
+    assert seen["cascade_audit_share_asked"] == 1.0 and seen["cascade_audit_share_realised"] == 1.0
+    assert seen['cascade_audit_requests_total{count="eligible"}'] == n
+    assert seen[f'cascade_audit_routed_total{{question="{KEPT}"}}'] == n
+    records = stored_audits(tmp_path / "labels.sqlite")
+    assert len(records) == n and {r.inclusion for r in records} == {1.0}
+    assert sorted(r.routed[KEPT] for r in records) == list(range(1, n + 1))  # each item counted once
+
+
+def test_with_a_local_teacher_audits_wait_for_live_requests_and_the_overflow_is_dropped_at_random(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    """A burst behind an audit queue of 1 on the local teacher's one worker: the audits it cannot
+    take are dropped, counted with their reason, and every stored record carries its inclusion
+    probability, the share times its survival of the random drops."""
+    n, sinks = 12, list[StoreSink]()
+    config = ServeConfig(engine=EngineSettings(audit_queue=1),
+                         audit=auditing(tmp_path / "labels.sqlite", sinks))
+    load = lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2)  # noqa: E731
+    with running(load, config) as base:
+        assert burst(base, n) == [200] * n
+        until(settled(base, n), "every chosen audit has an outcome", 600)
+        seen = metrics(base)
+    for sink in sinks:
+        sink.close()
+    audited = seen['cascade_audits_total{outcome="audited"}']
+    dropped = seen['cascade_audits_dropped_total{reason="queue_full"}']
+    assert dropped >= 1 and seen['cascade_audits_total{outcome="dropped"}'] == dropped
+    assert audited + dropped == n == seen['cascade_audit_requests_total{count="chosen"}']
+    assert seen["cascade_audit_share_asked"] == 1.0 and seen["cascade_audit_share_realised"] == audited / n
+    records = stored_audits(tmp_path / "labels.sqlite")
+    assert len(records) == audited
+    assert all(r.inclusion is not None and 0 < r.inclusion <= 1 for r in records)
+    assert all(1 <= r.routed[KEPT] <= n for r in records)
