@@ -118,7 +118,7 @@ def judged_early(sample: Sequence[Item], reached: int, probs: Probabilities, cos
     """The payoff of a tier taken out on ``sample`` (of ``reached`` states that reach it past
     ``below``: the fits of the tiers under it, and their names), or None where it might pay and
     must be scored on every state."""
-    kept = {qid: _plug_in_kept(rows, labels[qid], target) for qid, rows in probs.items()}
+    kept = {qid: _most_kept(rows, labels[qid], target) for qid, rows in probs.items()}
     fits, tiers = below
     saved, resolved = 0.0, 0
     for item in sample:
@@ -143,7 +143,7 @@ def judged_early(sample: Sequence[Item], reached: int, probs: Probabilities, cos
                       reason=reason)
 
 
-def _plug_in_kept(rows: Mapping[str, np.ndarray], teacher: Mapping[str, int], target: float) -> set[str]:
+def _most_kept(rows: Mapping[str, np.ndarray], teacher: Mapping[str, int], target: float) -> set[str]:
     """The ids a threshold could keep at most: the most confident ones, as many as the sample
     does not contradict (the wrong answers among the first k are not significantly more than
     (1 - target) x k: one-sided binomial at ``DOUBT``). Generous on purpose: on 48 states a

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from distill.cli.calibrate import TEACHER_ITEMS
 from distill.cli.common import (
-    THREADS_DEFAULT,
     add_bundle_argument,
-    add_cache_dir_argument,
-    add_calibrate_on_argument,
-    add_corpus_argument,
-    add_device_argument,
-    add_on_error_argument,
-    add_placement_arguments,
     add_store_argument,
-    add_text_field_argument,
     finetune_config,
     optional_corpus_input,
     run_options,
 )
-from distill.cli.values import positive_seconds, probability, whole_number
+from distill.cli.retrain import add_retrain_arguments
+from distill.cli.values import positive_seconds, whole_number
 
 DESCRIPTION = """\
 Watch the serving bundle's label store and keep the bundle current: every --poll seconds, count
@@ -71,24 +63,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true",
                    help="look once (retrain and promote if due), then exit: for cron; exit status 1 if "
                    "that attempt failed")
-    add_corpus_argument(p, "the corpus of the store's corpus labels (needed where it holds any)",
-                        required=False)
-    add_text_field_argument(p, bundle=True)
-    add_on_error_argument(p)
-    p.add_argument("--target-agreement", type=probability, metavar="P",
-                   help="agreement to certify, in (0, 1) (default: the serving bundle's)")
-    p.add_argument("--delta", type=probability, metavar="D", help="in (0, 1) (default: the serving bundle's)")
-    add_calibrate_on_argument(p, "all", "the audited and the collected states in --store")
-    p.add_argument("--teacher-items", type=whole_number(0), default=TEACHER_ITEMS, metavar="N",
-                   help=f"calibration items to time a GGUF teacher on (default {TEACHER_ITEMS}; 0: price it "
-                   "on the roofline)")
-    p.add_argument("--finetune", action="store_true",
-                   help="fine-tune the encoder too at each retrain (the finetune extra)")
-    p.add_argument("--epochs", type=whole_number(1), metavar="N", help="with --finetune: most epochs")
-    p.add_argument("--seed", type=whole_number(0), metavar="S", help="with --finetune: the seed")
-    p.add_argument("--threads", type=whole_number(1), metavar="N",
-                   help=f"CPU threads of every model {THREADS_DEFAULT}")
-    add_device_argument(p)
-    add_cache_dir_argument(p)
-    add_placement_arguments(p, threads=False)
+    add_retrain_arguments(p, certificate=False,
+                          finetune_help="fine-tune the encoder too at each retrain (the finetune extra)")
     p.set_defaults(run=_cmd_loop)

@@ -93,6 +93,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_store_argument(p, "the serving bundle's label store: corpus labels, audits, escalations, traffic")
     p.add_argument("--out", type=Path, required=True, metavar="DIR",
                    help="folder of the new bundle (created; an earlier bundle there is replaced)")
+    add_retrain_arguments(p, certificate=True,
+                          finetune_help="fine-tune the encoder too (the finetune extra: pip install -e "
+                          "'.[finetune]')")
+    p.set_defaults(run=_cmd_retrain)
+
+
+def add_retrain_arguments(p: argparse.ArgumentParser, *, certificate: bool, finetune_help: str) -> None:
+    """What a retrain reads and how it certifies and runs: retrain's flags, which ``cascade loop``
+    takes too for the retrains it starts (``certificate``: offer --certificate)."""
     add_corpus_argument(p, "the corpus of the store's corpus labels (needed where it holds any)",
                         required=False)
     add_text_field_argument(p, bundle=True)
@@ -101,14 +110,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="agreement to certify, in (0, 1) (default: the serving bundle's)")
     p.add_argument("--delta", type=probability, metavar="D", help="in (0, 1) (default: the serving bundle's)")
     add_calibrate_on_argument(p, "all", "the audited and the collected states in --store")
-    p.add_argument("--certificate", choices=("joint", "split"), default="joint",
-                   help="several cheap tiers: one certificate for the chain (default), or each tier its "
-                   "share of the target and delta")
+    if certificate:
+        p.add_argument("--certificate", choices=("joint", "split"), default="joint",
+                       help="several cheap tiers: one certificate for the chain (default), or each tier its "
+                       "share of the target and delta")
     p.add_argument("--teacher-items", type=whole_number(0), default=TEACHER_ITEMS, metavar="N",
                    help=f"calibration items to time a GGUF teacher on (default {TEACHER_ITEMS}; 0: price it "
                    "on the roofline)")
-    p.add_argument("--finetune", action="store_true",
-                   help="fine-tune the encoder too (the finetune extra: pip install -e '.[finetune]')")
+    p.add_argument("--finetune", action="store_true", help=finetune_help)
     p.add_argument("--epochs", type=whole_number(1), metavar="N", help="with --finetune: most epochs")
     p.add_argument("--seed", type=whole_number(0), metavar="S", help="with --finetune: the seed")
     p.add_argument("--threads", type=whole_number(1), metavar="N",
@@ -116,4 +125,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_argument(p)
     add_cache_dir_argument(p)
     add_placement_arguments(p, threads=False)
-    p.set_defaults(run=_cmd_retrain)
