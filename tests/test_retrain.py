@@ -137,8 +137,8 @@ def copied(bundle: Bundle, to: Path) -> Path:
 
 
 def test_a_candidate_that_keeps_clearly_more_is_promoted_with_the_gates_thresholds(
-        retrained: RetrainResult, weak: Bundle, served: Path, encoder: Encoder, embedding_cache: Path,
-        tmp_path: Path) -> None:
+        retrained: RetrainResult, weak: Bundle, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
+        embedding_cache: Path, tmp_path: Path) -> None:
     serving = copied(weak, tmp_path / "weak")
     candidate = copied(retrained.bundle, tmp_path / "candidate")
     pointer = tmp_path / "current"
@@ -154,7 +154,7 @@ def test_a_candidate_that_keeps_clearly_more_is_promoted_with_the_gates_threshol
     level = certificate_delta(gate.delta, 1)
     assert gate.delta == retrained.bundle.manifest.calibration.delta and gate.certificate_delta == level
     promoted = Bundle.load(candidate).manifest.calibration  # served with the gate's thresholds
-    assert promoted.delta == level and promoted.items == gate.items
+    assert promoted.delta == level and promoted.items == gate.items and promoted.asked_delta == gate.delta
     assert {facts.delta for row in promoted.questions.values() for facts in row.values()} == {level}
     assert decision.candidate.calibration_version == Bundle.load(candidate).manifest.calibration.version()
     assert decision.candidate.calibration_version != retrained.bundle.manifest.calibration.version()
@@ -162,6 +162,9 @@ def test_a_candidate_that_keeps_clearly_more_is_promoted_with_the_gates_threshol
     assert named == candidate.resolve()
     assert latest_promotion(promotions_log(pointer)) == decision
     assert decision.serving.name == weak.manifest.name
+    # the next retrain asks for the delta the gate was asked for, not the share it spent
+    again = retrain(Bundle.load(candidate), served, tmp_path / "again", labelled[0], encoder, embedding_cache)
+    assert again.bundle.manifest.calibration.delta == gate.delta > level
 
 
 def test_a_tie_is_kept_aside_and_each_attempt_spends_less_delta(

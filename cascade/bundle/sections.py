@@ -125,7 +125,10 @@ class CalibrationSection(_Section):
     ``source`` says which labelled items certified ("audit" or "both" with the audited ``audits``;
     None: the calibration part alone, as before audits existed). ``certificate``: how several cheap
     tiers shared the target and delta ("joint": one certificate for the chain; "split", or None
-    before issue 34: each tier its share).
+    before issue 34: each tier its share). ``asked_delta``: where a promotion gate certified these
+    thresholds, the delta it was asked for, of which ``delta`` is the share it spent here; a
+    retrain of this bundle asks for ``asked_delta`` again, not the smaller share (None: ``delta``
+    is what was asked).
     """
 
     calibrated_at: str | None = None
@@ -151,6 +154,7 @@ class CalibrationSection(_Section):
     source: Literal["audit", "both"] | None = None
     audits: AuditSpan | None = None
     certificate: Literal["joint", "split"] | None = None
+    asked_delta: float | None = None
 
     def version(self) -> str:
         """When the thresholds were certified and a digest of the calibration that certified them:
@@ -158,7 +162,8 @@ class CalibrationSection(_Section):
         are left out where unset, so that a bundle calibrated before keeps its version."""
         if self.calibrated_at is None:
             return "uncalibrated"
-        unset = {name for name in ("source", "audits", "certificate") if getattr(self, name) is None}
+        added = ("source", "audits", "certificate", "asked_delta")
+        unset = {name for name in added if getattr(self, name) is None}
         digest = hashlib.sha256(self.model_dump_json(exclude=unset).encode()).hexdigest()
         return f"{self.calibrated_at}+{digest[:12]}"
 

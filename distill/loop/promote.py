@@ -12,7 +12,8 @@ both certificates hold, whichever bundle the rule then picks. The rule (``gate.c
 candidate passes only where the paired bootstrap lower bound on how much more it keeps at the
 target on those items (plug-in shares, averaged over the questions) is above 0; a tie never passes.
 Refused, it stays where it is with the reason in ``promotion.json``. Passed, its calibration is
-replaced by the one the gate certified (the manifest's ``delta`` is then that level) and it is
+replaced by the one the gate certified (the manifest's ``delta`` is then that level, and its
+``asked_delta`` the delta asked for, which the next retrain asks for again) and it is
 swapped in as ``cascade serve --bundle PATH`` follows one (``cascade.serve.swap``): where PATH is a
 link or a pointer file, PATH is replaced in one rename to name the candidate's folder (each version
 stays in its own folder); where PATH is the bundle folder itself, the candidate is copied over it
@@ -139,7 +140,7 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     serving, candidate = Bundle.load(serving_dir), Bundle.load(candidate_dir)
     held, excluded = _evidence(serving, candidate)
     log = log or promotions_log(serving_path)
-    target, delta = _level(candidate, serving, log)
+    target, delta = _level(candidate)
     attempt = _attempt(log, serving)
     level = certificate_delta(delta, attempt)
     section = candidate.manifest.calibration
@@ -152,8 +153,9 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     comparison = _compare(results, sorted(held), target)
     gate = _gate(results, comparison, delta, attempt, len(held), excluded)
     if comparison.promotes:  # served with the thresholds the gate certified, at its level
-        Bundle(updated_manifest(candidate.manifest, results["candidate"]), candidate.directory,
-               candidate.heads).save()
+        manifest = updated_manifest(candidate.manifest, results["candidate"])
+        manifest.calibration.asked_delta = delta  # what the next retrain asks for again
+        Bundle(manifest, candidate.directory, candidate.heads).save()
         candidate = Bundle.load(candidate_dir)
     record = Promotion(at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        promoted=comparison.promotes, serving=BundleVersion.of(serving),
@@ -205,19 +207,14 @@ def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], int]:
     return held, len(certified_on) - len(held)
 
 
-def _level(candidate: Bundle, serving: Bundle, log: Path) -> tuple[float, float]:
-    """The target and delta the candidate was certified at: both bundles are weighed at them. Where
-    the gate put the serving bundle in, its manifest's delta is the level the gate certified it at,
-    which a retrain inherits; the delta asked for is then the one that promotion's gate spent."""
+def _level(candidate: Bundle) -> tuple[float, float]:
+    """The target and delta the candidate was certified at (``cascade retrain`` asks for the
+    serving bundle's: the delta its own gate was asked for, where one certified it): both bundles
+    are weighed at them."""
     section = candidate.manifest.calibration
     if section.mode != "agreement" or section.target is None or section.delta is None:
         raise PromoteError(f"candidate {candidate.manifest.name!r} is not calibrated for a target "
                            "agreement; calibrate it (cascade retrain does) before promoting it")
-    last = latest_promotion(log)
-    sha = file_sha256(serving.directory / MANIFEST_NAME)
-    inherited = last is not None and last.candidate.manifest_sha256 == sha
-    if last is not None and inherited and section.delta == last.gate.certificate_delta:
-        return section.target, last.gate.delta
     return section.target, section.delta
 
 

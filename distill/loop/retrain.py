@@ -68,8 +68,9 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
     """Train a new bundle at ``out`` on every labelled state ``store`` holds and calibrate it.
 
     ``corpus``: the corpus of the store's corpus labels (needed where it holds any); ``target`` and
-    ``delta``: the serving bundle's by default, so that ``distill.loop.promote`` compares like with
-    like; ``calibrate_on``: which origins certify (``distill.loop.evidence.CERTIFYING``: all uniform
+    ``delta``: the serving bundle's by default (the delta its promotion gate was asked for, where a
+    gate certified it at a share of it), so that ``distill.loop.promote`` compares like with like;
+    ``calibrate_on``: which origins certify (``distill.loop.evidence.CERTIFYING``: all uniform
     draws, traffic only, or the corpus only). The rest as ``train_bundle`` and
     ``calibrate_bundle`` take them.
     """
@@ -94,7 +95,8 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
                            f"that certifies under calibrate_on={calibrate_on!r} ({dict(evidence.origins)} "
                            "in all); audit more traffic, or certify on another origin")
     target = target if target is not None else manifest.calibration.target or 0.98
-    delta = delta if delta is not None else manifest.calibration.delta or 0.05
+    section = manifest.calibration  # a promoted bundle's delta is the gate's share: ask its whole
+    delta = delta if delta is not None else section.asked_delta or section.delta or 0.05
     with tempfile.TemporaryDirectory() as work:
         states = CorpusInput(evidence.write(Path(work) / EVIDENCE_NAME))
         training = replace(run, placement=None, flops_per_second=None)  # what training takes of it
