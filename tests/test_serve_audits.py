@@ -149,23 +149,30 @@ def settled(base: str, n: int) -> Callable[[], bool]:  # gemma on shared cores: 
     return lambda: sum(metrics(base).get(name, 0.0) for name in names) >= n
 
 
-def test_with_an_upstream_teacher_every_item_of_a_burst_is_audited_on_the_upstream_s_capacity(
-        bundle_dir: Path, gemma_server: Any, tmp_path: Path) -> None:
-    """16 requests from 8 clients, answered at the encoder, each chosen for audit: the audits run
-    on the upstream (a teacher server on one thread: 2 at once, waited for as long as it takes, and
-    held back while it answers 503), never waiting for local requests, so none is dropped and
-    each record carries inclusion 1 and its routed count."""
-    n, sinks = 16, list[StoreSink]()
-    config = ServeConfig(engine=EngineSettings(audit_in_flight=2),
-                         audit=auditing(tmp_path / "labels.sqlite", sinks))
-    patient = UpstreamSettings(gemma_server.url, read_timeout=120, deadline=120)
-    load = lambda: Cascade.load(bundle_dir, teacher=patient, threads=1)  # noqa: E731
-    with running(load, config) as base:
+def audited_burst(load: Callable[[], Cascade], engine: EngineSettings, store: Path,
+                  n: int) -> dict[str, float]:
+    """``burst`` of ``n`` requests at a server auditing each into ``store``, all answered 200;
+    its metrics once every chosen audit has an outcome."""
+    sinks = list[StoreSink]()
+    with running(load, ServeConfig(engine=engine, audit=auditing(store, sinks))) as base:
         assert burst(base, n) == [200] * n
         until(settled(base, n), "every chosen audit has an outcome", 600)
         seen = metrics(base)
     for sink in sinks:
         sink.close()
+    return seen
+
+
+def test_with_an_upstream_teacher_every_item_of_a_burst_is_audited_on_the_upstream_s_capacity(
+        bundle_dir: Path, gemma_server: Any, tmp_path: Path) -> None:
+    """16 requests from 8 clients, answered at the encoder, each chosen for audit: the audits run
+    on the upstream (a teacher server on one thread: 2 at once, waited for as long as it takes),
+    never waiting for local requests, so none is dropped and each record carries inclusion 1 and
+    its routed count."""
+    n = 16
+    patient = UpstreamSettings(gemma_server.url, read_timeout=120, deadline=120)
+    load = lambda: Cascade.load(bundle_dir, teacher=patient, threads=1)  # noqa: E731
+    seen = audited_burst(load, EngineSettings(audit_in_flight=2), tmp_path / "labels.sqlite", n)
     assert seen['cascade_audits_total{outcome="audited"}'] == n
     assert seen['cascade_audits_dropped_total{reason="queue_full"}'] == 0
     assert seen["cascade_audit_share_asked"] == 1.0 and seen["cascade_audit_share_realised"] == 1.0
@@ -176,21 +183,34 @@ def test_with_an_upstream_teacher_every_item_of_a_burst_is_audited_on_the_upstre
     assert sorted(r.routed[KEPT] for r in records) == list(range(1, n + 1))  # each item counted once
 
 
+def test_audits_an_upstream_refuses_with_503_wait_its_retry_after_and_are_none_of_them_lost(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    """A teacher server that admits a request only while nothing waits (``--max-wait 0.01``),
+    four audits sent at once, and no client retry: the upstream refuses some with 503 and
+    Retry-After. Each refused audit is put back and every audit thread waits out the pause
+    (``cascade_audit_pauses_total`` counts them), then it is audited: none dropped, failed or lost, and each
+    record still carries inclusion 1."""
+    n = 8
+    with upstream(teacher_server(gemma_path, None, "--max-wait", "0.01")) as strict:
+        impatient = UpstreamSettings(strict.url, read_timeout=120, deadline=120, retries=0)
+        load = lambda: Cascade.load(bundle_dir, teacher=impatient, threads=1)  # noqa: E731
+        seen = audited_burst(load, EngineSettings(audit_in_flight=4), tmp_path / "labels.sqlite", n)
+    assert seen['cascade_audit_pauses_total'] >= 1  # the upstream did refuse some
+    assert seen['cascade_audits_total{outcome="audited"}'] == n
+    assert seen.get('cascade_audits_total{outcome="failed"}', 0.0) == 0
+    assert seen['cascade_audits_dropped_total{reason="queue_full"}'] == 0
+    records = stored_audits(tmp_path / "labels.sqlite")
+    assert len(records) == n and {r.inclusion for r in records} == {1.0}
+
+
 def test_with_a_local_teacher_audits_wait_for_live_requests_and_the_overflow_is_dropped_at_random(
         bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
     """A burst behind an audit queue of 1 on the local teacher's one worker: the audits it cannot
     take are dropped, counted with their reason, and every stored record carries its inclusion
     probability, the share times its survival of the random drops."""
-    n, sinks = 12, list[StoreSink]()
-    config = ServeConfig(engine=EngineSettings(audit_queue=1),
-                         audit=auditing(tmp_path / "labels.sqlite", sinks))
+    n = 12
     load = lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2)  # noqa: E731
-    with running(load, config) as base:
-        assert burst(base, n) == [200] * n
-        until(settled(base, n), "every chosen audit has an outcome", 600)
-        seen = metrics(base)
-    for sink in sinks:
-        sink.close()
+    seen = audited_burst(load, EngineSettings(audit_queue=1), tmp_path / "labels.sqlite", n)
     audited = seen['cascade_audits_total{outcome="audited"}']
     dropped = seen['cascade_audits_dropped_total{reason="queue_full"}']
     assert dropped >= 1 and seen['cascade_audits_total{outcome="dropped"}'] == dropped
