@@ -20,7 +20,8 @@ import pytest
 from tinymodels import silence_llama_logs, tiny_llama_path
 
 from cascade.bundle.manifest import Bundle
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, RouterError
+from cascade.routing.router import Cascade
 from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
 from distill.cli.demo import CONFIG_FIELDS
@@ -145,7 +146,7 @@ def test_bad_settings_name_the_setting(tmp_path: Path, field: str, value: float)
         run_demo(DemoConfig(workdir=tmp_path, **{field: value}))  # type: ignore[arg-type]
 
 
-def test_the_default_teacher_is_a_real_llms_shipped_labels(tmp_path: Path) -> None:
+def test_the_default_teacher_is_a_real_llms_shipped_labels(tmp_path: Path, gemma_path: Path) -> None:
     """The shipped labels are the 1.5B's, checked by content against the facts shipped beside them."""
     facts = shipped_facts()
     small = [arg for arg in SMALL if arg not in ("--labels-from", "generator")]
@@ -154,7 +155,13 @@ def test_the_default_teacher_is_a_real_llms_shipped_labels(tmp_path: Path) -> No
     assert f"teacher: {facts.model}, a real LLM" in output and facts.command in output
     assert GENERATOR_NOTE not in output
     manifest = Bundle.load(tmp_path / "bundle").manifest
-    assert facts.model in manifest.teacher.model and facts.model_sha256[:12] in manifest.teacher.model
+    # the labels' GGUF by sha256 and prompt (loading checks the teacher given against them), no file pinned
+    assert (manifest.teacher.kind, manifest.teacher.model_sha256, manifest.teacher.prompt_version) == (
+        "gguf", facts.model_sha256, facts.prompt_version)
+    assert manifest.tiers[-1].kind == "external"
+    assert f"cascade serve --bundle {tmp_path / 'bundle'} --teacher" in output  # the README's next step
+    with pytest.raises(RouterError, match="sha256"):  # another GGUF is not the 1.5B certified
+        Cascade.preflight(tmp_path / "bundle", teacher=gemma_path)
     ids = {item.id for item in generate(200, 0)}
     rows = [json.loads(line) for line in LABELS_FILE.open(encoding="utf-8")]
     assert {row["id"] for row in rows} >= ids

@@ -31,12 +31,15 @@ from tinymodels import tiny_llama_path
 from cascade.bundle.manifest import NGRAMS_NAME, Bundle
 from cascade.encoder.ngrams import NgramFeatures, beside
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
+from cascade.errors import RouterError
 from cascade.hashing import file_sha256
 from cascade.readout.placement import Placement
 from cascade.readout.prompts import PROMPT_VERSION
+from cascade.routing.router import Cascade
 from cascade.tiers.external import ExternalSpec
 from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
+from distill.loop.retrain import _tiers_of
 from distill.store import Teacher
 from distill.training.run import MIN_TRAIN_LABELS, TrainError, staged
 from distill.training.split import DEFAULT_FRACTIONS, PARTS, part_of, split_ids
@@ -179,6 +182,24 @@ def test_gguf_teacher_becomes_a_pinned_top_tier(
     assert isinstance(top, GgufSpec)
     assert (top.model.path, top.model.sha256) == (str(model.resolve()), file_sha256(model))
     assert top.default_placement() == Placement(gpu_layers=99, n_ctx=top.n_ctx)  # the router's default
+
+
+def test_a_gguf_teacher_left_unpinned_is_the_one_given_at_load(
+    gguf_store: tuple[Path, Path, Path], encoder: Encoder, cache_dir: Path, tmp_path: Path
+) -> None:
+    """The demo's case: a GGUF's labels without its file. The top tier is the GGUF given at load,
+    which must be that file; a retrain leaves it unpinned too."""
+    corpus, store, model = gguf_store
+    bundle = train(corpus, store, tmp_path / "b", encoder, cache_dir, pin_teacher=False)
+    manifest = Bundle.load(bundle.directory).manifest
+    assert isinstance(manifest.tiers[-1], ExternalSpec)
+    assert (manifest.teacher.kind, manifest.teacher.model_sha256) == ("gguf", file_sha256(model))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"another model")
+    with pytest.raises(RouterError, match=r"other.gguf has sha256"):
+        Cascade.preflight(bundle.directory, teacher=other)
+    Cascade.preflight(bundle.directory, teacher=model)  # the labels' own file: no refusal
+    assert _tiers_of(bundle)["pin_teacher"] is False
 
 
 def test_labels_of_another_prompt_version_are_refused(

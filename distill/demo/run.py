@@ -41,6 +41,7 @@ from distill.demo.teacher import (
     agreement_with_generator,
     check_shipped,
     label_live,
+    next_step,
     shipped_facts,
     shipped_labels,
     shipped_teacher,
@@ -219,7 +220,7 @@ def _train(run: _Run, encoder: Encoder, middle: GgufSpec) -> Bundle:
     questions = load_questions(run.inputs.questions)
     with run.timed("train"):
         bundle = train_bundle(questions, run.corpus(), run.store, run.bundle_dir, encoder=encoder,
-                              fractions=run.fractions, middle=[middle],
+                              fractions=run.fractions, middle=[middle], pin_teacher=False,
                               run=RunOptions(progress=run.config.progress,
                                              cache_dir=Path(run.config.workdir) / "cache"))
     tier = bundle.manifest.encoder_tier
@@ -357,9 +358,8 @@ def _generated(config: DemoConfig, workdir: Path, say: Say) -> DemoInputs:
         labels = shipped_labels([item.id for item in items], data / f"teacher-labels-{name}.jsonl")
         teacher, note = shipped_teacher(facts), teacher_note(facts, live=False)
     else:
-        labels = label_live(corpus, load_questions(questions), data / f"live-labels-{name}.jsonl",
-                            config.threads, say)
-        teacher = Teacher(kind="external", model=f"{facts.model} labels made live by cascade demo")
+        labels, teacher = label_live(corpus, load_questions(questions), data / f"live-labels-{name}.jsonl",
+                                     config.threads, say)
         note = teacher_note(facts, live=True)
     store = workdir / f"labels-{config.teacher}-{file_sha256(labels)[:12]}.sqlite"
     return DemoInputs(corpus, questions, labels, store, teacher, note, len(items))
@@ -433,5 +433,6 @@ def format_summary(result: DemoResult) -> str:
     ]
     width = max(len(label) for label, _ in rows)
     lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
-    lines += [result.inputs.note, f"report: {result.report.resolve()}"]
+    lines += [result.inputs.note, *next_step(result.bundle, result.inputs.teacher),
+              f"report: {result.report.resolve()}"]
     return "\n".join(lines)

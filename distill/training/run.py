@@ -87,6 +87,7 @@ def train_bundle(
     middle: Sequence[GgufSpec] = (),
     mid_layer: MidLayerConfig | None = None,
     parts: Mapping[str, Sequence[str]] | None = None,
+    pin_teacher: bool = True,
 ) -> Bundle:
     """Fit the encoder tier on ``store``'s labels of the ``corpus`` items and save a bundle.
 
@@ -105,7 +106,10 @@ def train_bundle(
     ``mid_layer`` adds the teacher's own first blocks as a tier just below it (distill.training.mid_layer):
     it needs the teacher's GGUF, and its states of the train items are collected here.
     ``parts``: the ids of each part, given (``distill.loop.retrain`` places what it must hold out);
-    None: each labelled item by a hash of its id (``distill.training.split``).
+    None: each labelled item by a hash of its id (``distill.training.split``). ``pin_teacher=False``
+    (the demo, which ships a GGUF's labels but not the file) pins no file for a GGUF teacher: its top
+    tier is then the GGUF given at load (``teacher=``, ``--teacher``), checked there against the
+    labels' sha256 and prompt version, so the thresholds stay certified with that very model.
     """
     corpus = option("train_bundle", "corpus", corpus, CorpusInput)
     run = option("train_bundle", "run", run, RunOptions, RunOptions())
@@ -116,7 +120,7 @@ def train_bundle(
     if finetune is not None:
         finetune.check()
         check_installed()
-    top = _top_tier(store.teacher, teacher_model, teacher_placement, store.policy)
+    top = _top_tier(store.teacher, teacher_model, teacher_placement, store.policy, pin_teacher)
     if mid_layer is not None:
         if not isinstance(top, GgufSpec):
             raise TrainError("a mid-layer tier runs the teacher's own first blocks, and this store's "
@@ -324,22 +328,26 @@ def _check_arguments(questions: Mapping[str, Question], C: float) -> None:
 
 
 def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None,
-              policy: InputPolicy | None) -> AnyTierSpec:
-    """The teacher as the top tier: its GGUF pinned by path and sha256, or labels only; either
-    reads states with the input policy the store's labels were read with (context, excerpt)."""
+              policy: InputPolicy | None, pin: bool = True) -> AnyTierSpec:
+    """The teacher as the top tier: its GGUF pinned by path and sha256 (unless not ``pin``), or
+    labels only, answered by the model given at load; either reads states with the input policy
+    the store's labels were read with (context, excerpt)."""
     excerpt = policy.excerpt if policy is not None else None
     if teacher.kind == "endpoint" and model is not None:
         raise TrainError(f"the store's labels came from the System One endpoint {teacher.model!r}, not a "
                          f"GGUF: leave out --teacher-model {model}; the bundle's top tier is answered by "
                          "--teacher URL when it runs, every answer checked against that endpoint's identity")
+    labels_only = ExternalSpec(name=TEACHER_TIER, labels=teacher.model, excerpt=excerpt,
+                               n_ctx=policy.n_ctx if policy is not None else None)
     if teacher.kind in ("external", "endpoint"):  # an endpoint answers through --teacher URL, checked
-        return ExternalSpec(name=TEACHER_TIER, labels=teacher.model, excerpt=excerpt,
-                            n_ctx=policy.n_ctx if policy is not None else None)
+        return labels_only
     if layout_of(teacher.prompt_version) is None:
         raise TrainError(f"the store's labels were made with prompt version "
                          f"{teacher.prompt_version!r}; this cascade prompts with {PROMPT_VERSION!r} "
                          f"or {OPTIONS_FIRST_VERSION!r}, so its top tier would answer differently. "
                          "Relabel with this version")
+    if not pin and model is None:  # the labels' sha256 and prompt version check the GGUF at load
+        return labels_only
     if model is None:
         raise TrainError(f"the store's teacher is the GGUF {teacher.model!r} (sha256 "
                          f"{teacher.model_sha256}); give its path (--teacher-model / teacher_model) "
