@@ -154,8 +154,8 @@ def test_the_proxy_passes_failures_on_with_retry_after(tmp_path: Path) -> None:
 
 def test_from_zero_data_collected_traffic_trains_a_bundle_served_in_front_of_the_same_url(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's path: pass through and collect, `cascade collected`, train and calibrate with
-    no teacher model, then the bundle escalates to the same URL, certified."""
+    """The zero-data tutorial (docs/upstream.md): pass through and collect, `cascade collected`,
+    train and calibrate with no teacher model, then the bundle escalates to the same URL, certified."""
     from cascade.routing.router import Cascade
     from distill.cli import main
 

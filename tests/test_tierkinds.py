@@ -109,7 +109,7 @@ def test_a_kind_nobody_registered_is_refused_by_name(tmp_path: Path, monkeypatch
 def test_a_pinned_top_tier_takes_its_own_file_as_the_teacher_and_refuses_another(
     gemma_path: Path, tmp_path: Path
 ) -> None:
-    """The README builds a bundle with --teacher-model (a pinned top tier) and then serves it with
+    """The manual builds a bundle with --teacher-model (a pinned top tier) and then serves it with
     --teacher naming the same model: that is no conflict. Another model is, before any load."""
     spec = GgufSpec(name="teacher", model=ModelFile.of(gemma_path))
     GgufKind().check_top(spec, "b", Build(teacher=gemma_path))
