@@ -103,11 +103,13 @@ ROOMS = {"readout": 1, "encoder": 1, "cost": 2, "teachers": 2, "tiers": 3, "coll
 (wire types, errors, heads, thresholds), which import no room. Two rooms of one floor never meet."""
 
 DISTILL_ROOMS = {"store": 1, "labelling": 2, "training": 2, "calibration": 3, "loop": 4, "reports": 4,
-                 "demo": 5, "cli": 6}
+                 "demo": 5, "rayserve": 5, "cli": 6}
 """distill's rooms, lowest first, by the same rule: the top-level modules (options, stopping) import
 no room; the label store is under everything; labelling and training never meet; calibration
 certifies what training made (and reads its split); the traffic loop retrains and calibrates, the
-reports draw a calibration; the demo runs the whole flow; the command line calls them all."""
+reports draw a calibration; the demo runs the whole flow; the Ray Serve config places the
+server's replicas (which are the serve command's, so they live with it); the command line calls
+them all."""
 
 
 def _rooms_of(package: str, rooms: dict[str, int]) -> dict[str, tuple[str, int]]:

@@ -125,6 +125,33 @@ def serve(
     serving; raises ``CascadeError`` without the serve extra, for a folder that is not a bundle,
     and when the bundle failed to load (the server stops then).
     """
+    options = options or ServeOptions()
+    run = _Run(options, "the bundle")
+    app, auth = bundle_app(bundle, options, teacher=teacher, device=device, threads=threads,
+                           placement=placement, accept_other_teacher=accept_other_teacher, audit=audit,
+                           escalations=escalations, on_failure=run.failed)
+    follows = f"follows {bundle} every {options.watch:g} s and on SIGHUP" if options.watch > 0 else \
+        f"takes {bundle} again on SIGHUP"
+    run.serve(app, f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
+              f"(auth {'forwarded' if options.forward_auth else 'on' if auth.key else 'off'}; {follows}; "
+              "models loading, /health says when ready)", hangup=lambda: _poke(app))
+
+
+def bundle_app(
+    bundle: Path,
+    options: ServeOptions,
+    *,
+    teacher: Teacher | None = None,
+    device: Device = "cpu",
+    threads: int | None = None,
+    placement: Placements = None,
+    accept_other_teacher: bool = False,
+    audit: AuditHook | None = None,
+    escalations: Collector[EscalationRecord] | None = None,
+    on_failure: Callable[[BaseException], None] | None = None,
+) -> tuple[Any, Auth]:
+    """The ASGI app ``serve`` runs and the auth it checks, for a host that runs the app itself (a
+    Ray Serve replica: ``distill.cli.serve.replicas``); refused as ``serve`` refuses, before a model loads."""
     try:
         import uvicorn  # noqa: F401  (the serve extra: refused here, before the bundle loads)
 
@@ -138,7 +165,6 @@ def serve(
     from cascade.cost.upstream import UpstreamLedger
     from cascade.routing.router import Cascade
 
-    options = options or ServeOptions()
     bundle = Path(bundle)
     # what can be refused without loading a model is refused before the port opens
     auth = _checked(options, options.forward_auth, forwardable=True)
@@ -158,13 +184,7 @@ def serve(
                          ledger=UpstreamLedger(options.upstream_price), escalations=escalations,
                          limits=options.limits or RequestLimits(), receive_timeout=options.receive_timeout,
                          metrics_key=auth.metrics_key, docs=options.docs)
-    run = _Run(options, "the bundle")
-    app = create_app(None, config, run.failed)
-    follows = f"follows {bundle} every {options.watch:g} s and on SIGHUP" if options.watch > 0 else \
-        f"takes {bundle} again on SIGHUP"
-    run.serve(app, f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
-              f"(auth {'forwarded' if options.forward_auth else 'on' if key else 'off'}; {follows}; "
-              "models loading, /health says when ready)", hangup=lambda: _poke(app))
+    return create_app(None, config, on_failure), auth
 
 
 def _poke(app: Any) -> None:
@@ -217,6 +237,19 @@ def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placeme
     take as its URL teacher. ``placement`` places the model (GPU layers, threads, n_ctx); its
     prompts are read in ``layout``. Its queue admits a request only while the expected wait fits
     ``options.max_wait``. Raises ``CascadeError`` as ``serve`` does."""
+    options = options or ServeOptions()
+    run = _Run(options, "the teacher model")
+    app, auth = teacher_app(teacher, options, placement=placement, layout=layout, on_failure=run.failed)
+    run.serve(app, f"serving the readout of {Path(teacher).name} at http://{options.host}:{options.port}"
+              f"/v1/systemone (auth {'on' if auth.key else 'off'}; admits while the expected wait is at "
+              f"most {options.max_wait:g} s; model loading, /health says when ready)")
+
+
+def teacher_app(teacher: Path, options: ServeOptions, *, placement: Placements = None,
+                layout: Layout = "state-first", on_failure: Callable[[BaseException], None] | None = None
+                ) -> tuple[Any, Auth]:
+    """The ASGI app ``serve_teacher`` runs and the auth it checks, for a host that runs the app
+    itself (a Ray Serve replica: ``distill.cli.serve.replicas``); refused as ``serve_teacher`` refuses."""
     try:
         from cascade.serve.limits import RequestLimits
         from cascade.serve.teacher import TeacherConfig, create_teacher_app
@@ -226,8 +259,8 @@ def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placeme
     from cascade.readout.placement import Placement, for_tier
     from cascade.readout.scorer import Scorer
 
-    options = options or ServeOptions()
-    key = _checked(options, False, forwardable=False).key
+    auth = _checked(options, False, forwardable=False)
+    key = auth.key
     teacher = Path(teacher)
     if not teacher.is_file():
         raise CascadeError(f"teacher model {teacher} not found; give the path of a .gguf file")
@@ -235,11 +268,7 @@ def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placeme
     config = TeacherConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY,
                            max_wait=options.max_wait, limits=options.limits or RequestLimits(),
                            receive_timeout=options.receive_timeout, docs=options.docs)
-    run = _Run(options, "the teacher model")
-    app = create_teacher_app(lambda: Scorer.placed(teacher, place, layout=layout), config, run.failed)
-    run.serve(app, f"serving the readout of {teacher.name} at http://{options.host}:{options.port}"
-              f"/v1/systemone (auth {'on' if key else 'off'}; admits while the expected wait is at "
-              f"most {options.max_wait:g} s; model loading, /health says when ready)")
+    return create_teacher_app(lambda: Scorer.placed(teacher, place, layout=layout), config, on_failure), auth
 
 
 @dataclass(frozen=True)

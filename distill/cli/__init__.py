@@ -26,6 +26,7 @@ from distill.cli import (
     label,
     loop,
     promote,
+    ray_config,
     retrain,
     roofline,
     score,
@@ -40,7 +41,7 @@ COMMANDS = {"score": score.add_parser, "roofline": roofline.add_parser, "label":
             "calibrate": calibrate.add_parser, "demo": demo.add_parser,
             "teacher-model": teacher_model.add_parser, "serve": serve.add_parser, "audit": audit.add_parser,
             "collected": collected.add_parser, "retrain": retrain.add_parser, "promote": promote.add_parser,
-            "loop": loop.add_parser}
+            "loop": loop.add_parser, "ray-config": ray_config.add_parser}
 
 
 def build_parser() -> argparse.ArgumentParser:

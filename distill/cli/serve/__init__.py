@@ -8,6 +8,8 @@
 - ``limits``: the request limits' flags (``cascade.serve.limits``).
 - ``upstream``: a URL teacher's flags (timeouts, retries, keys) and its price, which
   ``calibrate`` and ``evaluate`` take too.
+- ``replicas``: the same server run by Ray Serve (``cascade ray-config``): each replica parses
+  these flags and builds this command's app.
 
 This package replaced the module ``distill.cli.serve``, whose public names it keeps.
 """

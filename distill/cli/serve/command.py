@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ from distill.cli.values import positive_seconds, seconds_or_zero, whole_number
 if TYPE_CHECKING:
     from cascade.collect.collector import Collector
     from cascade.collect.escalation import EscalationRecord
+    from cascade.serve.lifecycle import ServeOptions
     from distill.loop.escalations import StoreEscalations
 
 DESCRIPTION = f"""\
@@ -79,20 +82,10 @@ examples:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from cascade.serve.lifecycle import ServeOptions, check_auth, serve, serve_proxy, serve_teacher
-    from distill.loop.auditing import StoreAudits
+    from cascade.serve.lifecycle import check_auth, serve, serve_proxy, serve_teacher
 
     url = isinstance(args.teacher, str)
-    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body=args.max_body,
-                           metrics_key=args.metrics_key, docs=args.docs,
-                           insecure_no_auth=args.insecure_no_auth,
-                           grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
-                           overload=args.overload, audit_queue=args.audit_queue, max_wait=args.max_wait,
-                           audit_in_flight=args.audit_in_flight,
-                           forward_auth=args.forward_auth, watch=args.watch_bundle,
-                           upstream_price=args.upstream_price, limits=limits_of(args),
-                           lower_queue=args.lower_queue, max_connections=args.max_connections,
-                           receive_timeout=args.receive_timeout)
+    options = options_of(args)
     _check_combination(args, url)
     check_auth(options, args.forward_auth, forwardable=url)  # refused before any store opens or model loads
     if args.bundle is None and url:
@@ -101,22 +94,47 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.bundle is None:
         serve_teacher(args.teacher, options, placement=placement_of(args), layout=args.layout)
         return 0
-    from cascade.serve.swap import resolve
+    with bundle_parts(args) as parts:
+        serve(args.bundle, options, **parts)
+    return 0
 
-    teacher = upstream_settings(args) if url else args.teacher
+
+def options_of(args: argparse.Namespace) -> ServeOptions:
+    """The server's options from its flags (a Ray Serve replica takes the same flags)."""
+    from cascade.serve.lifecycle import ServeOptions
+
+    return ServeOptions(host=args.host, port=args.port, api_key=args.api_key, max_body=args.max_body,
+                        metrics_key=args.metrics_key, docs=args.docs, insecure_no_auth=args.insecure_no_auth,
+                        grace=args.grace, batch=not args.no_batch, max_batch=args.max_batch,
+                        overload=args.overload, audit_queue=args.audit_queue, max_wait=args.max_wait,
+                        audit_in_flight=args.audit_in_flight,
+                        forward_auth=args.forward_auth, watch=args.watch_bundle,
+                        upstream_price=args.upstream_price, limits=limits_of(args),
+                        lower_queue=args.lower_queue, max_connections=args.max_connections,
+                        receive_timeout=args.receive_timeout)
+
+
+@contextmanager
+def bundle_parts(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The keyword arguments ``serve`` (and ``bundle_app``) take besides the bundle and options:
+    the teacher and placement, and the audits and escalations kept in --audit-store, open until
+    the block ends (a Ray Serve replica holds them for its life)."""
+    from cascade.serve.swap import resolve
+    from distill.loop.auditing import StoreAudits
+
+    teacher = upstream_settings(args) if isinstance(args.teacher, str) else args.teacher
     bundle = resolve(args.bundle)
     kept = escalation_store(args, bundle)
     try:
         escalations = _escalations(args, kept) if kept is not None else None
         with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
                          poll=args.audit_poll, bundle=bundle) as audit:
-            serve(args.bundle, options, teacher=teacher, device=args.device, threads=args.threads,
-                  placement=placement_of(args), accept_other_teacher=args.accept_other_teacher, audit=audit,
-                  escalations=escalations)
+            yield {"teacher": teacher, "device": args.device, "threads": args.threads,
+                   "placement": placement_of(args), "accept_other_teacher": args.accept_other_teacher,
+                   "audit": audit, "escalations": escalations}
     finally:
         if kept is not None:
             kept.close()
-    return 0
 
 
 def _escalations(args: argparse.Namespace, sink: StoreEscalations) -> Collector[EscalationRecord]:

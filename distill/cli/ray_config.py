@@ -1,0 +1,129 @@
+"""``cascade ray-config``: the Ray Serve config of a bundle's cascade (``distill.rayserve.plan``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from cascade.errors import CascadeError
+from distill.cli.common import teacher_argument
+from distill.cli.values import positive_number, positive_seconds, whole_number
+
+DESCRIPTION = """\
+Write the Ray Serve config that runs a bundle's cascade on a Ray cluster: the same System One API
+as `cascade serve` (the same SDKs, errors and Retry-After), with the cheap tiers in replicas
+that Ray autoscales on their queue and the teacher in a deployment of its own. Start it with
+`serve run OUT` (in the foreground, on a local or running cluster) or `serve deploy OUT` (to a
+running cluster); a KubeRay RayService takes the same config as its serveConfigV2. Start Ray
+with RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=distill.rayserve.proxy:middlewares in its
+environment (every node): its proxies then send again a request whose replica died, which Ray
+alone would answer 500.
+
+Every cheap replica runs `cascade serve --bundle B --teacher ...` with the flags given after --
+(for example --audit-store postgresql://... --audit-share 0.02: with one PostgreSQL store every
+replica reads the others' audits, so a drift on one demotes the question on all). With --teacher
+PATH.gguf the teacher runs `cascade serve --teacher PATH.gguf` in its own replicas (on
+--teacher-gpus GPUs each where given, with every layer offloaded; else on --teacher-cpus CPUs),
+at /teacher on the same proxy, and every cheap replica sends its escalations there; its queue
+refuses with 503 and Retry-After past --teacher-max-wait as `cascade serve` does. With --teacher
+URL there is no teacher deployment: the replicas call the URL. The bundle's path must be the same on every
+node (a shared volume, or the image). To roll out a promoted bundle, give --bundle the pointer
+or link that `cascade promote` replaces (each replica follows it), or write the config again with
+the new bundle and `serve deploy` it: Ray replaces the replicas one by one, each taking traffic
+only once its models have loaded. Needs the ray-serve extra: pip install -e '.[ray-serve]'."""
+EPILOG = """\
+examples:
+  cascade ray-config --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --teacher-gpus 1 \\
+      --out serve.yaml -- --audit-store postgresql://cascade@db/labels --audit-share 0.02
+  export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=\\
+distill.rayserve.proxy:middlewares
+  serve run serve.yaml          # or: ray start --head; serve deploy serve.yaml
+  curl -s localhost:8000/v1/systemone -d '{"state": "Charged twice!", "questions": {...}}'"""
+
+
+def _cmd_ray_config(args: argparse.Namespace) -> int:
+    from cascade.private import redact_url
+    from cascade.serve.lifecycle import check_auth
+    from distill.cli.serve.command import options_of
+    from distill.cli.serve.replicas import serve_args
+    from distill.rayserve.plan import RayPlan, serve_config
+    from distill.rayserve.proxy import START
+
+    flags = args.serve_flags[1:] if args.serve_flags[:1] == ["--"] else args.serve_flags
+    plan = RayPlan(bundle=args.bundle, teacher=args.teacher, serve_flags=flags, host=args.host,
+                   port=args.port, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                   target_ongoing_requests=args.target_ongoing, replica_cpus=args.replica_cpus,
+                   teacher_replicas=args.teacher_replicas, teacher_gpus=args.teacher_gpus,
+                   teacher_cpus=args.teacher_cpus, teacher_max_wait=args.teacher_max_wait)
+    replica = serve_args(plan.cascade_argv())  # refused now, as the replicas would refuse them
+    check_auth(replace(options_of(replica), host=args.host), replica.forward_auth, forwardable=True)
+    if plan.local_teacher:
+        serve_args(plan.teacher_argv())
+    _write(serve_config(plan), args.out)
+    teacher = f"the teacher on {args.teacher_gpus:g} GPU(s) per replica" if args.teacher_gpus else \
+        "the teacher on CPU" if plan.local_teacher else f"the teacher at {redact_url(args.teacher)}"
+    print(f"wrote {args.out}: {args.min_replicas}-{args.max_replicas} cheap replicas, {teacher}; "
+          f"start it with: {START} serve run {args.out}", file=sys.stderr)
+    return 0
+
+
+def _write(config: dict[str, object], out: Path) -> None:
+    try:
+        import yaml
+    except ImportError as exc:
+        raise CascadeError(f"writing a Ray Serve config needs PyYAML ({exc}): pip install -e "
+                           "'.[ray-serve]'") from None
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _gpus(text: str) -> float:
+    """GPUs per teacher replica: 0 (on CPU), a share of one (replicas sharing a GPU), or more."""
+    if text == "0":
+        return 0.0
+    try:
+        return positive_number(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 0 (on CPU) or a number of GPUs > 0; got {text!r}") \
+            from None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ray-config", help="write the Ray Serve config of a bundle's cascade (serve run)",
+                       description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", type=Path, required=True, metavar="DIR",
+                   help="the bundle (folder, link or pointer file) as the nodes see it: at the same path "
+                   "on every node (a shared volume, or the image); not looked at here, where it may "
+                   "not exist")
+    p.add_argument("--teacher", type=teacher_argument, required=True, metavar="PATH.gguf|URL",
+                   help="a GGUF, served by a teacher deployment of its own, or a System One URL to call")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the config (YAML)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="where Ray's HTTP proxy listens (default 127.0.0.1; 0.0.0.0 for other machines: "
+                   "give --api-key after -- then)")
+    p.add_argument("--port", type=whole_number(1), default=8000, help="the proxy's port (default 8000)")
+    p.add_argument("--min-replicas", type=whole_number(1), default=1, metavar="N",
+                   help="fewest cheap-tier replicas (default 1)")
+    p.add_argument("--max-replicas", type=whole_number(1), default=4, metavar="N",
+                   help="most cheap-tier replicas (default 4)")
+    p.add_argument("--target-ongoing", type=positive_number, default=16.0, metavar="N",
+                   help="requests in flight per cheap replica that Ray's autoscaler aims at (default 16): "
+                   "more per replica adds replicas, fewer removes them")
+    p.add_argument("--replica-cpus", type=positive_number, default=1.0, metavar="N",
+                   help="CPUs Ray reserves for each cheap replica (default 1)")
+    p.add_argument("--teacher-replicas", type=whole_number(1), default=1, metavar="N",
+                   help="replicas of a GGUF teacher (default 1)")
+    p.add_argument("--teacher-gpus", type=_gpus, default=0.0, metavar="N",
+                   help="GPUs per teacher replica (default 0: on CPU); with any, every layer is offloaded")
+    p.add_argument("--teacher-cpus", type=positive_number, default=1.0, metavar="N",
+                   help="CPUs per teacher replica, and its llama.cpp threads (default 1)")
+    p.add_argument("--teacher-max-wait", type=positive_seconds, default=5.0, metavar="S",
+                   help="the teacher's queue admits a request only while its expected wait is at most S "
+                   "(default 5): past it 503 with Retry-After, which the cheap replica passes on. An "
+                   "answer comes within S plus one read: keep that below the replicas' "
+                   "--upstream-timeout (default 8), or the replica answers 504 instead")
+    p.add_argument("serve_flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
+                   help="flags of cascade serve for every cheap replica (see cascade serve --help)")
+    p.set_defaults(run=_cmd_ray_config)

@@ -1,0 +1,108 @@
+"""A request whose replica died while it ran is sent again, on Ray's HTTP proxy.
+
+Ray Serve's proxy ends such a request with no answer (uvicorn then sends ``500 Internal Server
+Error``), or a 500 of its own: the client's request is lost although another replica could
+answer it. Every answer of this application's replicas carries ``X-Cascade-Replica``
+(``replicas.ProxyHeaders``), so a 500 without it is Ray's, not the app's: the proxy then sends the
+same request (its body held here) again, up to ``TRIES`` times in all, and Ray routes it to a
+live replica. Ray also routes such a request again by itself, but without its body (the proxy has
+read it), so the replica answers 408 once its receive timeout passes; since the body is held
+whole here before Ray gets it, a 408 can only mean that, and the request is sent again too. A decision only
+reads, so sending it again changes no answer; the replica that died sent nothing, so the client
+gets one answer. Ray applies this where its environment names it, on every node:
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=distill.rayserve.proxy:middlewares``. A body past
+``MAX_HELD`` bytes is not held, and is passed through as it comes, not sent again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TRIES = 3
+VARIABLE = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+IMPORT_PATH = "distill.rayserve.proxy:middlewares"
+START = f"{VARIABLE}={IMPORT_PATH}"
+"""What Ray's environment must hold, on every node, for its proxies to run this middleware."""
+MAX_HELD = 16 * 1024 * 1024
+REPLICA_HEADER = b"x-cascade-replica"
+
+
+def middlewares() -> list[Any]:
+    """What Ray's proxy calls (by the environment's import path) for its middlewares."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(ResendWhenReplicaDies)]
+
+
+class ResendWhenReplicaDies:
+    """ASGI middleware: hold a request's body, and send the request again while Ray loses it (its
+    replica died), ``TRIES`` times in all."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body, whole = await _held_body(receive)
+        if not whole:  # too large to hold: passed through once, as it comes
+            await self.app(scope, _replaying(body, receive, more=True), send)
+            return
+        for attempt in range(1, TRIES + 1):
+            answer = _Answer(send, last=attempt == TRIES)
+            await self.app(dict(scope), _replaying(body, receive), answer.send)
+            if not answer.lost and answer.started:
+                return
+            if answer.last:  # ended with no answer: uvicorn sends its 500
+                return
+
+
+async def _held_body(receive: Any) -> tuple[bytes, bool]:
+    """The request's body, and whether it is whole (False: past ``MAX_HELD``, more to come)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), True  # the client went: the app finds out at its next receive
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if not message.get("more_body", False):
+            return b"".join(chunks), True
+        if size > MAX_HELD:
+            return b"".join(chunks), False
+
+
+def _replaying(body: bytes, receive: Any, more: bool = False) -> Any:
+    """A ``receive`` that gives ``body`` first (``more``: the rest still to come from ``receive``),
+    then whatever ``receive`` gives (the client's disconnect)."""
+    given = False
+
+    async def replay() -> Any:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": more}
+        return await receive()
+
+    return replay
+
+
+class _Answer:
+    """Passes an answer on, unless it is Ray's 500 for a dead replica or a 408 for a body Ray lost,
+    and ``last`` is False: then it is swallowed and ``lost`` says so. ``started``: an answer began
+    (none: the proxy gave up)."""
+
+    def __init__(self, send: Any, last: bool) -> None:
+        self._send, self.last = send, last
+        self.lost = self.started = False
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            names = {name.lower() for name, _ in message.get("headers", [])}
+            status = message["status"]
+            self.lost = not self.last and (status == 408 or (status == 500 and REPLICA_HEADER not in names))
+        if not self.lost:
+            await self._send(message)
