@@ -185,3 +185,18 @@ def test_a_request_that_waited_past_max_wait_is_refused_when_its_service_would_s
     refusal = gate.late(second)
     assert refusal is not None and (refusal.status, refusal.retry_after) == (503, 2)
     assert "waited 3.5 s in its queue" in str(refusal)
+
+
+def test_a_teacher_served_alone_admits_only_waits_its_cascades_can_read_to_the_end() -> None:
+    """A cascade reads its URL teacher for at most ``read_timeout`` (8 s). A teacher served alone
+    admitting 8 s of expected wait, as a cascade's own queue does, would let a request wait 8 s and
+    then be read past that: a 504 where a 503 with Retry-After was due. So its default leaves at
+    least 3 s for the read, and a cascade (or pass-through) keeps 8 s, below the SDKs' 10 s."""
+    from cascade.serve.lifecycle import ServeOptions, _wait
+    from cascade.serve.teacher import TeacherConfig
+    from cascade.teachers.settings import UpstreamSettings
+
+    read = UpstreamSettings("http://127.0.0.1:9/v1/systemone").read_timeout
+    assert _wait(ServeOptions(), alone=True) == TeacherConfig().max_wait <= read - 3
+    assert _wait(ServeOptions()) == 8.0 < 10
+    assert _wait(ServeOptions(max_wait=2.5), alone=True) == _wait(ServeOptions(max_wait=2.5)) == 2.5

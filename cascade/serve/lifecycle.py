@@ -59,10 +59,11 @@ class ServeOptions:
     ``grace``: seconds SIGTERM waits for requests in flight. The rest are the engine's
     (``cascade.serve.engine.EngineSettings``): ``batch`` the requests waiting at the encoder
     together, at most ``max_batch``; the top tier's queue (a local GGUF or an upstream) admits a
-    request only while its expected wait fits ``max_wait``, and past it one is refused with 503
-    and Retry-After or ``overload="keep"`` keeps its best cheaper answer; at most ``audit_queue``
-    audits wait (past it one drawn at random is dropped), and at most ``audit_in_flight`` are at
-    an upstream teacher at once. ``forward_auth``: an upstream teacher checks each caller's key (the client's
+    request only while its expected wait fits ``max_wait`` (None: 8 s, below the SDKs' 10 s; 5 s
+    for a teacher served alone, ``cascade.teachers.admission.TEACHER_MAX_WAIT``), and past it one
+    is refused with 503 and Retry-After or ``overload="keep"`` keeps its best cheaper answer; at
+    most ``audit_queue`` audits wait (past it one drawn at random is dropped), and at most
+    ``audit_in_flight`` are at an upstream teacher at once. ``forward_auth``: an upstream teacher checks each caller's key (the client's
     Authorization is sent on), and local answers go only to keys it accepted lately.
     ``watch``: seconds between looks at ``--bundle`` for a promoted bundle (0: on SIGHUP only).
     ``upstream_price``: what an upstream teacher costs (None: priced by its measured latency).
@@ -87,7 +88,7 @@ class ServeOptions:
     overload: Literal["refuse", "keep"] = "refuse"
     audit_queue: int = 64
     audit_in_flight: int = 4
-    max_wait: float = 8.0
+    max_wait: float | None = None
     forward_auth: bool = False
     watch: float = 2.0
     upstream_price: UpstreamPrice | None = None
@@ -170,7 +171,7 @@ def bundle_app(
     auth = _checked(options, options.forward_auth, forwardable=True)
     key = auth.key
     Cascade.preflight(resolve(bundle), teacher=teacher, accept_other_teacher=accept_other_teacher)
-    settings = EngineSettings(batch=options.batch, max_batch=options.max_batch, max_wait=options.max_wait,
+    settings = EngineSettings(batch=options.batch, max_batch=options.max_batch, max_wait=_wait(options),
                               overload=options.overload, audit_queue=options.audit_queue,
                               audit_in_flight=options.audit_in_flight,
                               forward_auth=options.forward_auth, lower_queue=options.lower_queue)
@@ -216,7 +217,7 @@ def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
     key = checked.key
     collector = Collector(collect, share, max_items) if collect is not None else None
     config = ProxyConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY,
-                         max_wait=options.max_wait, collector=collector,
+                         max_wait=_wait(options), collector=collector,
                          ledger=UpstreamLedger(options.upstream_price), metrics_key=checked.metrics_key,
                          docs=options.docs, limits=options.limits or RequestLimits(),
                          receive_timeout=options.receive_timeout)
@@ -227,7 +228,7 @@ def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
     _Run(options, "the pass-through").serve(
         app, f"passing requests through to {upstream.shown} at http://{options.host}:{options.port}"
         f"/v1/systemone (auth {auth}; admits while the expected wait is at most "
-        f"{options.max_wait:g} s{what})")
+        f"{_wait(options):g} s{what})")
 
 
 def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placement: Placements = None,
@@ -242,7 +243,7 @@ def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placeme
     app, auth = teacher_app(teacher, options, placement=placement, layout=layout, on_failure=run.failed)
     run.serve(app, f"serving the readout of {Path(teacher).name} at http://{options.host}:{options.port}"
               f"/v1/systemone (auth {'on' if auth.key else 'off'}; admits while the expected wait is at "
-              f"most {options.max_wait:g} s; model loading, /health says when ready)")
+              f"most {_wait(options, alone=True):g} s; model loading, /health says when ready)")
 
 
 def teacher_app(teacher: Path, options: ServeOptions, *, placement: Placements = None,
@@ -266,9 +267,20 @@ def teacher_app(teacher: Path, options: ServeOptions, *, placement: Placements =
         raise CascadeError(f"teacher model {teacher} not found; give the path of a .gguf file")
     place = for_tier(placement, "teacher") or Placement()
     config = TeacherConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY,
-                           max_wait=options.max_wait, limits=options.limits or RequestLimits(),
+                           max_wait=_wait(options, alone=True), limits=options.limits or RequestLimits(),
                            receive_timeout=options.receive_timeout, docs=options.docs)
     return create_teacher_app(lambda: Scorer.placed(teacher, place, layout=layout), config, on_failure), auth
+
+
+def _wait(options: ServeOptions, alone: bool = False) -> float:
+    """The expected wait the top tier's queue admits: ``options.max_wait``, or the default of a
+    cascade (or pass-through) or of a teacher served alone (``alone``), whose clients read for less."""
+    from cascade.serve.engine import DEFAULT_MAX_WAIT
+    from cascade.teachers.admission import TEACHER_MAX_WAIT
+
+    if options.max_wait is not None:
+        return options.max_wait
+    return TEACHER_MAX_WAIT if alone else DEFAULT_MAX_WAIT
 
 
 @dataclass(frozen=True)

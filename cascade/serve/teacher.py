@@ -38,11 +38,10 @@ from cascade.serve.edge import (
     still_loading,
     unprocessable,
 )
-from cascade.serve.engine import DEFAULT_MAX_WAIT
 from cascade.serve.gone import unless_gone
 from cascade.serve.limits import RequestLimits, read_request
 from cascade.serve.transport import DEFAULT_MAX_BODY
-from cascade.teachers.admission import Admission, work_of
+from cascade.teachers.admission import TEACHER_MAX_WAIT, Admission, work_of
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class TeacherConfig:
 
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
-    max_wait: float = DEFAULT_MAX_WAIT
+    max_wait: float = TEACHER_MAX_WAIT
     limits: RequestLimits = field(default_factory=RequestLimits)
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT
     docs: bool = False

@@ -38,6 +38,11 @@ hold the teacher past its client's patience."""
 SMOOTHING = 0.2
 """Weight of the newest service time in the running mean: it follows a change of load within
 a few requests without jumping at one slow one."""
+TEACHER_MAX_WAIT = 5.0
+"""Seconds of expected wait a teacher served alone admits by default. Its clients are cascades
+whose reads of it end at 8 s (``UpstreamSettings.read_timeout``), so a request admitted here must
+wait and be read within that: admitted at 8 s, as a cascade's own queue is (below the SDKs' 10 s),
+one read more would end past the client's timeout, a 504 where a 503 with Retry-After was due."""
 
 
 @dataclass(frozen=True)

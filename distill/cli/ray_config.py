@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cascade.errors import CascadeError
+from cascade.teachers.admission import TEACHER_MAX_WAIT
 from distill.cli.common import teacher_argument
 from distill.cli.values import positive_number, positive_seconds, whole_number
 
@@ -119,10 +120,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="GPUs per teacher replica (default 0: on CPU); with any, every layer is offloaded")
     p.add_argument("--teacher-cpus", type=positive_number, default=1.0, metavar="N",
                    help="CPUs per teacher replica, and its llama.cpp threads (default 1)")
-    p.add_argument("--teacher-max-wait", type=positive_seconds, default=5.0, metavar="S",
-                   help="the teacher's queue admits a request only while its expected wait is at most S "
-                   "(default 5): past it 503 with Retry-After, which the cheap replica passes on. An "
-                   "answer comes within S plus one read: keep that below the replicas' "
+    p.add_argument("--teacher-max-wait", type=positive_seconds, default=TEACHER_MAX_WAIT, metavar="S",
+                   help="the teacher's queue admits a request only while its expected wait is at most "
+                   "S (default %(default)g): past it 503 with Retry-After, which the cheap replica passes "
+                   "on. An answer comes within S plus one read: keep that below the replicas' "
                    "--upstream-timeout (default 8), or the replica answers 504 instead")
     p.add_argument("serve_flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
                    help="flags of cascade serve for every cheap replica (see cascade serve --help)")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cascade.errors import CascadeError
+from cascade.teachers.admission import TEACHER_MAX_WAIT
 
 TEACHER_PREFIX = "/teacher"
 
@@ -42,7 +43,7 @@ class RayPlan:
     teacher_replicas: int = 1
     teacher_gpus: float = 0.0
     teacher_cpus: float = 1.0
-    teacher_max_wait: float = 5.0
+    teacher_max_wait: float = TEACHER_MAX_WAIT
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:

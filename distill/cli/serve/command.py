@@ -188,11 +188,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=("state-first", "options-first"), default="state-first",
                    help="prompt layout of a teacher served alone (default state-first): the one its "
                    "labels were read with, so that answers match them")
-    p.add_argument("--max-wait", type=positive_seconds, default=8.0, metavar="S",
+    p.add_argument("--max-wait", type=positive_seconds, metavar="S",
                    help="the top tier's queue (a GGUF here, an upstream URL, or a teacher served alone) "
                    "admits a request only while its expected wait (measured seconds per request x "
-                   "requests ahead) is at most S (default 8, below the SDKs' 10 s timeout); past it, 503 "
-                   "with Retry-After at once (or see --overload)")
+                   "requests ahead) is at most S (default 8, below the SDKs' 10 s timeout; 5 for a "
+                   "teacher served alone, so that its wait and one read end within a cascade's 8 s "
+                   "read of it); past it, 503 with Retry-After at once (or see --overload)")
     p.add_argument("--watch-bundle", type=seconds_or_zero, default=2.0, metavar="S",
                    help="look at --bundle every S seconds (default 2; 0: only on SIGHUP) and serve a "
                    "promoted bundle when it changes: --bundle may be a bundle folder, a link to one, or a "
