@@ -13,8 +13,16 @@ turns on every item), first on an idle machine, then with a neighbour: a child p
 one core busy, as another job or a second replica would. Wall seconds per item, medians, and the
 ratio all-cores / 1 thread (above 1: one thread is faster).
 
+Then the default a model loaded without ``--threads`` takes (``default_threads``: the cores less
+what other processes keep busy now) against the 1-minute load average's rule it replaced, in four
+conditions: idle; beside the busy neighbour; just after a neighbour that kept a core busy for
+``--settle`` seconds ended; and just after this process's own ``--settle`` seconds of work (an
+earlier step of the same command, as the demo's training is before its middle tier loads). The
+right choice is the faster fixed count of the timing rows: all cores where nothing else runs now.
+
     .venv/bin/python -m bench.threads --model qwen2.5-coder-1.5b-instruct --items 6
     .venv/bin/python -m bench.threads --items 10          # the embedded gemma-3-270m
+    .venv/bin/python -m bench.threads --only choice       # the default's choices alone
 """
 
 from __future__ import annotations
@@ -89,13 +97,44 @@ def measure(factory: Callable[[int], Callable[[str], object]], texts: list[str],
     return statistics.median(seconds["1"]["wall"]), statistics.median(seconds["all"]["wall"])
 
 
+def choices(cores: int, settle: float) -> list[list[str]]:
+    """What the default and the load average's rule choose, in each condition (see the module)."""
+    import time
+
+    import numpy as np
+
+    from cascade.readout.placement import default_threads
+
+    def chosen(condition: str) -> list[str]:
+        threads, why = default_threads()
+        by_load = max(1, min(cores, round(cores - os.getloadavg()[0])))
+        return [condition, str(threads), str(by_load), why]
+
+    rows = [chosen("idle")]
+    with neighbour(True):
+        time.sleep(1.0)
+        rows.append(chosen("beside a busy neighbour"))
+    with neighbour(True):
+        time.sleep(settle)
+    rows.append(chosen(f"a neighbour busy for {settle:g} s just ended"))
+    square = np.ones((256, 256), dtype=np.float32)
+    ends = time.monotonic() + settle
+    while time.monotonic() < ends:  # this process's own earlier step
+        square = square @ square / 256
+    rows.append(chosen(f"after this process's own {settle:g} s of work"))
+    return rows
+
+
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--model", help="a packaged teacher (cascade teacher-model --list; default: "
                         "the embedded gemma-3-270m)")
     parser.add_argument("--items", type=int, default=6, help="AG News items per setting (default 6)")
     parser.add_argument("--layer", type=int, help="blocks of the mid-layer workload (default 2/3)")
-    parser.add_argument("--only", help="run the workloads whose name starts with this")
+    parser.add_argument("--only", help="run the workloads whose name starts with this ('choice': the "
+                        "default's choices alone)")
+    parser.add_argument("--settle", type=float, default=30.0, help="seconds of earlier work before a "
+                        "choice is measured (default 30)")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     texts = [row["text"] for row in read_rows("ag_news_test.jsonl", args.items + 1)]
@@ -108,9 +147,14 @@ def main() -> None:
             rows.append([name, "busy neighbour" if busy else "idle", f"{one:.3f}", f"{every:.3f}",
                          f"{every / one:.2f}"])
             print(" | ".join(rows[-1]), flush=True)
-    print(f"\nmodel {args.model or 'gemma-3-270m (embedded)'}; {cores} cores; {args.items} items each")
-    print(markdown(["workload", "machine", "1 thread s/item", f"{cores} threads s/item",
-                    "all / 1"], rows))
+    if rows:
+        print(f"\nmodel {args.model or 'gemma-3-270m (embedded)'}; {cores} cores; {args.items} items each")
+        print(markdown(["workload", "machine", "1 thread s/item", f"{cores} threads s/item",
+                        "all / 1"], rows))
+    if args.only and not "choice".startswith(args.only):
+        return
+    print(markdown(["condition", "default threads", "load-average rule", "why (the default's record)"],
+                   choices(cores, args.settle)))
 
 
 if __name__ == "__main__":
