@@ -7,6 +7,7 @@ encoder, "department" goes to the teacher deployment."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from test_audit import items
 
 from cascade.bundle.manifest import Bundle, Manifest
 from distill.cli import main
-from distill.rayserve.proxy import IMPORT_PATH, VARIABLE
+from distill.rayserve.proxy import IMPORT_PATH, RECEIVE_TIMEOUT, VARIABLE
 
 ray = pytest.importorskip(
     "ray.serve", reason="Ray Serve is an optional extra: pip install -e '.[ray-serve]' (.ci/run installs "
@@ -247,6 +248,23 @@ def test_a_bad_request_is_cascade_serves_422_that_names_the_field(app_url: str) 
     assert body["error"]["code"] == "invalid_request" and body["error"]["field"] == "questions.q.criteria"
     assert body["detail"][0]["loc"] == ["body", "questions", "q", "criteria"]
     assert reply.headers["x-request-id"] == reply.headers["x-typesafe-request-id"] == "abc-1"
+
+
+def test_a_body_sent_slowly_is_refused_408_at_the_proxy_and_others_get_answers(app_url: str) -> None:
+    """Ray's proxy holds a body before a replica gets it (``distill.rayserve.proxy``): a client
+    that never finishes sending one gets cascade serve's 408 at the proxy's deadline, and the
+    application answers others while it waits."""
+    port = int(app_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10 * RECEIVE_TIMEOUT) as conn:
+        conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"state\": ")
+        kept = answered(app_url, {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}})
+        reply = b""  # sent nothing more: the proxy's deadline passes, then it closes
+        while chunk := conn.recv(4096):
+            reply += chunk
+    assert kept["answers"][KEPT]["x_routing"]["tier"] == "encoder"
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b'"request_timeout"' in reply
 
 
 # --- overload and failure ---

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cascade.errors import CascadeError, ServiceError
-from cascade.serve.transport import HttpProblem, error_body, problems, read_body, request_id
+from cascade.serve.transport import HttpProblem, error_body, problems, read_body, request_id, slow_body
 
 log = logging.getLogger("cascade.serve")
 LOADING_RETRY_AFTER = "5"
@@ -82,8 +82,7 @@ async def request_body(request: Request, limit: int, timeout: float = DEFAULT_RE
     try:
         return await asyncio.wait_for(read_body(request.stream(), encoding, limit), timeout)
     except asyncio.TimeoutError:
-        raise HttpProblem(408, "request_timeout", f"the request body did not arrive within {timeout:g} s; "
-                          "send it at once", {"Connection": "close"}) from None
+        raise slow_body(timeout) from None
 
 
 def add_wire(app: FastAPI) -> None:

@@ -45,6 +45,12 @@ def too_large(limit: int) -> HttpProblem:
                        "compressed bodies); send fewer or shorter states per request")
 
 
+def slow_body(timeout: float) -> HttpProblem:
+    """A body that did not arrive in time: the connection closes with the answer."""
+    return HttpProblem(408, "request_timeout", f"the request body did not arrive within {timeout:g} s; "
+                       "send it at once", {"Connection": "close"})
+
+
 async def read_body(chunks: AsyncIterator[bytes], encoding: str | None, limit: int) -> bytes:
     """The request body, inflated, refused with 413 as soon as it passes ``limit`` bytes."""
     kind = (encoding or "identity").strip().lower()

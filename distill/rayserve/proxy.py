@@ -12,11 +12,22 @@ reads, so sending it again changes no answer; the replica that died sent nothing
 gets one answer. Ray applies this where its environment names it, on every node:
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=distill.rayserve.proxy:middlewares``. A body past
 ``MAX_HELD`` bytes is not held, and is passed through as it comes, not sent again.
+
+Holding a body is bounded in time as ``cascade serve`` bounds reading one: a body that has not
+arrived whole within ``RECEIVE_TIMEOUT`` seconds is answered 408 here, with the System One error
+body and ``Connection: close``, so a client that sends slowly holds neither the proxy nor a
+replica. A body that is neither whole by then nor past ``MAX_HELD`` is one the replica's own
+limits would refuse or time out too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
+
+from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT
+from cascade.serve.transport import error_body, slow_body
 
 TRIES = 3
 VARIABLE = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -25,6 +36,8 @@ START = f"{VARIABLE}={IMPORT_PATH}"
 """What Ray's environment must hold, on every node, for its proxies to run this middleware."""
 MAX_HELD = 16 * 1024 * 1024
 REPLICA_HEADER = b"x-cascade-replica"
+RECEIVE_TIMEOUT = DEFAULT_RECEIVE_TIMEOUT
+"""Seconds a body has to arrive whole at the proxy: ``cascade serve``'s default for its own."""
 
 
 def middlewares() -> list[Any]:
@@ -38,14 +51,18 @@ class ResendWhenReplicaDies:
     """ASGI middleware: hold a request's body, and send the request again while Ray loses it (its
     replica died), ``TRIES`` times in all."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, receive_timeout: float = RECEIVE_TIMEOUT) -> None:
+        self.app, self.receive_timeout = app, receive_timeout
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        body, whole = await _held_body(receive)
+        try:
+            body, whole = await asyncio.wait_for(_held_body(receive), self.receive_timeout)
+        except asyncio.TimeoutError:
+            await _refuse_slow(send, self.receive_timeout)
+            return
         if not whole:  # too large to hold: passed through once, as it comes
             await self.app(scope, _replaying(body, receive, more=True), send)
             return
@@ -72,6 +89,16 @@ async def _held_body(receive: Any) -> tuple[bytes, bool]:
             return b"".join(chunks), True
         if size > MAX_HELD:
             return b"".join(chunks), False
+
+
+async def _refuse_slow(send: Any, timeout: float) -> None:
+    """408 as ``cascade serve`` answers a body that did not arrive in time."""
+    problem = slow_body(timeout)
+    content = json.dumps(error_body(problem)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+               *((name.lower().encode(), value.encode()) for name, value in problem.headers.items())]
+    await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+    await send({"type": "http.response.body", "body": content})
 
 
 def _replaying(body: bytes, receive: Any, more: bool = False) -> Any:
