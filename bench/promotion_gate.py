@@ -11,8 +11,13 @@ copula (correlation RHO) and their disagreements by one uniform per item (a hard
 both), as two encoders trained on the same labels are. Each run draws n items, applies both
 rules, and for the promoted bundle checks its certified threshold against the population curve.
 The certificates are the library's (``maths.threshold_for_agreement``), the rule is the gate's.
+With ``--evaluation K``, each run draws K more items, an evaluation part that certifies nothing,
+and a third row ("new + evaluation") applies the new rule to all n + K items, as
+``distill.loop.promote`` weighs a retrained bundle's evaluation part beside its certifying items,
+with the certificates of the new rule on the n items.
 
     .venv/bin/python -m bench.promotion_gate --runs 1000
+    .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 1000 --evaluation 1000
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def draw(rng: np.random.Generator, n: int, slopes: tuple[float, float], rho: flo
 def one_run(rng: np.random.Generator, n: int, slopes: tuple[float, float], args: argparse.Namespace,
             resamples: int) -> dict[str, tuple[bool, bool]]:
     """Per rule: promoted, and whether the bundle serving after the gate fails its certificate."""
-    data = draw(rng, n, slopes, args.rho)
+    everything = draw(rng, n + args.evaluation, slopes, args.rho)
+    data = [(s[:n], c[:n]) for s, c in everything]
     out = {}
     old = [threshold_for_agreement(s, c, args.target, args.delta) for s, c in data]
     promoted = old[1].kept_share >= old[0].kept_share
@@ -62,12 +68,14 @@ def one_run(rng: np.random.Generator, n: int, slopes: tuple[float, float], args:
     out["old"] = promoted, population_agreement(slopes[chosen], old[chosen].threshold) < args.target
     level = certificate_delta(args.delta, 1)
     new = [threshold_for_agreement(s, c, args.target, level) for s, c in data]
-    everything = np.arange(n)
-    serving, candidate = ([Question(everything, s, c)] for s, c in data)
-    promoted = compare(serving, candidate, n, args.target, resamples=resamples,
-                       seed=int(rng.integers(2 ** 31))).promotes
-    chosen = int(promoted)
-    out["new"] = promoted, population_agreement(slopes[chosen], new[chosen].threshold) < args.target
+    rows = {"new": data, "new + evaluation": everything} if args.evaluation else {"new": data}
+    for rule, weighed in rows.items():
+        items = np.arange(len(weighed[0][0]))
+        serving, candidate = ([Question(items, s, c)] for s, c in weighed)
+        promoted = compare(serving, candidate, len(items), args.target, resamples=resamples,
+                           seed=int(rng.integers(2 ** 31))).promotes
+        chosen = int(promoted)
+        out[rule] = promoted, population_agreement(slopes[chosen], new[chosen].threshold) < args.target
     return out
 
 
@@ -94,6 +102,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--rho", type=float, default=RHO,
                         help="correlation of the two bundles' scores on an item (Gaussian copula)")
+    parser.add_argument("--evaluation", type=int, default=0,
+                        help="items of an evaluation part per run, weighed by a third rule beside the n "
+                        "certifying items (0: no such row)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
@@ -106,7 +117,8 @@ def main() -> None:
           "P(promoted and fails), all |")
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
-        cells: dict[str, dict[str, list[tuple[bool, bool]]]] = {"old": {}, "new": {}}
+        rules = ["old", "new", *(["new + evaluation"] if args.evaluation else [])]
+        cells: dict[str, dict[str, list[tuple[bool, bool]]]] = {rule: {} for rule in rules}
         for name, gap in SCENARIOS.items():
             slopes = (slope(SERVING_SHARE, args.target), slope(SERVING_SHARE + gap, args.target))
             runs = [one_run(rng, n, slopes, args, args.resamples) for _ in range(args.runs)]

@@ -90,6 +90,8 @@ def test_every_labelled_state_counts_once_and_keeps_its_part(retrained: RetrainR
     certified_on = set(retrained.lineage["certified_on"])
     assert certified_on == set(parts["calibration"]) and not certified_on & set(parts["train"])
     assert any(i.startswith("audit:r2:") for i in certified_on)
+    evaluated_on = set(retrained.lineage["evaluated_on"])  # weighed by the gate, never certified on
+    assert evaluated_on == set(parts["evaluation"]) and not evaluated_on & escalations
 
 
 def test_the_new_bundle_is_calibrated_on_its_held_out_items_and_names_its_parent(
@@ -150,7 +152,10 @@ def test_a_candidate_that_keeps_clearly_more_is_promoted_with_the_gates_threshol
     assert gate.lower_bound is not None and gate.difference is not None
     assert 0 < gate.lower_bound <= gate.difference
     assert gate.items == len(retrained.lineage["certified_on"]) and set(gate.shares) == set(HEADED)
-    assert decision.reason.startswith("promoted: on the same")
+    evaluated = set(retrained.lineage["evaluated_on"]) - set(weak.split_ids()["train"])
+    assert gate.evaluated == len(evaluated) > 0, "the rule also weighs the evaluation part"
+    assert decision.reason.startswith(f"promoted: on the same {gate.items} certifying and {gate.evaluated} "
+                                      "evaluation held-out items")
     level = certificate_delta(gate.delta, 1)
     assert gate.delta == retrained.bundle.manifest.calibration.delta and gate.certificate_delta == level
     promoted = Bundle.load(candidate).manifest.calibration  # served with the gate's thresholds
@@ -185,6 +190,24 @@ def test_a_tie_is_kept_aside_and_each_attempt_spends_less_delta(
     assert second.gate.certificate_delta == pytest.approx(first.gate.certificate_delta / 4)
     assert Bundle.load(candidate).manifest == retrained.bundle.manifest  # not rewritten when refused
     assert latest_promotion(log) is None
+
+
+def test_a_candidate_from_before_evaluation_ids_were_recorded_is_weighed_on_its_certifying_items(
+        retrained: RetrainResult, weak: Bundle, served: Path, encoder: Encoder, embedding_cache: Path,
+        tmp_path: Path) -> None:
+    candidate = copied(retrained.bundle, tmp_path / "candidate")
+    lineage = json.loads((candidate / "lineage.json").read_text(encoding="utf-8"))
+    del lineage["evaluated_on"]
+    (candidate / "lineage.json").write_text(json.dumps(lineage), encoding="utf-8")
+    with LabelStore.open_existing(served) as store:
+        older = promote(copied(weak, tmp_path / "weak"), candidate, store, run=run(embedding_cache),
+                        encoder=encoder, log=tmp_path / "promotions.jsonl").gate
+    with LabelStore.open_existing(served) as store:
+        newer = promote(copied(weak, tmp_path / "weak2"), copied(retrained.bundle, tmp_path / "candidate2"),
+                        store, run=run(embedding_cache), encoder=encoder, log=tmp_path / "p2.jsonl").gate
+    assert older.evaluated == 0 < newer.evaluated
+    assert older.items == newer.items and older.candidate_share == newer.candidate_share  # same certificates
+    assert older.candidate_plugin != newer.candidate_plugin, "the rule's shares are over more items"
 
 
 def test_a_candidate_that_certifies_less_is_kept_aside_with_the_reason(

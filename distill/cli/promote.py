@@ -21,14 +21,15 @@ KEPT_ASIDE = 1
 
 DESCRIPTION = """\
 Weigh a bundle made by `cascade retrain` (--candidate) against the serving one (--bundle) on the
-same evidence: the held-out items that certified the candidate, less any the serving bundle
-trained on. The rule: on those items, the share of answers each bundle's cheap tiers keep at the
-candidate's target (the plug-in share, averaged over the questions) is compared paired, item by
-item; the candidate replaces the serving bundle only if the 80% paired bootstrap lower bound on
-how much more it keeps is above 0 (a tie never promotes). Both are certified afresh on those
-items at half the delta this attempt may spend (the k-th attempt against one serving bundle,
-counted from the log, spends delta x 6/(pi^2 k^2)), so the certificate of the one serving after
-the gate holds whichever was chosen; a promoted candidate is served with those thresholds, its
+same evidence: the held-out items that certified the candidate and the uniform draws of its
+evaluation part, less any the serving bundle trained on. The rule: on all of them, the share of
+answers each bundle's cheap tiers keep at the candidate's target (the plug-in share, averaged over
+the questions) is compared paired, item by item; the candidate replaces the serving bundle only
+if the 80% paired bootstrap lower bound on how much more it keeps is above 0 (a tie never
+promotes). Both are certified afresh on the certifying items alone, at half the delta this
+attempt may spend (the k-th attempt against one serving bundle, counted from the log, spends
+delta x 6/(pi^2 k^2)), so the certificate of the one serving after the gate holds whichever was
+chosen; a promoted candidate is served with those thresholds, its
 manifest's delta the level they were certified at. Promoted, it is copied over the serving folder
 in one swap (the replaced bundle kept as NAME.previous beside it), which a running `cascade
 serve` watching the folder picks up; kept aside, it stays where it is with the reason in its
@@ -49,12 +50,12 @@ def _cmd_promote(args: argparse.Namespace) -> int:
         record = promote(args.bundle, args.candidate, store, run=run_options(args), log=args.log)
     gate = record.gate
     print(f"rule: {gate.rule} at one-sided level {gate.alpha} ({gate.resamples} paired resamples of "
-          f"{gate.items} held-out items); attempt {gate.attempt} against this serving bundle")
+          f"{gate.weighed()} held-out items); attempt {gate.attempt} against this serving bundle")
     print(f"kept at target {gate.target} (plug-in, mean over questions): serving {gate.serving_plugin:.1%}, "
           f"candidate {gate.candidate_plugin:.1%}, difference {gate.difference:+.1%}, lower bound "
           f"{gate.lower_bound:+.1%} (promotes only above 0)")
-    print(f"certified at delta {gate.certificate_delta:.4g} each (delta {gate.delta} x 6/(pi^2 "
-          f"{gate.attempt}^2) / 2):")
+    print(f"certified on the {gate.items} certifying items at delta {gate.certificate_delta:.4g} each "
+          f"(delta {gate.delta} x 6/(pi^2 {gate.attempt}^2) / 2):")
     rows = [("question", "serving keeps", "candidate keeps")]
     rows += [(qid, f"{share['serving']:.1%}", f"{share['candidate']:.1%}")
              for qid, share in gate.shares.items()]

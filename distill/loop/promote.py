@@ -2,15 +2,18 @@
 where a paired comparison on the same held-out evidence says it keeps more, and it is swapped in
 with a certificate that the choice did not break.
 
-The evidence is the candidate's: the items that certified it (``lineage.json``, written by
-``distill.loop.retrain``), less any the serving bundle trained on, so that neither bundle is judged
-on an item it learnt from. Both are certified afresh on those items, as ``cascade calibrate`` does
-(same target and certificate), each at half the delta this attempt may spend
+The evidence is the candidate's (``lineage.json``, written by ``distill.loop.retrain``), less any
+item the serving bundle trained on, so that neither bundle is judged on an item it learnt from: the
+items that certified it, and the uniform draws of its evaluation part, which neither trained nor
+certified. Both bundles are certified afresh on the certifying items, as ``cascade calibrate``
+does (same target and certificate), each at half the delta this attempt may spend
 (``distill.loop.gate``: Bonferroni over the two, and the k-th attempt against one serving bundle,
 counted from the promotions log, spends delta x 6 / (pi^2 k^2)); so with probability 1 - delta
-both certificates hold, whichever bundle the rule then picks. The rule (``gate.compare``): the
-candidate passes only where the paired bootstrap lower bound on how much more it keeps at the
-target on those items (plug-in shares, averaged over the questions) is above 0; a tie never passes.
+both certificates hold, whichever bundle the rule then picks, and the rule may look at any items.
+It looks at both parts, twice the items the certificates rest on under the default split
+(``gate.compare``): the candidate passes only where the paired bootstrap lower bound on how much
+more it keeps at the target (plug-in shares, averaged over the questions) is above 0; a tie never
+passes.
 Refused, it stays where it is with the reason in ``promotion.json``. Passed, its calibration is
 replaced by the one the gate certified (the manifest's ``delta`` is then that level, and its
 ``asked_delta`` the delta asked for, which the next retrain asks for again) and it is
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -77,7 +81,8 @@ class Gate(BaseModel):
     """The figures a promotion is decided on: both bundles certified on the same ``items`` at
     ``target`` and ``certificate_delta`` each (half of what attempt ``attempt`` against this
     serving bundle may spend of ``delta``: ``distill.loop.gate``); ``excluded``: held-out items of
-    the candidate the serving bundle trained on. ``serving_share`` and ``candidate_share``: the
+    the candidate the serving bundle trained on; ``evaluated``: items of the evaluation part the
+    rule weighs beside ``items`` (it certifies nothing). ``serving_share`` and ``candidate_share``: the
     shares the certified thresholds keep (answers the cheap tiers keep, per question in ``shares``
     and averaged). ``rule``: the choosing rule; ``serving_plugin`` and ``candidate_plugin`` the
     plug-in shares it compares, ``difference`` theirs and ``lower_bound`` its one-sided
@@ -88,6 +93,7 @@ class Gate(BaseModel):
     certificate: str
     items: int
     excluded: int
+    evaluated: int = 0
     serving_share: float
     candidate_share: float
     shares: dict[str, dict[str, float]]
@@ -100,6 +106,12 @@ class Gate(BaseModel):
     candidate_plugin: float | None = None
     difference: float | None = None
     lower_bound: float | None = None
+
+    def weighed(self) -> str:
+        """How many held-out items the rule weighed, of which parts."""
+        if not self.evaluated:
+            return f"{self.items}"
+        return f"{self.items} certifying and {self.evaluated} evaluation"
 
 
 class Promotion(BaseModel):
@@ -138,7 +150,7 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     if serving_dir == Path(candidate_dir).resolve():
         raise PromoteError(f"the candidate {candidate_dir} is the bundle serving already")
     serving, candidate = Bundle.load(serving_dir), Bundle.load(candidate_dir)
-    held, excluded = _evidence(serving, candidate)
+    held, evaluated, excluded = _evidence(serving, candidate)
     log = log or promotions_log(serving_path)
     target, delta = _level(candidate)
     attempt = _attempt(log, serving)
@@ -148,10 +160,17 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     states = CorpusInput(Path(candidate_dir) / EVIDENCE_NAME)
     options = CalibrationOptions(target=target, delta=level, family_wise=section.family_wise,
                                  certificate=certificate, held_out=held, teacher_items=0, save=False)
+    bundles = {"serving": serving, "candidate": candidate}
     results = {name: calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
-               for name, bundle in (("serving", serving), ("candidate", candidate))}
-    comparison = _compare(results, sorted(held), target)
-    gate = _gate(results, comparison, delta, attempt, len(held), excluded)
+               for name, bundle in bundles.items()}
+    scores = {name: result.item_scores for name, result in results.items()}
+    if evaluated:  # scored as the certifying items are; its thresholds are not used
+        scoring = replace(options, held_out=evaluated)
+        scores = {name: _merged(scores[name], calibrate_bundle(bundle, states, store, scoring, run=run,
+                                                               encoder=encoder).item_scores)
+                  for name, bundle in bundles.items()}
+    comparison = _compare(results, scores, sorted(held) + sorted(evaluated), target)
+    gate = _gate(results, comparison, delta, attempt, len(held), excluded, len(evaluated))
     if comparison.promotes:  # served with the thresholds the gate certified, at its level
         manifest = updated_manifest(candidate.manifest, results["candidate"])
         manifest.calibration.asked_delta = delta  # what the next retrain asks for again
@@ -186,8 +205,10 @@ def _records(log: Path) -> list[Promotion]:
     return [Promotion.model_validate_json(line) for line in lines]
 
 
-def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], int]:
-    """The candidate's held-out ids the serving bundle never trained on, and how many it did."""
+def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], list[str], int]:
+    """The candidate's held-out ids the serving bundle never trained on: those that certified it,
+    and its evaluation part's (none in a lineage from before they were recorded); and how many
+    of the certifying ones the serving bundle trained on."""
     lineage_path = candidate.directory / LINEAGE_NAME
     if not lineage_path.is_file() or not (candidate.directory / EVIDENCE_NAME).is_file():
         raise PromoteError(f"{candidate.directory} has no {LINEAGE_NAME} and {EVIDENCE_NAME}: promote a "
@@ -204,7 +225,8 @@ def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], int]:
     if not held:
         raise PromoteError(f"every one of the {len(certified_on)} items that certified {theirs.name!r} "
                            f"trained {ours.name!r}: there is no held-out evidence to weigh them on")
-    return held, len(certified_on) - len(held)
+    evaluated = [i for i in lineage.get("evaluated_on", []) if i not in trained]
+    return held, evaluated, len(certified_on) - len(held)
 
 
 def _level(candidate: Bundle) -> tuple[float, float]:
@@ -218,22 +240,41 @@ def _level(candidate: Bundle) -> tuple[float, float]:
     return section.target, section.delta
 
 
-def _compare(results: dict[str, CalibrationResult], ids: list[str], target: float) -> Comparison:
-    """Both bundles' per-item evidence on the same items, per question, through ``gate.compare``."""
+Scores = dict[str, dict[str, dict[str, tuple[float, bool]]]]
+"""Question -> cheap tier -> item -> (raw score, agrees with the teacher): ``item_scores``."""
+
+
+def _merged(first: Scores, second: Scores) -> Scores:
+    """Per question and tier, the items of both."""
+    out: Scores = {qid: {tier: dict(items) for tier, items in by_tier.items()}
+                   for qid, by_tier in first.items()}
+    for qid, by_tier in second.items():
+        for tier, items in by_tier.items():
+            out.setdefault(qid, {}).setdefault(tier, {}).update(items)
+    return out
+
+
+def _compare(results: dict[str, CalibrationResult], scores: dict[str, Scores], ids: list[str],
+             target: float) -> Comparison:
+    """Both bundles' per-item evidence on the same items, per question, through ``gate.compare``:
+    ``scores`` on ``ids``, each bundle's cheap tiers chained as its certificate (``results``) serves
+    them."""
     index = {item: k for k, item in enumerate(ids)}
-    qids = sorted(set().union(*(result.item_scores for result in results.values())))
+    qids = sorted(set().union(*scores.values()))
     if not qids:
         raise PromoteError("no question was calibrated on the held-out items for either bundle: there is "
                            "nothing to compare; label more items and retrain")
-    sides = {name: [_question(result, qid, index) for qid in qids] for name, result in results.items()}
+    sides = {name: [_question(result, scores[name].get(qid, {}), index) for qid in qids]
+             for name, result in results.items()}
     return compare(sides["serving"], sides["candidate"], len(ids), target)
 
 
-def _question(result: CalibrationResult, qid: str, index: dict[str, int]) -> Question:
-    """One bundle's ranking of one question's items: its routed cheap tiers as one chain."""
+def _question(result: CalibrationResult, scored: dict[str, dict[str, tuple[float, bool]]],
+              index: dict[str, int]) -> Question:
+    """One bundle's ranking of one question's items (``scored``: tier -> item -> score, agrees):
+    its routed cheap tiers as one chain."""
     dropped = result.dropped()
-    by_tier = {tier: scores for tier, scores in result.item_scores.get(qid, {}).items()
-               if tier not in dropped}
+    by_tier = {tier: scores for tier, scores in scored.items() if tier not in dropped}
     items = sorted({item for scores in by_tier.values() for item in scores}, key=index.__getitem__)
     if not by_tier or not items:
         return Question(np.empty(0, dtype=np.int64), np.empty(0), np.empty(0, dtype=bool))
@@ -245,13 +286,14 @@ def _question(result: CalibrationResult, qid: str, index: dict[str, int]) -> Que
 
 
 def _gate(results: dict[str, CalibrationResult], comparison: Comparison, delta: float, attempt: int,
-          items: int, excluded: int) -> Gate:
+          items: int, excluded: int, evaluated: int) -> Gate:
     shares = {qid: {name: 1.0 - result.cascades[qid].answered_by.get(result.teacher_tier, 1.0)
                     if qid in result.cascades else 0.0 for name, result in results.items()}
               for qid in sorted(set().union(*(result.cascades for result in results.values())))}
     mean = {name: sum(row[name] for row in shares.values()) / max(len(shares), 1) for name in results}
     ours = results["candidate"]
     return Gate(target=ours.target, delta=delta, certificate=ours.certificate, items=items, excluded=excluded,
+                evaluated=evaluated,
                 serving_share=mean["serving"], candidate_share=mean["candidate"], shares=shares, rule=RULE,
                 attempt=attempt, certificate_delta=ours.delta, alpha=comparison.alpha,
                 resamples=comparison.resamples, serving_plugin=comparison.serving_share,
@@ -260,7 +302,7 @@ def _gate(results: dict[str, CalibrationResult], comparison: Comparison, delta: 
 
 
 def _reason(gate: Gate, promoted: bool) -> str:
-    figures = (f"on the same {gate.items} held-out items at target {gate.target}, the candidate's cheap "
+    figures = (f"on the same {gate.weighed()} held-out items at target {gate.target}, the candidate's cheap "
                f"tiers keep {gate.candidate_plugin:.1%} of answers at the target and the serving bundle's "
                f"{gate.serving_plugin:.1%} (difference {gate.difference:+.1%}, {1 - (gate.alpha or 0):.0%} "
                f"paired lower bound {gate.lower_bound:+.1%}); certified at delta "

@@ -107,7 +107,8 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
     options = CalibrationOptions(target=target, delta=delta, certificate=certificate, held_out=held,
                                  teacher_items=teacher_items)
     calibration = calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
-    lineage = _lineage(serving, evidence, parts, held, calibrate_on)
+    evaluated = sorted(set(parts["evaluation"]) & evidence.ids(CERTIFYING[calibrate_on]))
+    lineage = _lineage(serving, evidence, parts, held, evaluated, calibrate_on)
     (out / LINEAGE_NAME).write_text(json.dumps(lineage, indent=2) + "\n", encoding="utf-8")
     return RetrainResult(Bundle.load(out), evidence, calibration, lineage)
 
@@ -147,8 +148,9 @@ def _tiers_of(serving: Bundle) -> dict[str, Any]:
 
 
 def _lineage(serving: Bundle, evidence: Evidence, parts: Mapping[str, list[str]], held: list[str],
-             calibrate_on: str) -> dict[str, Any]:
-    """What the new bundle came from: its parent's version, the evidence, the ids that certified."""
+             evaluated: list[str], calibrate_on: str) -> dict[str, Any]:
+    """What the new bundle came from: its parent's version, the evidence, the ids that certified,
+    and the uniform draws of the evaluation part (which ``distill.loop.promote`` also weighs)."""
     manifest = serving.manifest
     return {
         "parent": {"name": manifest.name, "path": str(serving.directory.resolve()),
@@ -156,5 +158,5 @@ def _lineage(serving: Bundle, evidence: Evidence, parts: Mapping[str, list[str]]
                    "calibration_version": manifest.calibration.version()},
         "evidence": {"items": len(evidence.items), "duplicates": evidence.duplicates,
                      "origins": dict(evidence.origins), "parts": {p: len(ids) for p, ids in parts.items()}},
-        "calibrate_on": calibrate_on, "certified_on": held,
+        "calibrate_on": calibrate_on, "certified_on": held, "evaluated_on": evaluated,
     }
