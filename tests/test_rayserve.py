@@ -385,6 +385,42 @@ def test_a_drift_seen_on_one_replica_demotes_the_question_on_all(
         assert (route["tier"], route["demoted"]) == ("teacher", True)
 
 
+def test_escalations_from_every_replica_are_kept_in_the_one_store(
+        deployed: Deployed, bundle_dir: Path, postgres_url: str) -> None:
+    """With ``--escalation-share 1`` both replicas keep the teacher's answer to every escalated
+    request in one PostgreSQL store, under the client's request id, to retrain on."""
+    from distill.store import LabelStore
+
+    old = replicas("cascade")
+    deployed.deploy(bundle_dir, "--audit-store", postgres_url, "--audit-share", "0",
+                    "--escalation-share", "1")
+    deployed.rolled(old)
+    answered_by: dict[str, str] = {}
+    body = {"state": STATE, "questions": {ESCALATED: QUESTIONS_JSON[ESCALATED]}}
+    for n in range(30):  # until both replicas have answered some, within a bounded count
+        rid = f"esc-{n}"
+        reply = httpx.post(f"{deployed.url}/v1/systemone", json=body, headers={"X-Request-Id": rid},
+                           timeout=300)
+        if reply.status_code == 503:
+            time.sleep(int(reply.headers["retry-after"]))
+            continue
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["answers"][ESCALATED]["x_routing"]["tier"] == "teacher"
+        answered_by[rid] = reply.headers["x-cascade-replica"]
+        if len(answered_by) >= 4 and len(set(answered_by.values())) == 2:
+            break
+    assert len(set(answered_by.values())) == 2, f"one replica answered all: {answered_by}"
+    deadline = time.monotonic() + 60
+    while True:
+        with LabelStore.open_existing(postgres_url) as store:
+            kept = {record.request_id: record for _, record in store.escalations_after(0)}
+        if set(answered_by) <= set(kept) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert set(answered_by) <= set(kept), f"kept {sorted(kept)} of {sorted(answered_by)}"
+    assert all(set(kept[rid].teacher) == {ESCALATED} and kept[rid].state == STATE for rid in answered_by)
+
+
 # --- the KubeRay manifest (checked here against Ray's schema; kubectl needs a cluster: not run) ---
 
 MANIFEST = Path(__file__).resolve().parents[1] / "deploy" / "kuberay" / "rayservice.yaml"
