@@ -169,7 +169,9 @@ def test_a_server_in_front_of_a_dead_url_answers_502_with_retry_after(
         bundle_dir: Path, gemma_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/systemone"
-    load = lambda: Cascade.load(bundle_dir, teacher=UpstreamSettings(url, deadline=2.0), threads=1)  # noqa: E731
+    # a deadline past any read on shared cores: the alive call must answer, and a closed port on
+    # loopback refuses at once whatever the deadline
+    load = lambda: Cascade.load(bundle_dir, teacher=UpstreamSettings(url, deadline=120.0), threads=1)  # noqa: E731
     body = {"state": STATE, "questions": {ESCALATED: Bundle.load(bundle_dir).manifest.questions[ESCALATED]}}
     with running(load) as base:
         with upstream(teacher_server(gemma_path, port)):
