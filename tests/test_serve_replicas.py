@@ -70,9 +70,10 @@ class Replica:
         line = f"{name}{{{label}}}"
         return next((float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)), 0.0)
 
-    def until(self, name: str, value: float, seconds: float = 120.0,
+    def until(self, name: str, value: float, seconds: float = 600.0,
               label: str = f'question="{KEPT}"') -> float:
-        """Wait until the gauge reads ``value``; the seconds it took."""
+        """Wait until the gauge reads ``value``; the seconds it took. The bound is generous: each
+        audit is a gemma read, and on shared cores thirty of them can take minutes."""
         started = time.monotonic()
         while self.gauge(name, label) != value:
             now = self.gauge(name, label)
@@ -121,7 +122,7 @@ def test_two_replicas_share_one_audit_stream_and_one_drift_watch(
             if a.gauge("cascade_demoted") == 1:
                 break
         assert a.until("cascade_demoted", 1) >= 0
-        lag = b.until("cascade_demoted", 1, seconds=60)
+        lag = b.until("cascade_demoted", 1, seconds=300)
         print(f"demotion held on the other replica {lag:.2f} s after the first had it (poll {POLL_S} s)")
         settled([a, b], [])
         route = b.ask(states[-1])

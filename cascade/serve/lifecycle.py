@@ -106,32 +106,33 @@ AuditHook = Callable[["Cascade"], "Auditor | None"]
 """Makes the auditor of the loaded cascade (None: no audit); ``distill.loop.auditing.StoreAudits`` is one."""
 
 
-def serve(
-    bundle: Path,
-    options: ServeOptions | None = None,
-    *,
-    teacher: Teacher | None = None,
-    device: Device = "cpu",
-    threads: int | None = None,
-    placement: Placements = None,
-    accept_other_teacher: bool = False,
-    audit: AuditHook | None = None,
-    escalations: Collector[EscalationRecord] | None = None,
-) -> None:
-    """Serve ``bundle``'s cascade at POST /v1/systemone until SIGTERM or Ctrl-C.
+@dataclass(frozen=True)
+class BundleParts:
+    """What serving a bundle takes besides its folder and the server's options: ``teacher``,
+    ``device``, ``threads``, ``placement`` and ``accept_other_teacher`` load the cascade as
+    ``Cascade.load`` does; ``audit`` makes its auditor once it has loaded; ``escalations`` keeps
+    the teacher's answers to escalated questions (closed when serving ends; its sink is the
+    caller's to close)."""
 
-    ``teacher``, ``device``, ``threads``, ``placement`` and ``accept_other_teacher`` load the
-    cascade as ``Cascade.load`` does; ``audit`` makes its auditor once it has loaded;
-    ``escalations`` keeps the teacher's answers to escalated questions (closed when serving
-    ends; its sink is the caller's to close). Blocks while
-    serving; raises ``CascadeError`` without the serve extra, for a folder that is not a bundle,
-    and when the bundle failed to load (the server stops then).
+    teacher: Teacher | None = None
+    device: Device = "cpu"
+    threads: int | None = None
+    placement: Placements = None
+    accept_other_teacher: bool = False
+    audit: AuditHook | None = None
+    escalations: Collector[EscalationRecord] | None = None
+
+
+def serve(bundle: Path, options: ServeOptions | None = None, parts: BundleParts | None = None) -> None:
+    """Serve ``bundle``'s cascade, loaded with ``parts``, at POST /v1/systemone until SIGTERM or
+    Ctrl-C.
+
+    Blocks while serving; raises ``CascadeError`` without the serve extra, for a folder that is
+    not a bundle, and when the bundle failed to load (the server stops then).
     """
     options = options or ServeOptions()
     run = _Run(options, "the bundle")
-    app, auth = bundle_app(bundle, options, teacher=teacher, device=device, threads=threads,
-                           placement=placement, accept_other_teacher=accept_other_teacher, audit=audit,
-                           escalations=escalations, on_failure=run.failed)
+    app, auth = bundle_app(bundle, options, parts, on_failure=run.failed)
     follows = f"follows {bundle} every {options.watch:g} s and on SIGHUP" if options.watch > 0 else \
         f"takes {bundle} again on SIGHUP"
     run.serve(app, f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
@@ -139,19 +140,8 @@ def serve(
               "models loading, /health says when ready)", hangup=lambda: _poke(app))
 
 
-def bundle_app(
-    bundle: Path,
-    options: ServeOptions,
-    *,
-    teacher: Teacher | None = None,
-    device: Device = "cpu",
-    threads: int | None = None,
-    placement: Placements = None,
-    accept_other_teacher: bool = False,
-    audit: AuditHook | None = None,
-    escalations: Collector[EscalationRecord] | None = None,
-    on_failure: Callable[[BaseException], None] | None = None,
-) -> tuple[Any, Auth]:
+def bundle_app(bundle: Path, options: ServeOptions, parts: BundleParts | None = None,
+               on_failure: Callable[[BaseException], None] | None = None) -> tuple[Any, Auth]:
     """The ASGI app ``serve`` runs and the auth it checks, for a host that runs the app itself (a
     Ray Serve replica: ``distill.cli.serve.replicas``); refused as ``serve`` refuses, before a model loads."""
     try:
@@ -167,23 +157,23 @@ def bundle_app(
     from cascade.cost.upstream import UpstreamLedger
     from cascade.routing.router import Cascade
 
-    bundle = Path(bundle)
+    bundle, parts = Path(bundle), parts or BundleParts()
     # what can be refused without loading a model is refused before the port opens
     auth = _checked(options, options.forward_auth, forwardable=True)
     key = auth.key
-    Cascade.preflight(resolve(bundle), teacher=teacher, accept_other_teacher=accept_other_teacher)
+    Cascade.preflight(resolve(bundle), teacher=parts.teacher, accept_other_teacher=parts.accept_other_teacher)
     settings = EngineSettings(batch=options.batch, max_batch=options.max_batch, max_wait=_wait(options),
                               overload=options.overload, audit_queue=options.audit_queue,
                               audit_in_flight=options.audit_in_flight,
                               forward_auth=options.forward_auth, lower_queue=options.lower_queue)
 
     def load(directory: Path) -> Cascade:
-        return Cascade.load(directory, teacher=teacher, device=device, threads=threads, placement=placement,
-                            accept_other_teacher=accept_other_teacher)
+        return Cascade.load(directory, teacher=parts.teacher, device=parts.device, threads=parts.threads,
+                            placement=parts.placement, accept_other_teacher=parts.accept_other_teacher)
 
     config = ServeConfig(api_key=key, max_body=options.max_body or DEFAULT_MAX_BODY, engine=settings,
-                         audit=audit, bundle=BundleSource(bundle, load, options.watch),
-                         ledger=UpstreamLedger(options.upstream_price), escalations=escalations,
+                         audit=parts.audit, bundle=BundleSource(bundle, load, options.watch),
+                         ledger=UpstreamLedger(options.upstream_price), escalations=parts.escalations,
                          limits=options.limits or RequestLimits(), receive_timeout=options.receive_timeout,
                          metrics_key=auth.metrics_key, docs=options.docs)
     return create_app(None, config, on_failure), auth

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cascade.errors import CascadeError
-from cascade.serve.lifecycle import API_KEY_VARIABLE, METRICS_KEY_VARIABLE
+from cascade.serve.lifecycle import API_KEY_VARIABLE, METRICS_KEY_VARIABLE, BundleParts
 from distill.cli.common import (
     add_accept_other_teacher_argument,
     add_audit_arguments,
@@ -95,7 +95,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         serve_teacher(args.teacher, options, placement=placement_of(args), layout=args.layout)
         return 0
     with bundle_parts(args) as parts:
-        serve(args.bundle, options, **parts)
+        serve(args.bundle, options, parts)
     return 0
 
 
@@ -115,10 +115,10 @@ def options_of(args: argparse.Namespace) -> ServeOptions:
 
 
 @contextmanager
-def bundle_parts(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """The keyword arguments ``serve`` (and ``bundle_app``) take besides the bundle and options:
-    the teacher and placement, and the audits and escalations kept in --audit-store, open until
-    the block ends (a Ray Serve replica holds them for its life)."""
+def bundle_parts(args: argparse.Namespace) -> Iterator[BundleParts]:
+    """What ``serve`` (and ``bundle_app``) take besides the bundle and options: the teacher and
+    placement, and the audits and escalations kept in --audit-store, open until the block ends (a
+    Ray Serve replica holds them for its life)."""
     from cascade.serve.swap import resolve
     from distill.loop.auditing import StoreAudits
 
@@ -129,9 +129,9 @@ def bundle_parts(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         escalations = _escalations(args, kept) if kept is not None else None
         with StoreAudits(args.audit_store, args.audit_share, args.audit_seed, args.on_drift,
                          poll=args.audit_poll, bundle=bundle) as audit:
-            yield {"teacher": teacher, "device": args.device, "threads": args.threads,
-                   "placement": placement_of(args), "accept_other_teacher": args.accept_other_teacher,
-                   "audit": audit, "escalations": escalations}
+            yield BundleParts(teacher=teacher, device=args.device, threads=args.threads,
+                              placement=placement_of(args), accept_other_teacher=args.accept_other_teacher,
+                              audit=audit, escalations=escalations)
     finally:
         if kept is not None:
             kept.close()

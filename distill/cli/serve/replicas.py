@@ -130,7 +130,7 @@ class CascadeReplica(_Replica):
         self._parts = self._held.enter_context(bundle_parts(self._args))
 
     def __serve_build_asgi_app__(self) -> Any:
-        app, _ = bundle_app(self._args.bundle, options_of(self._args), **self._parts, on_failure=self._failed)
+        app, _ = bundle_app(self._args.bundle, options_of(self._args), self._parts, on_failure=self._failed)
         return self._behind_proxy(app)
 
 
