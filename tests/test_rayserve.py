@@ -7,6 +7,7 @@ encoder, "department" goes to the teacher deployment."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -419,6 +420,38 @@ def test_escalations_from_every_replica_are_kept_in_the_one_store(
         time.sleep(0.5)
     assert set(answered_by) <= set(kept), f"kept {sorted(kept)} of {sorted(answered_by)}"
     assert all(set(kept[rid].teacher) == {ESCALATED} and kept[rid].state == STATE for rid in answered_by)
+
+
+def test_a_promoted_bundle_that_fails_to_load_leaves_the_old_replicas_serving(
+        deployed: Deployed, bundle_dir: Path, tmp_path: Path) -> None:
+    """A config naming a bundle whose files are not the ones its manifest pins: its replicas refuse
+    to start, Ray's ``serve status`` says why, and a replica of the bundle before keeps answering
+    meanwhile (Ray's rolling update stopped the other); the good config deployed again takes over."""
+    from ray import serve
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle_dir, broken)
+    for _, inside in Bundle.load(broken).manifest.bundle_files():
+        (broken / inside.name).write_bytes(b"not what the manifest names")
+    old = replicas("cascade")
+    body = {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+    deployed.deploy(broken)
+    codes: Counter[int] = Counter()
+    deadline = time.monotonic() + READY_S
+    while True:
+        codes[post(deployed.url, body).status_code] += 1
+        app = serve.status().applications["cascade"]
+        said = " ".join([app.message, *(d.message for d in app.deployments.values())])
+        if "failed" in said.lower():
+            break
+        assert time.monotonic() < deadline, f"Ray never said the update failed: {said!r}"
+        time.sleep(1)
+    assert "sha256" in said, f"Ray's status names the bundle's own refusal: {said!r}"
+    assert codes == {200: sum(codes.values())}, codes
+    assert set(old) & set(replicas("cascade")), "the bundle before kept a replica serving"
+    deployed.deploy(bundle_dir)
+    wait_ready(f"{deployed.url}/health")
+    assert post(deployed.url, body).status_code == 200
 
 
 # --- the KubeRay manifest (checked here against Ray's schema; kubectl needs a cluster: not run) ---
