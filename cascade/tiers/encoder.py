@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 
 from cascade.answers import Usage
 from cascade.cost.pricing import TierCost, TierPricing
+from cascade.encoder.blas import one_blas_thread
 from cascade.encoder.familiar import FamiliarityGate
 from cascade.encoder.ngrams import NgramFeatures, beside
 from cascade.encoder.onnx_encoder import TOKENIZER, TOKENIZER_SHA256, EmbeddingCache, Encoder, EncoderFiles
@@ -178,8 +179,9 @@ class EncoderTier(Tier):
             return out
         texts = [render_state(items[i].state) for i in wanted]
         vectors = self.cache.encode(texts) if self.cache else self.encoder.encode(texts)
-        answers = self.stack.predict_proba(beside(vectors, self.ngrams, texts))
-        familiar = self.gate.familiar(vectors) if self.gate is not None else np.ones(len(texts), bool)
+        with one_blas_thread():  # small products, which OpenBLAS's spinning threads slow (blas.py)
+            answers = self.stack.predict_proba(beside(vectors, self.ngrams, texts))
+            familiar = self.gate.familiar(vectors) if self.gate is not None else np.ones(len(texts), bool)
         for row, (i, (tokens, cut)) in enumerate(zip(wanted, self.encoder.cuts(texts), strict=True)):
             out.cuts[i] = cut
             out.usage[i] = Usage(input_tokens=tokens)
