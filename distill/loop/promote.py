@@ -164,8 +164,8 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     results = {name: calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
                for name, bundle in bundles.items()}
     scores = {name: result.item_scores for name, result in results.items()}
-    if evaluated:  # scored as the certifying items are; its thresholds are not used
-        scoring = replace(options, held_out=evaluated)
+    if evaluated:  # every tier scored as on the certifying items, where the checks ran; no threshold used
+        scoring = replace(options, held_out=evaluated, keep_costly_tiers=True, accept_degenerate_teacher=True)
         scores = {name: _merged(scores[name], calibrate_bundle(bundle, states, store, scoring, run=run,
                                                                encoder=encoder).item_scores)
                   for name, bundle in bundles.items()}
