@@ -141,6 +141,14 @@ def sample(task: Task, items: int, seed: int) -> list[dict[str, Any]]:
 # -- the real teacher's labelled items (bench/labels/) --------------------------------------------
 
 TEACHER = "qwen2.5-coder-1.5b-instruct"
+LABELS = Path(__file__).resolve().parent / "labels"
+FIRST = LABELS / "ag_news.qwen2.5-coder-1.5b.jsonl"
+SECOND = LABELS / "ag_news.qwen2.5-coder-1.5b.items-4001-7600.jsonl"
+"""The 1.5B's answers to AG News, items 1-4,000 and 4,001-7,600."""
+SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+PROMPT = "readout-v1"
+"""The GGUF those answers came from, and its prompts' version: a URL teacher replaying them
+states this identity (bench.serve_upstream)."""
 TARGET, DELTA = 0.98, 0.05
 GOAL_KEPT, GOAL_COST = 0.80, 0.25
 SOURCES = {"teacher": "teacher, soft", "gold": "gold"}

@@ -19,6 +19,7 @@ keeps disagreeing, those it sends up answered by the teacher).
 
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500 --evaluation 0
+    PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500 --certifying 300 --evaluation 300
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import numpy as np
 from bench.common import (
     CACHE_DIR,
     DELTA,
+    FIRST,
+    SECOND,
     TARGET,
     Items,
     Parts,
@@ -38,7 +41,6 @@ from bench.common import (
     markdown,
     task_named,
 )
-from bench.serve_upstream import FIRST, SECOND
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.thresholds import CERTIFIED_SCORE, threshold_score
 from distill.calibration.maths import threshold_for_agreement

@@ -38,8 +38,19 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import CACHE_DIR, TEACHER, TOPIC, argument_parser, markdown, process, read_rows
-from bench.serve_upstream import FIRST, PROMPT, SECOND, SHA256
+from bench.common import (
+    CACHE_DIR,
+    FIRST,
+    PROMPT,
+    SECOND,
+    SHA256,
+    TEACHER,
+    TOPIC,
+    argument_parser,
+    markdown,
+    process,
+    read_rows,
+)
 
 WORK = CACHE_DIR / "replica_throughput"
 TIMEOUT = 60.0

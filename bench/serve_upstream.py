@@ -40,13 +40,20 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import CACHE_DIR, TEACHER, TOPIC, argument_parser, markdown, process, read_rows
+from bench.common import (
+    CACHE_DIR,
+    FIRST,
+    PROMPT,
+    SECOND,
+    SHA256,
+    TEACHER,
+    TOPIC,
+    argument_parser,
+    markdown,
+    process,
+    read_rows,
+)
 
-LABELS = Path(__file__).resolve().parent / "labels"
-FIRST = LABELS / "ag_news.qwen2.5-coder-1.5b.jsonl"
-SECOND = LABELS / "ag_news.qwen2.5-coder-1.5b.items-4001-7600.jsonl"
-SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
-PROMPT = "readout-v1"
 REPLAYED = f"{TEACHER} (replayed labels)"
 WORK = CACHE_DIR / "serve_upstream"
 TIMEOUT = 60.0

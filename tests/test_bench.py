@@ -23,11 +23,11 @@ SCRIPTS = sorted(path.stem for path in BENCH.glob("*.py") if path.stem not in {"
 OPTIONAL = ("torch", "ray")
 """Extras a script may use, but only inside the function that needs them."""
 SCRIPT_IMPORTS = {"gguf_features": {"cascade_goals"}, "joint_chain": {"mid_layer"},
-                  "replica_throughput": {"serve_upstream"}, "rayserve_scaling": {"serve_load"}}
+                  "rayserve_scaling": {"serve_load"}}
 """Scripts that import another script: gguf_features reruns cascade_goals' library run with other
-features, joint_chain reads mid_layer's cached layer states and head, replica_throughput runs
-serve_upstream's replay upstream and pins its teacher, rayserve_scaling drives its servers with
-serve_load's clients. Everything else shared sits in bench.common."""
+features, joint_chain reads mid_layer's cached layer states and head, rayserve_scaling drives its
+servers with serve_load's clients. Everything else shared sits in bench.common (the committed
+labels and the teacher they came from among it)."""
 
 DRIVER = r"""
 import contextlib, importlib, io, json, sys
