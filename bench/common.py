@@ -104,6 +104,11 @@ def read_rows(name: str, limit: int | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def texts_by_id() -> dict[str, str]:
+    """AG News texts by item id, as the committed labels name them."""
+    return {row["id"]: row["text"].strip() for row in read_rows("ag_news_test.jsonl")}
+
+
 AG_TOPICS = {1: "world", 2: "sports", 3: "business", 4: "scitech"}
 
 

@@ -49,16 +49,12 @@ from bench.common import (
     argument_parser,
     markdown,
     process,
-    read_rows,
+    texts_by_id,
 )
 
 WORK = CACHE_DIR / "replica_throughput"
 TIMEOUT = 60.0
 QID = "topic"
-
-
-def texts_by_id() -> dict[str, str]:
-    return {row["id"]: row["text"].strip() for row in read_rows("ag_news_test.jsonl")}
 
 
 def traffic(n: int) -> list[str]:

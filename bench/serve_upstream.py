@@ -70,6 +70,7 @@ def replay_app(paths: list[Path]) -> Any:
 
     from cascade.questions import parse_request
     from cascade.readout.prompts import template_sha256
+    from cascade.serve.transport import read_body
 
     texts = {row["id"]: row["text"].strip() for row in read_rows("ag_news_test.jsonl")}
     labels: dict[str, dict[str, float]] = {}
@@ -81,8 +82,9 @@ def replay_app(paths: list[Path]) -> Any:
     async def health(_request: Any) -> Any:
         return JSONResponse({"status": "ok", "models": [{"name": REPLAYED}]})
 
-    async def decide(request: Any) -> Any:
-        parsed = parse_request(await request.body())
+    async def decide(request: Any) -> Any:  # bodies of 1 KiB and more come compressed
+        body = await read_body(request.stream(), request.headers.get("content-encoding"), 2 ** 24)
+        parsed = parse_request(body)
         probs = labels.get(parsed.state) if isinstance(parsed.state, str) else None
         if probs is None:
             return JSONResponse({"detail": "no recorded label for this state"}, 422)

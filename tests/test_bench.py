@@ -23,10 +23,11 @@ SCRIPTS = sorted(path.stem for path in BENCH.glob("*.py") if path.stem not in {"
 OPTIONAL = ("torch", "ray")
 """Extras a script may use, but only inside the function that needs them."""
 SCRIPT_IMPORTS = {"gguf_features": {"cascade_goals"}, "joint_chain": {"mid_layer"},
-                  "rayserve_scaling": {"serve_load"}}
+                  "rayserve_scaling": {"serve_load"}, "serve_growth": {"serve_upstream"}}
 """Scripts that import another script: gguf_features reruns cascade_goals' library run with other
 features, joint_chain reads mid_layer's cached layer states and head, rayserve_scaling drives its
-servers with serve_load's clients. Everything else shared sits in bench.common (the committed
+servers with serve_load's clients, serve_growth starts serve_upstream's server command and reads
+its metrics. Everything else shared sits in bench.common (the committed
 labels and the teacher they came from among it)."""
 
 DRIVER = r"""
