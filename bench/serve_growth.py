@@ -346,16 +346,28 @@ def report(r: dict[str, Any], seed_items: int, finetune: bool) -> tuple[str, str
             promoted_rows.append((before, name))
         labels = d["seen"]
         rows.append([f"{d['attempt']}", str(s["answered"] + s["refused"]),
-                     f"{labels.get('audits', 0)} / {labels.get('escalations', 0)}", f"{d['outcome']}", gate,
+                     f"{labels.get('audits', 0)} / {labels.get('escalations', 0)} ({census(d['candidate'])})",
+                     f"{d['outcome']}", gate,
                      serving, cert(serving), held(name), f"{teacher_calls(s['metrics']):.3f}",
                      str(s["refused"])])
     rows.append(["end", str(r["replayed"]), "-", "-", "-", r["serving_at_end"], cert(r["serving_at_end"]),
                  held(r["serving_at_end"]), f"{teacher_calls(r['metrics_at_end']):.3f}", str(r["refused"])])
-    table = markdown(["attempt", "items answered", "audits / escalations in the store", "outcome", "gate",
+    table = markdown(["attempt", "items answered", "audits / escalations in the store (census escalations "
+                      "in the retrain's evidence)", "outcome", "gate",
                       "serving after", "its certified share (on n)",
                       "candidate's held-out kept (agreement of those; of all)",
                       "teacher calls per item so far", "refused so far"], rows)
     return table, goals(r, promoted_rows, finetune)
+
+
+def census(candidate: str) -> str:
+    """How many census escalations (sent up whatever the item, so certifying) the candidate's
+    retrain read, from its lineage; "-" where the candidate left none."""
+    lineage = Path(candidate) / "lineage.json"
+    if not lineage.is_file():
+        return "-"
+    origins = json.loads(lineage.read_text(encoding="utf-8"))["evidence"]["origins"]
+    return str(origins.get("census escalation", 0))
 
 
 def gate_cell(g: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from cascade.collect.escalation import EscalationRecord
 from distill.cli import main
 from distill.demo.synthetic import SyntheticItem, generate
 from distill.loop.promote import promotions_log
-from distill.loop.watch import LoopPaths, LoopState, Pending, loop_lock
+from distill.loop.watch import VERSION, LoopPaths, LoopState, Pending, loop_lock
 from distill.store import LabelStore
 
 TARGET = 0.85
@@ -60,6 +60,11 @@ def loop(link: Path, store: Path, corpus: Path, cache: Path) -> int:
     return main(["loop", "--bundle", str(link), "--store", str(store), "--corpus", str(corpus),
                  "--every", str(EVERY), "--once", "--target-agreement", str(TARGET), "--teacher-items", "0",
                  "--cache-dir", str(cache)])
+
+
+def candidates(paths: LoopPaths) -> list[str]:
+    """The candidate folders the loop made (not a serving bundle's refreshed copy, CANDIDATE.serving)."""
+    return sorted(p.name for p in paths.versions.glob("v-*") if VERSION.fullmatch(p.name))
 
 
 def log_lines(link: Path) -> list[dict]:
@@ -110,6 +115,12 @@ def test_n_new_labels_retrain_promote_and_log_one_decision(looped: tuple[Path, P
     assert decision["outcome"] == ("promoted" if gate["promoted"] else "kept aside")
     assert decision["reason"] == gate["reason"]
     assert (link.resolve() == candidate.resolve()) == gate["promoted"]
+    # a serving bundle whose thresholds keep nothing (this one) serves the gate's for it when kept
+    thresholds = Bundle.load(paths.versions.parent / "support-v1").manifest.thresholds
+    young = all(t is None for row in thresholds.values() for t in row.values())
+    refresh = young and not gate["promoted"] and gate["gate"]["serving_share"] > 0
+    assert gate["refreshed"] == (str(paths.versions / "v-0001.serving") if refresh else None)
+    assert (link.resolve() == (paths.versions / "v-0001.serving").resolve()) == refresh
     assert f"attempt 1: 170 new teacher labels (160 audits, 10 escalations, 0 collected); {candidate}: " \
         f"{decision['outcome']}" in printed[1]
     state = LoopState.model_validate_json(paths.state.read_text(encoding="utf-8"))
@@ -122,7 +133,7 @@ def test_a_restart_past_the_mark_does_not_retrain_on_the_same_labels(
     link, store, _ = looped
     assert loop(link, store, labelled[0], embedding_cache) == 0
     assert "0 new teacher labels since the last retrain" in capsys.readouterr().out
-    assert [p.name for p in LoopPaths(link).versions.glob("v-*")] == ["v-0001"]
+    assert candidates(LoopPaths(link)) == ["v-0001"]
     assert len(log_lines(link)) == 1
 
 
@@ -140,7 +151,7 @@ def test_a_loop_killed_after_the_gate_decided_takes_its_decision_without_retrain
     assert loop(link, store, labelled[0], embedding_cache) == 0
     recovered = log_lines(link)[-1]
     assert recovered["outcome"] == decided["outcome"] and recovered["reason"] == decided["reason"]
-    assert [p.name for p in paths.versions.glob("v-*")] == ["v-0001"]  # taken, not retrained
+    assert candidates(paths) == ["v-0001"]  # taken, not retrained
     assert paths.state.read_text(encoding="utf-8").strip() == before.strip()
 
 
@@ -152,6 +163,7 @@ def test_a_half_made_candidate_is_removed_never_promoted(trained_bundle: Bundle,
     half = paths.versions / "v-0001"
     copy_bundle(trained_bundle, half)  # trained, killed before its evidence and lineage were written
     (paths.versions / ".v-0001.training-x1").mkdir()  # and a staging folder of a killed training
+    (paths.versions / "v-0001.serving").mkdir()  # and a refreshed copy its gate began, never swapped in
     seen = {"audits": 40, "escalations": 0, "collected": 0}
     paths.state.write_text(LoopState(mark=40, attempts=1, pending=Pending(candidate=str(half), seen=seen))
                            .model_dump_json())

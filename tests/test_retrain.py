@@ -2,8 +2,9 @@
 
 The serving bundle is the session's, trained on the generated corpus of ``corpora``; a copy of its
 store then holds what serving would add: every one of the first 40 corpus states audited again
-(duplicates, to be counted once), 120 new states audited, and 10 escalations (kept as ``cascade
-serve --escalation-share`` keeps them), whose labels are the generator's as the corpus's are.
+(duplicates, to be counted once), 120 new states audited, 10 escalations the cascade chose and 20
+it sent up whatever the item (census escalations), kept as ``cascade serve --escalation-share``
+keeps them, whose labels are the generator's as the corpus's are.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from distill.loop.promote import PromoteError, latest_promotion, promote, promot
 from distill.loop.retrain import RetrainError, RetrainResult, retrain_bundle
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
+from distill.training.split import part_of
 
 TARGET = 0.85
 START = 1_800_000_000.0
@@ -45,14 +47,14 @@ def served(labelled: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     with LabelStore(path, TEACHER) as store:
         for n, item in enumerate(corpus_items()[:40]):
             store.put_audit(record("audit:r1", item, n))
-        for n, item in enumerate(generate(130, seed=5)):
+        for n, item in enumerate(generate(150, seed=5)):
             if n < 120:
                 store.put_audit(record("audit:r2", item, 100 + n))
             else:  # as `cascade serve --escalation-share` keeps them
                 store.put_escalation(EscalationRecord(
                     item_id=f"escalation:r2.{item.id}", request_id=item.id, state=item.text,
                     calibration_version="v0", at=START + 100 + n,
-                    teacher={q: item.labels[q] for q in HEADED}))
+                    teacher={q: item.labels[q] for q in HEADED}, census=tuple(HEADED) if n >= 130 else ()))
     return path
 
 
@@ -78,17 +80,22 @@ def retrained(trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path],
 def test_every_labelled_state_counts_once_and_keeps_its_part(retrained: RetrainResult,
                                                               trained_bundle: Bundle) -> None:
     evidence = retrained.evidence
-    assert len(evidence.items) == 300 + 130 and evidence.duplicates == 40
-    assert dict(evidence.origins) == {"corpus": 300, "audit": 120, "escalation": 10}
+    assert len(evidence.items) == 300 + 150 and evidence.duplicates == 40
+    assert dict(evidence.origins) == {"corpus": 300, "audit": 120, "escalation": 10, "census escalation": 20}
     assert len({state_sha256(item.state) for item in evidence.items}) == len(evidence.items)
     parts = retrained.bundle.split_ids()
     assert set(trained_bundle.split_ids()["train"]) <= set(parts["train"])
     old_held = set(trained_bundle.split_ids()["calibration"])
     assert old_held <= set(parts["calibration"])  # an item keeps its part as traffic grows
     escalations = {item.id for item in evidence.items if item.origin == "escalation"}
-    assert escalations <= set(parts["train"])  # escalations train, never certify
+    assert escalations <= set(parts["train"])  # escalations the cascade chose train, never certify
     certified_on = set(retrained.lineage["certified_on"])
     assert certified_on == set(parts["calibration"]) and not certified_on & set(parts["train"])
+    census = {item.id for item in evidence.items if item.origin == "census escalation"}
+    split = trained_bundle.manifest.split  # placed by their id's hash, as audits are; certify there
+    assert {part: census & set(ids) for part, ids in parts.items()} == {
+        part: {i for i in census if part_of(i, split.fractions, split.salt) == part} for part in parts}
+    assert census & certified_on and census & set(parts["train"])
     assert any(i.startswith("audit:r2:") for i in certified_on)
     evaluated_on = set(retrained.lineage["evaluated_on"])  # weighed by the gate, never certified on
     assert evaluated_on == set(parts["evaluation"]) and not evaluated_on & escalations
@@ -104,7 +111,7 @@ def test_the_new_bundle_is_calibrated_on_its_held_out_items_and_names_its_parent
     assert lineage["parent"]["name"] == trained_bundle.manifest.name
     assert lineage["evidence"]["duplicates"] == 40
     lines = (retrained.bundle.directory / "evidence.jsonl").read_text(encoding="utf-8").splitlines()
-    assert len(lines) == 430
+    assert len(lines) == 450
 
 
 def test_a_retrain_refuses_another_teacher_missing_states_and_its_own_serving_folder(
@@ -189,7 +196,39 @@ def test_a_tie_is_kept_aside_and_each_attempt_spends_less_delta(
     assert second.gate.certificate_delta is not None and first.gate.certificate_delta is not None
     assert second.gate.certificate_delta == pytest.approx(first.gate.certificate_delta / 4)
     assert Bundle.load(candidate).manifest == retrained.bundle.manifest  # not rewritten when refused
+    assert Bundle.load(serving).manifest == retrained.bundle.manifest  # it keeps something: never refreshed
+    assert first.refreshed is None and second.refreshed is None
     assert latest_promotion(log) is None
+
+
+def test_a_serving_bundle_that_keeps_nothing_serves_the_gates_certificate_when_kept_serving(
+        retrained: RetrainResult, served: Path, encoder: Encoder, embedding_cache: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    young = copied(retrained.bundle, tmp_path / "young")  # the same heads, thresholds that keep nothing
+    manifest = retrained.bundle.manifest
+    bare = {qid: dict.fromkeys(row) for qid, row in manifest.thresholds.items()}
+    Bundle(manifest.model_copy(update={"thresholds": bare}), young).save()
+    candidate = copied(retrained.bundle, tmp_path / "candidate")
+    pointer, log = tmp_path / "current", tmp_path / "current.promotions.jsonl"
+    pointer.write_text("young\n", encoding="utf-8")
+    status = main(["promote", "--bundle", str(pointer), "--candidate", str(candidate), "--store", str(served),
+                   "--cache-dir", str(embedding_cache)])
+    assert status == 1 and f"serving now: {tmp_path / 'candidate.serving'}" in capsys.readouterr().out
+    [first] = (json.loads(line) for line in log.read_text(encoding="utf-8").splitlines())
+    gate = first["gate"]
+    assert not first["promoted"] and gate["lower_bound"] == 0 and gate["serving_share"] > 0  # a tie
+    assert first["refreshed"] == str(tmp_path / "candidate.serving") and "kept nothing" in first["reason"]
+    named = (tmp_path / pointer.read_text(encoding="utf-8").strip()).resolve()
+    assert named == (tmp_path / "candidate.serving").resolve()
+    refreshed = Bundle.load(named).manifest
+    assert refreshed.calibration.delta == gate["certificate_delta"] == certificate_delta(gate["delta"], 1)
+    assert refreshed.calibration.asked_delta == gate["delta"] and refreshed.tiers == manifest.tiers
+    assert any(t is not None for row in refreshed.thresholds.values() for t in row.values())
+    assert Bundle.load(young).manifest.thresholds == bare  # the old folder is left as it was
+    with LabelStore.open_existing(served) as store:  # the same bundle: its attempts go on counting
+        second = promote(pointer, candidate, store, run=run(embedding_cache), encoder=encoder)
+    assert second.gate.attempt == 2 and second.refreshed is None and not second.promoted
+    assert (tmp_path / pointer.read_text(encoding="utf-8").strip()).resolve() == named
 
 
 def test_a_candidate_from_before_evaluation_ids_were_recorded_is_weighed_on_its_certifying_items(
@@ -250,11 +289,14 @@ def test_the_command_retrains_through_a_link_and_says_what_comes_next(
                  "--out", str(out), "--target-agreement", str(TARGET), "--teacher-items", "0",
                  "--cache-dir", str(embedding_cache), "--calibrate-on", "traffic"]) == 0
     printed = capsys.readouterr().out
-    assert "evidence: 430 labelled states (120 audit, 300 corpus, 10 escalation); 40 repeats" in printed
+    assert ("evidence: 450 labelled states (120 audit, 20 census escalation, 300 corpus, 10 escalation); "
+            "40 repeats") in printed
     assert f"next: cascade promote --bundle {link} --candidate {out}" in printed
     lineage = json.loads((out / "lineage.json").read_text(encoding="utf-8"))
     assert lineage["calibrate_on"] == "traffic"
-    assert all(i.startswith("audit:") for i in lineage["certified_on"])
+    certified_on = lineage["certified_on"]  # traffic: audits and census escalations, never the corpus
+    assert all(i.startswith("audit:") or i.startswith("escalation:r2.") for i in certified_on)
+    assert {i.split(":")[0] for i in certified_on} == {"audit", "escalation"}
 
 
 def test_collected_traffic_counts_as_collected_and_each_state_once(tmp_path: Path) -> None:

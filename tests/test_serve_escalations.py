@@ -20,17 +20,18 @@ from corpora import QUESTIONS_JSON, corpus_items
 from servers import ESCALATED, KEPT, free_port, running, serving_bundle, until
 
 from cascade.audit.sample import AuditSampler
-from cascade.bundle.manifest import Bundle
+from cascade.bundle.manifest import Bundle, Manifest
 from cascade.collect.collector import Collector
 from cascade.collect.escalation import EscalationRecord
 from cascade.errors import CascadeError
+from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.engine import Engine, EngineSettings
 from distill.cli import main
 from distill.loop.auditing import auditor_for, bundle_teacher
 from distill.loop.escalations import StoreEscalations, escalations
-from distill.loop.evidence import gather
+from distill.loop.evidence import CERTIFYING, gather
 from distill.store import LabelStore, Teacher
 
 PATIENT = EngineSettings(max_wait=600.0)
@@ -116,7 +117,55 @@ def test_evidence_reads_escalations_as_training_only(bundle_dir: Path, gemma_pat
         evidence = gather(opened, Bundle.load(bundle_dir).manifest.parsed_questions(), None)
         assert opened.escalation_count() == 2 and not opened.audits()
         assert len(list(escalations(opened))) == 2
-    assert dict(evidence.origins) == {"escalation": 2} and not evidence.ids(["audit", "corpus", "collected"])
+    assert dict(evidence.origins) == {"escalation": 2} and not evidence.ids(CERTIFYING["all"])
+
+
+def no_threshold_for(bundle_dir: Path, qid: str, directory: Path) -> Path:
+    """A copy of ``bundle_dir`` holding no threshold for ``qid``: routing sends it up whatever the item."""
+    bundle = Bundle.load(bundle_dir)
+    data = bundle.manifest.model_dump(mode="json")
+    data["thresholds"].pop(qid)
+    Bundle(Manifest.model_validate(data), bundle.directory).save(directory)
+    return directory
+
+
+def test_routing_sends_a_question_up_whatever_the_item_only_without_a_threshold_or_a_budget(
+        bundle_dir: Path, tmp_path: Path) -> None:
+    bare = no_threshold_for(bundle_dir, ESCALATED, tmp_path / "bare")
+    with Cascade.load(bundle_dir, labels={KEPT: {}}, threads=1) as held, \
+            Cascade.load(bare, labels={KEPT: {}}, threads=1) as young:
+        assert not held.sends_every_item_up(ESCALATED, Budget())  # a threshold of 1.0 is a choice
+        assert young.sends_every_item_up(ESCALATED, Budget())
+        assert not young.sends_every_item_up(KEPT, Budget())
+        for bound in (Budget(ms_per_call=1e6), Budget(max_escalation_fraction=1.0)):
+            assert not young.sends_every_item_up(ESCALATED, bound)  # a budget may keep an answer
+        held.demoted.add(ESCALATED)  # a drift alarm's demotion sends it up whatever the item
+        assert held.sends_every_item_up(ESCALATED, Budget())
+
+
+def test_escalations_of_a_question_sent_up_whatever_the_item_are_a_census_that_certifies(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    bare = no_threshold_for(bundle_dir, ESCALATED, tmp_path / "bare")
+    store = tmp_path / "labels.sqlite"
+    collector = kept_in(store, bare)
+    load = lambda: Cascade.load(bare, teacher=gemma_path, threads=2)  # noqa: E731
+    try:
+        with running(load, ServeConfig(engine=PATIENT, escalations=collector)) as base:
+            census = [ask(base, state, KEPT, ESCALATED) for state in STATES[:3]]
+            body = {"state": STATES[3], "questions": {ESCALATED: QUESTIONS_JSON[ESCALATED]},
+                    "x_budget": {"ms_per_call": 1e6}}  # bounded: not a census, though it went up
+            assert httpx.post(f"{base}/v1/systemone", json=body, timeout=120).status_code == 200
+            until(lambda: collector.counts["collected"] == 4, "the 4 escalations kept")
+    finally:
+        collector.sink.close()  # type: ignore[attr-defined]
+    assert all(r["answers"][ESCALATED]["x_routing"]["tier"] == "teacher" for r in census)
+    with LabelStore.open_existing(store) as opened:
+        kept = [record for _, record in opened.escalations_after(0)]
+        evidence = gather(opened, Bundle.load(bare).manifest.parsed_questions(), None)
+    assert [(record.state, record.census) for record in kept] == [
+        *((state, (ESCALATED,)) for state in STATES[:3]), (STATES[3], ())]
+    assert dict(evidence.origins) == {"census escalation": 3, "escalation": 1}
+    assert evidence.ids(CERTIFYING["traffic"]) == {record.item_id for record in kept[:3]}
 
 
 def test_no_escalation_is_kept_from_a_teacher_the_certificate_does_not_name(

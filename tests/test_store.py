@@ -375,6 +375,33 @@ def test_escalations_keep_labels_and_state_in_one_row_apart_from_the_audits(plac
         assert store.audits() == [] and set(store.labels("team")) == {f"escalation:r{n}.x" for n in range(3)}
 
 
+def test_an_escalation_keeps_its_census_questions_and_an_older_table_gains_the_column(place: Place) -> None:
+    """Which questions routing sent up whatever the item: kept with the row, read back; a table
+    an older cascade made (without the column) reads its rows as no census, and takes the column
+    on its next write."""
+    def escalation(n: int, census: tuple[str, ...] = ()) -> EscalationRecord:
+        return EscalationRecord(item_id=f"escalation:r{n}.x", request_id=f"r{n}", state=f"state {n}",
+                                calibration_version="v", at=1.0 + n, census=census,
+                                teacher={"team": {"billing": 0.7, "technical": 0.2, "sales": 0.1}})
+
+    path = place("labels.db")
+    with LabelStore(path, GGUF) as store:
+        store.put_escalation(escalation(0))
+    sql(path, "DROP TABLE escalations")  # as the older cascade made it: no census column
+    sql(path, "CREATE TABLE escalations (seq BIGINT PRIMARY KEY, item_id TEXT NOT NULL UNIQUE, request_id "
+              "TEXT NOT NULL, state TEXT NOT NULL, calibration_version TEXT NOT NULL, created_at DOUBLE "
+              "PRECISION NOT NULL)")
+    sql(path, "INSERT INTO escalations VALUES (1, 'escalation:r0.x', 'r0', '\"state 0\"', 'v', 1.0)")
+    with LabelStore.open_existing(path) as store:  # read-only: the missing column reads as none
+        assert [record.census for _, record in store.escalations_after(0)] == [()]
+    with LabelStore(path, GGUF) as store:
+        store.put_escalation(escalation(1, ("team",)))
+        store.put_escalation(escalation(2, ("urgent",)))  # a question it does not hold: not a census
+        kept = [record for _, record in store.escalations_after(0)]
+    assert [record.census for record in kept] == [(), ("team",), ("urgent",)]
+    assert [record.is_census for record in kept] == [False, True, False]
+
+
 def end_sessions(server: str, database_url: str) -> int:
     """End every session on ``database_url``'s database from the server's side, as a restart or a
     failover does, and wait until they are gone; how many there were."""

@@ -10,15 +10,22 @@ another teacher was accepted, since a store never mixes two teachers.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 
 from cascade.collect.escalation import PREFIX, EscalationRecord
 from cascade.routing.budget import Run
 from cascade.routing.router import Cascade
 
 
-def escalation_of(cascade: Cascade, run: Run, i: int, request_id: str, at: float) -> EscalationRecord | None:
-    """The teacher's answers about item ``i`` of a finished ``run`` (None where it answered none)."""
+def escalation_of(cascade: Cascade, run: Run, i: int, request_id: str, at: float,
+                  census: Collection[str] | None = None) -> EscalationRecord | None:
+    """The teacher's answers about item ``i`` of a finished ``run`` (None where it answered none).
+    ``census``: the questions routing sent up whatever the item, as they stood when ``run`` was
+    routed (default: as they stand now; a server builds the record later, on another thread, and a
+    drift alarm may demote a question meanwhile)."""
     top = len(cascade.tiers) - 1
+    if census is None:
+        census = sent_up_whatever(cascade, run)
     picks = run.picks[i]
     asked = [qid for qid in run.answered[top][i] if qid in picks and picks[qid].tier == top]
     if not asked:
@@ -29,4 +36,11 @@ def escalation_of(cascade: Cascade, run: Run, i: int, request_id: str, at: float
               if (readout := picks[qid].readout) is not None and readout.prompt_hash}
     return EscalationRecord(item_id=f"{PREFIX}{request_id}.{uuid.uuid4().hex[:12]}", request_id=request_id,
                             state=run.items[i].state, calibration_version=cascade.calibration_version,
-                            at=at, teacher=teacher, prompt_hashes=hashes)
+                            at=at, teacher=teacher, prompt_hashes=hashes,
+                            census=tuple(qid for qid in asked if qid in census))
+
+
+def sent_up_whatever(cascade: Cascade, run: Run) -> frozenset[str]:
+    """The questions ``run`` asked that routing sends to the top tier whatever the item."""
+    asked = {qid for qids in run.asked for qid in qids}
+    return frozenset(qid for qid in asked if cascade.sends_every_item_up(qid, run.budget))

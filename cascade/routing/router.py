@@ -213,6 +213,19 @@ class Cascade:
         run.queued[top] = [[] for _ in run.items]
         return True
 
+    def sends_every_item_up(self, qid: str, budget: Budget) -> bool:
+        """Whether routing sends question ``qid`` to the top tier whatever the item: no cheap tier
+        may keep an answer to it (none holds a threshold for it or can answer it, or a drift alarm
+        demoted it) and ``budget`` bounds nothing (a bound can keep an uncertified answer in its
+        place, by the item's cost). The teacher's answers to such a question are then a census of
+        the traffic routed while it held, not a choice of the cascade's doubt
+        (``cascade.collect.escalation``)."""
+        if budget.ms_per_call is not None or budget.max_escalation_fraction is not None:
+            return False
+        cheap = self.tiers[:-1]
+        return qid in self.demoted or not any(
+            tier.can_answer(qid) and self.manifest.threshold(qid, tier.name) is not None for tier in cheap)
+
     def _question_ids(self, questions: Sequence[str] | None) -> list[str]:
         if questions is None:
             return list(self.questions)

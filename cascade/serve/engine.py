@@ -61,7 +61,7 @@ from cascade.errors import CascadeError, QueueFullError, ServiceError, TeacherCh
 from cascade.questions import Question, State
 from cascade.readout.prompts import read_chars
 from cascade.routing.budget import Budget, Run
-from cascade.routing.escalations import escalation_of
+from cascade.routing.escalations import escalation_of, sent_up_whatever
 from cascade.routing.router import Cascade
 from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
@@ -430,7 +430,8 @@ class Engine:
                 or not run.answered[self.top][0]):
             return
         cascade, request, at = self.cascade, job.item.id, time.time()
-        self.escalations.offer(lambda: escalation_of(cascade, run, 0, request, at),
+        census = sent_up_whatever(cascade, run)  # now: a drift alarm may demote a question before the build
+        self.escalations.offer(lambda: escalation_of(cascade, run, 0, request, at, census),
                                size=size_of(job.item.state))
 
     @staticmethod

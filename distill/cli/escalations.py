@@ -21,7 +21,9 @@ def add_escalation_arguments(p: argparse.ArgumentParser, chosen: str) -> argpars
     kept.add_argument("--escalation-share", type=share, default=0.0, metavar="F",
                       help=f"seeded share of {chosen} whose teacher answers to escalated questions are kept "
                       "in --audit-store, in [0, 1] (default 0: none): the items the fast tier found hard, "
-                      "which `cascade retrain` trains on (they never certify: the cascade chose them)")
+                      "which `cascade retrain` trains on (they never certify: the cascade chose them; "
+                      "except where it sent a question up whatever the item, holding no threshold for "
+                      "it: those are a census of that traffic, and certify)")
     kept.add_argument("--escalation-seed", default="escalations", metavar="TEXT",
                       help="seed of the escalation share (default 'escalations')")
     return kept

@@ -27,11 +27,13 @@ answers each bundle's cheap tiers keep at the candidate's target (the plug-in sh
 the questions) is compared paired, item by item; the candidate replaces the serving bundle only
 if the 80% paired bootstrap lower bound on how much more it keeps is above 0 (a tie never
 promotes). Both are certified afresh on the certifying items alone, at half the delta this
-attempt may spend (the k-th attempt against one serving bundle, counted from the log, spends
+attempt may spend (the k-th attempt since the last promotion, counted from the log, spends
 delta x 6/(pi^2 k^2)), so the certificate of the one serving after the gate holds whichever was
 chosen; a promoted candidate is served with those thresholds, its
-manifest's delta the level they were certified at. Promoted, it is copied over the serving folder
-in one swap (the replaced bundle kept as NAME.previous beside it), which a running `cascade
+manifest's delta the level they were certified at. Kept aside, a serving bundle whose
+thresholds keep nothing (it certified nothing yet) is served with the ones the gate certified
+for it instead, from a copy beside the candidate (CANDIDATE.serving). Promoted, it is copied over
+the serving folder in one swap (the replaced bundle kept as NAME.previous beside it), which a running `cascade
 serve` watching the folder picks up; kept aside, it stays where it is with the reason in its
 promotion.json. Every decision, promoted or not, is one line of NAME.promotions.jsonl beside the
 serving folder: both bundles' names, manifest hashes and calibration versions, when, the rule and
@@ -68,6 +70,8 @@ def _cmd_promote(args: argparse.Namespace) -> int:
     print(record.reason)
     if record.previous:
         print(f"the replaced bundle is kept at {record.previous}")
+    if record.refreshed:
+        print(f"serving now: {record.refreshed} (the serving bundle with the thresholds this gate certified)")
     print(f"log: {args.log or promotions_log(args.bundle)}")
     return 0 if record.promoted else KEPT_ASIDE
 

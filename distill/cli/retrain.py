@@ -37,7 +37,9 @@ the serving bundle's split gives their id, so an item never moves as traffic gro
 and what the serving bundle trained on go to the train part. The new bundle is calibrated on the
 calibration part's uniform draws (--calibrate-on: all of them, traffic only, or the corpus only,
 the words `cascade calibrate` takes):
-escalations are chosen by the serving cascade, so they train but never certify. It is written to
+escalations are chosen by the serving cascade, so they train but never certify, except census
+escalations: those of questions the serving cascade sent to the teacher whatever the item (it
+held no threshold for them yet), a uniform draw of traffic like an audit. It is written to
 --out with its evidence (evidence.jsonl) and lineage (lineage.json); the serving bundle is not
 touched: `cascade promote` swaps the new one in only if it certifies at least as much."""
 EPILOG = """\
@@ -109,7 +111,7 @@ def add_retrain_arguments(p: argparse.ArgumentParser, *, certificate: bool, fine
     p.add_argument("--target-agreement", type=probability, metavar="P",
                    help="agreement to certify, in (0, 1) (default: the serving bundle's)")
     p.add_argument("--delta", type=probability, metavar="D", help="in (0, 1) (default: the serving bundle's)")
-    add_calibrate_on_argument(p, "all", "the audited and the collected states in --store")
+    add_calibrate_on_argument(p, "all", "the audited, collected and census-escalated states in --store")
     if certificate:
         p.add_argument("--certificate", choices=("joint", "split"), default="joint",
                        help="several cheap tiers: one certificate for the chain (default), or each tier its "

@@ -11,11 +11,17 @@ apart by the prefix of its item id (``ORIGINS``).
 
 The same state may arrive twice (an item audited in two runs, a corpus item seen again as
 traffic): it is one observation, so it is kept once, under the first id met (corpus items first,
-then audits and collected traffic, escalations last, each in the store's order, so that a state
-both escalated and drawn uniformly keeps the origin that may certify), and every later copy is
-counted as a duplicate.
+then audits and collected traffic, census escalations, the other escalations last, each in the
+store's order, so that a state both escalated and drawn uniformly keeps the origin that may
+certify), and every later copy is counted as a duplicate.
+
 Which origins may certify a threshold: uniform draws only (``CERTIFYING``); escalations train
-(distill.calibration.traffic says why, and what would let them certify).
+(distill.calibration.traffic says why, and what would let them certify), except a census
+escalation: one whose every question routing sent up whatever the item (a question no cheap tier
+held a threshold for, as while the cascade had certified nothing: ``cascade.collect.escalation``).
+Such a record was kept because the request came, not because the cascade doubted it, so it is a
+uniform draw of the traffic of its time, as an audit is; it is placed in a part by its id's hash
+like one, and certifies there.
 """
 
 from __future__ import annotations
@@ -34,17 +40,17 @@ from distill.loop.escalations import escalations
 from distill.options import CorpusInput
 from distill.store import LabelStore
 
-Origin = Literal["corpus", "audit", "collected", "escalation"]
+Origin = Literal["corpus", "audit", "collected", "escalation", "census escalation"]
 ORIGINS: dict[str, Origin] = {"audit:": "audit", "traffic:": "collected", "escalation:": "escalation"}
 """A stored item id's prefix -> its origin (``distill.loop.collected.item_id`` names collected states;
 an audit record of no known prefix is an audit)."""
 CERTIFYING: dict[str, frozenset[Origin]] = {
-    "all": frozenset({"corpus", "audit", "collected"}),
-    "traffic": frozenset({"audit", "collected"}),
+    "all": frozenset({"corpus", "audit", "collected", "census escalation"}),
+    "traffic": frozenset({"audit", "collected", "census escalation"}),
     "corpus": frozenset({"corpus"}),
 }
 """Which origins certify, by the name ``cascade retrain --calibrate-on`` gives them: uniform draws
-of the corpus or of traffic. Escalations are chosen by the serving cascade, so never."""
+of the corpus or of traffic. Escalations the serving cascade chose, never."""
 
 
 class EvidenceError(CascadeError, ValueError):
@@ -112,8 +118,9 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
             if r.item_id in labelled]
     met += [EvidenceItem(ident, state, "collected") for ident, state in _collected(store)
             if ident in labelled]
-    met += [EvidenceItem(r.item_id, r.state, "escalation") for r in escalations(store)
-            if r.item_id in labelled]
+    escalated = [r for r in escalations(store) if r.item_id in labelled]  # census first: they may certify
+    met += [EvidenceItem(r.item_id, r.state, "census escalation") for r in escalated if r.is_census]
+    met += [EvidenceItem(r.item_id, r.state, "escalation") for r in escalated if not r.is_census]
     stateless = labelled - {item.id for item in met}
     if stateless:
         where = ("in --corpus" if corpus is not None else

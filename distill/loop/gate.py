@@ -21,8 +21,9 @@ choice: both bundles are certified at half the level (Learn then Test with a Bon
 the two), so that with probability ``1 - delta`` both certificates hold at once, whichever is
 chosen. Splitting the items into a choosing and a certifying part instead halves the items of each
 step; the simulation shows the half level costs less (see docs/retraining.md). Repeated attempts
-against one serving bundle reuse its held-out items, so the k-th attempt spends
-``delta x 6 / (pi^2 k^2)`` (these sum to delta over every attempt), counted from the promotions log.
+against one serving bundle reuse its held-out items, so the k-th attempt since the last promotion
+spends ``delta x 6 / (pi^2 k^2)`` (these sum to delta over every attempt), counted from the
+promotions log.
 """
 
 from __future__ import annotations

@@ -7,14 +7,19 @@ item the serving bundle trained on, so that neither bundle is judged on an item 
 items that certified it, and the uniform draws of its evaluation part, which neither trained nor
 certified. Both bundles are certified afresh on the certifying items, as ``cascade calibrate``
 does (same target and certificate), each at half the delta this attempt may spend
-(``distill.loop.gate``: Bonferroni over the two, and the k-th attempt against one serving bundle,
+(``distill.loop.gate``: Bonferroni over the two, and the k-th attempt since the last promotion,
 counted from the promotions log, spends delta x 6 / (pi^2 k^2)); so with probability 1 - delta
 both certificates hold, whichever bundle the rule then picks, and the rule may look at any items.
 It looks at both parts, twice the items the certificates rest on under the default split
 (``gate.compare``): the candidate passes only where the paired bootstrap lower bound on how much
 more it keeps at the target (plug-in shares, averaged over the questions) is above 0; a tie never
 passes.
-Refused, it stays where it is with the reason in ``promotion.json``. Passed, its calibration is
+Refused, it stays where it is with the reason in ``promotion.json``; where the serving bundle's
+thresholds keep nothing (a young cascade that certified nothing yet), it then serves the thresholds
+the gate certified for it instead (``refreshed``): a copy of it beside the candidate
+(``CANDIDATE.serving``), swapped in as a promotion is. Taking them only in place of thresholds that
+keep nothing is what keeps that valid: no-threshold certifies nothing that could fail, so the
+certificate served is the gate's, which holds whichever way the rule went. Passed, its calibration is
 replaced by the one the gate certified (the manifest's ``delta`` is then that level, and its
 ``asked_delta`` the delta asked for, which the next retrain asks for again) and it is
 swapped in as ``cascade serve --bundle PATH`` follows one (``cascade.serve.swap``): where PATH is a
@@ -124,6 +129,7 @@ class Promotion(BaseModel):
     gate: Gate
     reason: str
     previous: str | None = None
+    refreshed: str | None = None
 
 
 def promotions_log(serving: Path) -> Path:
@@ -176,10 +182,13 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
         manifest.calibration.asked_delta = delta  # what the next retrain asks for again
         Bundle(manifest, candidate.directory, candidate.heads).save()
         candidate = Bundle.load(candidate_dir)
+    refreshed = None if comparison.promotes else _refreshed(serving, results["serving"], delta,
+                                                            Path(candidate_dir))
     record = Promotion(at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        promoted=comparison.promotes, serving=BundleVersion.of(serving),
                        candidate=BundleVersion.of(candidate), gate=gate,
-                       reason=_reason(gate, comparison.promotes))
+                       reason=_reason(gate, comparison.promotes, refreshed),
+                       refreshed=None if refreshed is None else str(refreshed))
     if record.promoted:
         record.previous = str(_swap(Path(serving_path), serving_dir, Path(candidate_dir)))
     else:
@@ -187,14 +196,37 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
                                                            encoding="utf-8")
     with log.open("a", encoding="utf-8") as handle:
         handle.write(record.model_dump_json() + "\n")
+    if refreshed is not None:  # logged first: a swap cut short leaves the old thresholds, which keep nothing
+        record.previous = str(_swap(Path(serving_path), serving_dir, refreshed))
     return record
 
 
+def _refreshed(serving: Bundle, result: CalibrationResult, delta: float, candidate_dir: Path) -> Path | None:
+    """Where the serving bundle's thresholds keep nothing and the gate's certificate of it keeps
+    something, a copy of it with those (``CANDIDATE.serving``), to serve; else None. Only then: a
+    certificate taken in place of another because it keeps more would be chosen on the items it
+    rests on."""
+    keeps_nothing = all(t is None for row in serving.manifest.thresholds.values() for t in row.values())
+    if not keeps_nothing or not any(fit.threshold is not None and fit.tier not in result.dropped()
+                                    for fit in result.calibrations):
+        return None
+    target = candidate_dir.with_name(f"{candidate_dir.name}.serving")
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(serving.directory, target)
+    manifest = updated_manifest(serving.manifest, result)
+    manifest.calibration.asked_delta = delta
+    Bundle(manifest, target, serving.heads).save()
+    return target
+
+
 def _attempt(log: Path, serving: Bundle) -> int:
-    """Which attempt against this serving bundle (its manifest hash) this is, counted from the log:
-    every attempt reuses held-out items like the last ones, so each spends its own share of delta."""
-    sha = file_sha256(serving.directory / MANIFEST_NAME)
-    return 1 + sum(record.serving.manifest_sha256 == sha for record in _records(log))
+    """Which attempt against this serving bundle this is, counted from the log: one more than the
+    decisions since the last promotion (or since the log began), since every attempt reuses
+    held-out items like the last ones, so each spends its own share of delta. A serving bundle the
+    gate refreshed (``refreshed``) is the same one; one changed by hand keeps the count going."""
+    records = _records(log)
+    since = next((k for k in range(len(records) - 1, -1, -1) if records[k].promoted), -1)
+    return len(records) - since
 
 
 def _records(log: Path) -> list[Promotion]:
@@ -301,16 +333,21 @@ def _gate(results: dict[str, CalibrationResult], comparison: Comparison, delta: 
                 lower_bound=comparison.lower_bound)
 
 
-def _reason(gate: Gate, promoted: bool) -> str:
+def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None) -> str:
     figures = (f"on the same {gate.weighed()} held-out items at target {gate.target}, the candidate's cheap "
                f"tiers keep {gate.candidate_plugin:.1%} of answers at the target and the serving bundle's "
                f"{gate.serving_plugin:.1%} (difference {gate.difference:+.1%}, {1 - (gate.alpha or 0):.0%} "
                f"paired lower bound {gate.lower_bound:+.1%}); certified at delta "
                f"{gate.certificate_delta:.4g} each (attempt {gate.attempt} against this bundle, of delta "
                f"{gate.delta}), they keep {gate.candidate_share:.1%} and {gate.serving_share:.1%}")
-    return (f"promoted: {figures}" if promoted else
-            f"kept aside: {figures}; a candidate replaces the serving bundle only where the lower bound "
+    if promoted:
+        return f"promoted: {figures}"
+    kept = (f"kept aside: {figures}; a candidate replaces the serving bundle only where the lower bound "
             "is above 0")
+    if refreshed is None:
+        return kept
+    return (f"{kept}. The serving bundle's thresholds kept nothing, so it now serves the ones this gate "
+            f"certified for it ({gate.serving_share:.1%} kept), from {refreshed}")
 
 
 def _swap(path: Path, serving_dir: Path, candidate_dir: Path) -> Path:

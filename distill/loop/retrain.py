@@ -7,7 +7,8 @@ teacher must be the bundle's (a certificate names one teacher); the new bundle's
 trained (frozen encoder, or fine-tuned) on its train part and certified on its calibration part,
 which never trained it. The parts are placed as the serving bundle's were (a hash of the id with
 its salt, so an item keeps its part as traffic grows), except that what can only train goes to
-the train part: escalations (chosen by the serving cascade, they may not certify) and anything
+the train part: escalations the serving cascade chose (they may not certify; a census escalation,
+which it did not choose, is placed like an audit: ``distill.loop.evidence``) and anything
 the serving bundle itself trained on (so that ``distill.loop.promote`` can weigh both bundles on the
 same held-out items). Of the calibration part, the origins ``calibrate_on`` names certify.
 
@@ -115,7 +116,7 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
 
 def place(evidence: Evidence, serving: Bundle) -> dict[str, list[str]]:
     """Each item's part: by a hash of its id with the serving bundle's fractions and salt, except
-    escalations and what the serving bundle trained on, which train."""
+    the escalations the serving cascade chose and what the serving bundle trained on, which train."""
     split = serving.manifest.split
     trained = set(serving.split_ids().get("train", []))
     parts: dict[str, list[str]] = {part: [] for part in PARTS}

@@ -288,10 +288,12 @@ def watch(serving: Path, store: StoreLocation | str, every: int, settings: Retra
 
 
 def _remove_unfinished(candidate: Path) -> None:
-    """A killed retrain's candidate folder, and the staging folders its training left beside it
-    (``distill.training.run.staged``: removed only by a later run of the same name, and a
-    discarded candidate's name is never used again)."""
+    """A killed retrain's candidate folder, the serving bundle's refreshed copy its gate may have
+    begun (``CANDIDATE.serving``: swapped in only after the gate logged it, so never served here),
+    and the staging folders its training left beside it (``distill.training.run.staged``: removed
+    only by a later run of the same name, and a discarded candidate's name is never used again)."""
     shutil.rmtree(candidate, ignore_errors=True)
+    shutil.rmtree(candidate.with_name(f"{candidate.name}.serving"), ignore_errors=True)
     for stale in candidate.parent.glob(f".{candidate.name}.training-*"):
         shutil.rmtree(stale, ignore_errors=True)
     (candidate.parent / f".{candidate.name}.training.lock").unlink(missing_ok=True)

@@ -380,8 +380,9 @@ class LabelStore:
         return [(seq, EscalationRecord(
             item_id=item, request_id=request, state=json.loads(state), calibration_version=version, at=at,
             teacher={q: json.loads(p) for q, p, _ in labels.get(item, [])},
-            prompt_hashes={q: h for q, _, h in labels.get(item, []) if h}))
-            for seq, item, request, state, version, at in rows]
+            prompt_hashes={q: h for q, _, h in labels.get(item, []) if h},
+            census=tuple(json.loads(census or "[]"))))
+            for seq, item, request, state, version, at, census in rows]
 
     def escalation_count(self) -> int:
         """Escalated requests the store holds."""
