@@ -13,30 +13,23 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from cascade.answers import Answer, Audit, DecisionResponse, QuestionError, Routing, TierUsage, Usage
-from cascade.bundle.manifest import MANIFEST_NAME, VECTORS_ALONE_SCHEMA, Bundle, Manifest
-from cascade.encoder.onnx_encoder import Device, quantizes_per_call
-from cascade.errors import CascadeError, RequestError, RouterError
+from cascade.bundle.manifest import MANIFEST_NAME, Manifest
+from cascade.encoder.onnx_encoder import Device
+from cascade.errors import CascadeError, RequestError
 from cascade.hashing import file_sha256
 from cascade.questions import Question, State
 from cascade.readout.placement import Placements
-from cascade.readout.prompts import (
-    OPTIONS_FIRST_VERSION,
-    PROMPT_VERSION,
-    layout_of,
-    letters_sha256,
-    prompt_version,
-    template_sha256,
-)
+from cascade.readout.prompts import letters_sha256, prompt_version, template_sha256
 from cascade.routing.budget import Budget, Pick, Run, allowance
-from cascade.routing.endpoint import Teacher, gguf_of, same_endpoint, upstream_of
+from cascade.routing.endpoint import Teacher
 from cascade.routing.forecast import CostModel
+from cascade.routing.preflight import prepared
 from cascade.thresholds import apply_temperature, threshold_score
 from cascade.tiers.base import Build, Item, Labels, Reply, Tier
-from cascade.tiers.kinds import build_tiers, close_tiers, kind_of
+from cascade.tiers.kinds import build_tiers, close_tiers
 
 
 class Cascade:
@@ -92,7 +85,7 @@ class Cascade:
         ``teacher`` may be a System One URL (or ``UpstreamSettings``): the top tier then calls it,
         and every answer must state the bundle's teacher (``cascade.routing.endpoint``).
         """
-        bundle, build, certified = _prepared(bundle_dir, teacher, labels, accept_other_teacher,
+        bundle, build, certified = prepared(bundle_dir, teacher, labels, accept_other_teacher,
                                              Build(device=device, cache_dir=cache_dir, threads=threads,
                                                    placements=placement))
         dropped = bundle.manifest.calibration.dropped()
@@ -110,7 +103,7 @@ class Cascade:
                   accept_other_teacher: bool = False) -> None:
         """Every check ``load`` makes before a model loads (the bundle's files, the teacher given
         against the one certified), loading nothing: a server runs it before it opens its port."""
-        _prepared(bundle_dir, teacher, None, accept_other_teacher, Build())
+        prepared(bundle_dir, teacher, None, accept_other_teacher, Build())
 
     def close(self) -> None:
         """Free the llama.cpp models the tiers opened."""
@@ -464,68 +457,3 @@ def _check_items(items: Sequence[Item], asked: Sequence[Sequence[str]],
         if not qids or unknown or len(set(qids)) < len(qids):
             raise RequestError(f"items[{n}] (id {item.id!r}): asked must list distinct question ids "
                                f"of the bundle {list(questions)}; got {list(qids)}")
-
-
-def _prepared(bundle_dir: Path, teacher: Teacher | None, labels: Labels | None,
-              accept_other_teacher: bool, where: Build) -> tuple[Bundle, Build, bool]:
-    """The bundle, how to build its tiers (``where``'s placement, with the teacher), and whether
-    its answers are certified: every check before a model loads."""
-    if teacher is not None and labels is not None:
-        raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
-    bundle = Bundle.load(Path(bundle_dir))
-    upstream, expected = upstream_of(teacher), None
-    if upstream is not None:
-        certified, expected = same_endpoint(bundle.manifest, upstream.url, accept_other_teacher)
-    gguf = gguf_of(teacher)
-    build = replace(where, teacher=gguf, upstream=upstream, upstream_identity=expected, labels=labels)
-    _check_top(bundle.manifest, build)
-    _check_encoder_vectors(bundle)
-    if upstream is None:
-        certified = gguf is None or _same_teacher(bundle.manifest, gguf, accept_other_teacher)
-    return bundle, build, certified
-
-
-def _check_top(manifest: Manifest, build: Build) -> None:
-    """Before loading any model: can the top tier answer what reaches it?"""
-    top = manifest.tiers[-1]
-    if build.teacher is not None and not build.teacher.is_file():
-        raise RouterError(f"teacher model {build.teacher} not found; give the path of a .gguf file")
-    kind_of(top).check_top(top, manifest.name, build)
-
-
-def _check_encoder_vectors(bundle: Bundle) -> None:
-    """Refuse thresholds certified on vectors the encoder no longer computes.
-
-    Before schema 3, an encoder that quantizes activations per call (a fine-tuned int8 export)
-    ran in batches, so each vector calibration saw depended on its batch; it now runs each text
-    alone (``cascade.encoder.onnx_encoder``), and those thresholds say nothing about these numbers.
-    """
-    tier = bundle.manifest.encoder_tier
-    if (tier is None or bundle.manifest.schema_version >= VECTORS_ALONE_SCHEMA
-            or not quantizes_per_call(tier.model_path(bundle.directory))):
-        return
-    raise RouterError(f"bundle {bundle.manifest.name!r} (schema {bundle.manifest.schema_version}) was "
-                      f"calibrated on vectors of {tier.model_path(bundle.directory).name} that depended "
-                      "on their batch (dynamic int8 scales activations over the whole batch); this "
-                      "cascade computes each text's vector alone: run `cascade calibrate` on the bundle "
-                      "again to certify its thresholds on those")
-
-
-def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
-    """Whether ``teacher`` is the model the bundle's labels came from; refused if not, unless
-    ``accept``: then answers are marked uncertified instead."""
-    pinned = manifest.teacher
-    problem = ""
-    if pinned.kind != "gguf" or pinned.model_sha256 is None:
-        problem = f"its thresholds were certified against {pinned.kind} labels ({pinned.model!r}), not a GGUF"
-    elif file_sha256(teacher) != pinned.model_sha256:
-        problem = (f"its labels came from {pinned.model!r} (sha256 {pinned.model_sha256[:12]}...), "
-                   f"and {teacher.name} has sha256 {file_sha256(teacher)[:12]}...")
-    elif layout_of(pinned.prompt_version) is None:
-        problem = (f"its labels were read with prompt {pinned.prompt_version!r}, which this version "
-                   f"cannot read with (it reads {PROMPT_VERSION!r} and {OPTIONS_FIRST_VERSION!r})")
-    if problem and not accept:
-        raise RouterError(f"bundle {manifest.name!r} cannot escalate to {teacher}: {problem}; give "
-                          f"that teacher, or accept another (--accept-other-teacher / "
-                          f"accept_other_teacher=True) and get answers marked certified=false")
-    return not problem

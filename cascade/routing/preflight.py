@@ -1,0 +1,85 @@
+"""The checks a router makes before any model loads: the bundle's files, the top tier's
+reach, the encoder's vectors, and the teacher given against the one its thresholds certify.
+
+A server runs them (``Cascade.preflight``) before it opens its port, so a wrong teacher or a stale
+bundle is one clear line at start-up, never a failure at the first request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from cascade.bundle.manifest import VECTORS_ALONE_SCHEMA, Bundle, Manifest
+from cascade.encoder.onnx_encoder import quantizes_per_call
+from cascade.errors import RouterError
+from cascade.hashing import file_sha256
+from cascade.readout.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of
+from cascade.routing.endpoint import Teacher, gguf_of, same_endpoint, upstream_of
+from cascade.tiers.base import Build, Labels
+from cascade.tiers.kinds import kind_of
+
+
+def prepared(bundle_dir: Path, teacher: Teacher | None, labels: Labels | None,
+              accept_other_teacher: bool, where: Build) -> tuple[Bundle, Build, bool]:
+    """The bundle, how to build its tiers (``where``'s placement, with the teacher), and whether
+    its answers are certified: every check before a model loads."""
+    if teacher is not None and labels is not None:
+        raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
+    bundle = Bundle.load(Path(bundle_dir))
+    upstream, expected = upstream_of(teacher), None
+    if upstream is not None:
+        certified, expected = same_endpoint(bundle.manifest, upstream.url, accept_other_teacher)
+    gguf = gguf_of(teacher)
+    build = replace(where, teacher=gguf, upstream=upstream, upstream_identity=expected, labels=labels)
+    _check_top(bundle.manifest, build)
+    _check_encoder_vectors(bundle)
+    if upstream is None:
+        certified = gguf is None or _same_teacher(bundle.manifest, gguf, accept_other_teacher)
+    return bundle, build, certified
+
+
+def _check_top(manifest: Manifest, build: Build) -> None:
+    """Before loading any model: can the top tier answer what reaches it?"""
+    top = manifest.tiers[-1]
+    if build.teacher is not None and not build.teacher.is_file():
+        raise RouterError(f"teacher model {build.teacher} not found; give the path of a .gguf file")
+    kind_of(top).check_top(top, manifest.name, build)
+
+
+def _check_encoder_vectors(bundle: Bundle) -> None:
+    """Refuse thresholds certified on vectors the encoder no longer computes.
+
+    Before schema 3, an encoder that quantizes activations per call (a fine-tuned int8 export)
+    ran in batches, so each vector calibration saw depended on its batch; it now runs each text
+    alone (``cascade.encoder.onnx_encoder``), and those thresholds say nothing about these numbers.
+    """
+    tier = bundle.manifest.encoder_tier
+    if (tier is None or bundle.manifest.schema_version >= VECTORS_ALONE_SCHEMA
+            or not quantizes_per_call(tier.model_path(bundle.directory))):
+        return
+    raise RouterError(f"bundle {bundle.manifest.name!r} (schema {bundle.manifest.schema_version}) was "
+                      f"calibrated on vectors of {tier.model_path(bundle.directory).name} that depended "
+                      "on their batch (dynamic int8 scales activations over the whole batch); this "
+                      "cascade computes each text's vector alone: run `cascade calibrate` on the bundle "
+                      "again to certify its thresholds on those")
+
+
+def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
+    """Whether ``teacher`` is the model the bundle's labels came from; refused if not, unless
+    ``accept``: then answers are marked uncertified instead."""
+    pinned = manifest.teacher
+    problem = ""
+    if pinned.kind != "gguf" or pinned.model_sha256 is None:
+        problem = f"its thresholds were certified against {pinned.kind} labels ({pinned.model!r}), not a GGUF"
+    elif file_sha256(teacher) != pinned.model_sha256:
+        problem = (f"its labels came from {pinned.model!r} (sha256 {pinned.model_sha256[:12]}...), "
+                   f"and {teacher.name} has sha256 {file_sha256(teacher)[:12]}...")
+    elif layout_of(pinned.prompt_version) is None:
+        problem = (f"its labels were read with prompt {pinned.prompt_version!r}, which this version "
+                   f"cannot read with (it reads {PROMPT_VERSION!r} and {OPTIONS_FIRST_VERSION!r})")
+    if problem and not accept:
+        raise RouterError(f"bundle {manifest.name!r} cannot escalate to {teacher}: {problem}; give "
+                          f"that teacher, or accept another (--accept-other-teacher / "
+                          f"accept_other_teacher=True) and get answers marked certified=false")
+    return not problem
