@@ -17,12 +17,26 @@ it was, on the certifying items alone). A promoted certificate fails where the c
 threshold agrees with the teacher on less than the target of the whole population (the items it
 keeps disagreeing, those it sends up answered by the teacher).
 
+``--chain``: two gates in a row on one growing holdout, as ``cascade loop`` runs them. Bundles A, B
+and C (CHAINS); gate 1 weighs B against A on the first draw; gate 2 weighs C against whichever
+serves then, on the same items and ``--fresh`` new ones of each part (the audits that arrived
+between). Gate 2's attempt is counted as ``distill.loop.promote`` counts it, restarting at a
+promotion ("reset": attempt 1 after a promotion, 2 after a refusal), or never restarting
+("global": always 2, every gate on the holdout budgeted together). Reported: how often the
+certificate serving after gate 2 fails, and how often either of the two served after the gates
+does: a promotion chose its bundle on items the next gate certifies on again.
+
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500 --evaluation 0
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500 --certifying 300 --evaluation 300
+    PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 1000 --chain --certifying 400 \
+        --evaluation 400 --fresh 25
 """
 
 from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,6 +68,10 @@ PAIRS = {"better (500 -> 1,000 items)": ((0, 500), (0, 1000)),
 """Scenario -> the (start, end) of the serving and the candidate bundle's training sets in the pool:
 a retrain on more of the same traffic, on as much other traffic, or on less. With the default
 seed their population shares differ by about +6, +5, -2 and -6 points."""
+CHAINS = {"growing (500 -> 1,000 -> 2,000 items)": ((0, 500), (0, 1000), (0, 2000)),
+          "about equal (three other 1,000 items)": ((0, 1000), (1000, 2000), (2000, 3000))}
+"""Chain -> the training sets of bundles A, B and C: each retrain on more traffic, or on as much
+other traffic (a promotion then chosen on noise, the case where reusing its items matters most)."""
 
 
 class Bundle:
@@ -88,6 +106,69 @@ def one_run(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: i
     return promoted, pair[int(promoted)].fails(thresholds[int(promoted)])
 
 
+@dataclass(frozen=True)
+class Gated:
+    """One gate: promoted, and the thresholds it certified for (serving, candidate)."""
+
+    promoted: bool
+    thresholds: tuple[float | None, float | None]
+
+
+def gate(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: np.ndarray, weighed: np.ndarray,
+         attempt: int, resamples: int) -> Gated:
+    """``distill.loop.promote``'s gate on population items: both certified on ``certifying`` at
+    half attempt ``attempt``'s delta, the rule applied to ``weighed``."""
+    level = certificate_delta(DELTA, attempt)
+    thresholds = tuple(threshold_for_agreement(b.score[certifying], b.correct[certifying], TARGET, level)
+                       .threshold for b in pair)
+    items = np.arange(len(weighed))
+    serving, candidate = ([Question(items, b.score[weighed], b.correct[weighed])] for b in pair)
+    promoted = compare(serving, candidate, len(weighed), TARGET, resamples=resamples,
+                       seed=int(rng.integers(2 ** 31))).promotes
+    return Gated(promoted, (thresholds[0], thresholds[1]))
+
+
+def chain_run(rng: np.random.Generator, bundles: tuple[Bundle, Bundle, Bundle], certifying: int,
+              evaluation: int, fresh: int, resamples: int) -> dict[str, tuple[bool, bool, bool]]:
+    """Per counting scheme: (gate 2 promoted, the certificate serving after gate 2 fails, either
+    served certificate fails)."""
+    a, b, c = bundles
+    drawn = rng.choice(len(a.score), certifying + evaluation + 2 * fresh, replace=False)
+    first, new = drawn[:certifying + evaluation], drawn[certifying + evaluation:]
+    one = gate(rng, (a, b), first[:certifying], first, 1, resamples)
+    serving, threshold = (b, one.thresholds[1]) if one.promoted else (a, one.thresholds[0])
+    fails_one = serving.fails(threshold)
+    certifying_two = np.concatenate([first[:certifying], new[:fresh]])
+    out = {}
+    for scheme in ("reset", "global"):
+        attempt = 1 if scheme == "reset" and one.promoted else 2
+        two = gate(rng, (serving, c), certifying_two, np.concatenate([first, new]), attempt, resamples)
+        fails_two = c.fails(two.thresholds[1]) if two.promoted else fails_one
+        out[scheme] = (two.promoted, fails_two, fails_one or fails_two)
+    return out
+
+
+def chains(args: argparse.Namespace, items: Items, pool: np.ndarray, population: np.ndarray) -> None:
+    """The table of ``--chain``."""
+    rng = np.random.default_rng(args.seed + 2)
+    rows = []
+    for name, spans in CHAINS.items():
+        a, b, c = (Bundle(items, pool[start:end], population) for start, end in spans)
+        bundles = (a, b, c)
+        runs = [chain_run(rng, bundles, args.certifying, args.evaluation, args.fresh, args.resamples)
+                for _ in range(args.runs)]
+        shares = " / ".join(f"{b.share:.1%}" for b in bundles)
+        for scheme in ("reset", "global"):
+            promoted, after, either = (np.mean([run[scheme][k] for run in runs]) for k in range(3))
+            rows.append([name, shares, scheme, f"{promoted:.1%}", f"{after:.1%}", f"{either:.1%}"])
+        print(f"{name}: done", flush=True)
+    print(f"AG News, {len(population)} population items, target {TARGET}, delta {DELTA}, gate 1 on "
+          f"{args.certifying} certifying + {args.evaluation} evaluation items, gate 2 on those and "
+          f"{args.fresh} new of each, {args.runs} runs, {args.resamples} resamples")
+    print(markdown(["chain", "population share kept (A / B / C)", "gate 2's attempt", "gate 2 promoted",
+                    "serving after gate 2 fails", "either served certificate fails"], rows))
+
+
 def main() -> None:
     parser = argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=500)
@@ -97,10 +178,16 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=200,
                         help="bootstrap resamples per gate (the library's default is 1,000)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chain", action="store_true", help="two gates in a row on one holdout (CHAINS)")
+    parser.add_argument("--fresh", type=int, default=25,
+                        help="with --chain: new certifying and evaluation items each before gate 2")
     args = parser.parse_args()
     items = load_items([FIRST, SECOND], task_named("ag_news"), EmbeddingCache(CACHE_DIR, Encoder()))
     order = np.random.default_rng(args.seed).permutation(len(items.ids))
     pool, population = order[:args.pool], order[args.pool:]
+    if args.chain:
+        chains(args, items, pool, population)
+        return
     rng = np.random.default_rng(args.seed + 1)
     rows = []
     for name, spans in PAIRS.items():
