@@ -23,7 +23,8 @@ loop logs, this records the items answered so far, the requests refused (any sta
 teacher calls per answered item so far (the server's /metrics: upstream calls for escalations and
 for audits, over requests), the gate's figures (PATH.promotions.jsonl) and each bundle's certified
 share (its manifest). After the replay (and the loop's last due decision, at most ``--settle``
-seconds), every bundle the loop made, the seed too, decides the held-out items through the library
+seconds), every bundle the loop made (its candidates, and a serving bundle a kept-aside gate
+refreshed: ``distill.loop.promote``), the seed too, decides the held-out items through the library
 (``Cascade.load`` with the replay upstream as its URL teacher, ``decide_batch``): the share the
 encoder kept and its agreement with the committed labels (argmax), and the agreement of every answer.
 
@@ -303,13 +304,14 @@ def run(args: Any, made: Seed, traffic: list[Item], held: list[Item]) -> dict[st
                 watcher.join()
                 loop.terminate()
                 loop.wait(timeout=120)
+        gates = [json.loads(line) for line in gate_log.read_text().splitlines() if line.strip()] \
+            if gate_log.is_file() else []
+        made_here = [Path(s["decision"]["candidate"]) for s in snapshots]
+        made_here += [Path(g["refreshed"]) for g in gates if g.get("refreshed")]
         bundles = {"seed": pointer.parent / "seed",
-                   **{Path(s["decision"]["candidate"]).name: Path(s["decision"]["candidate"])
-                      for s in snapshots if (Path(s["decision"]["candidate"]) / "manifest.json").is_file()}}
+                   **{path.name: path for path in made_here if (path / "manifest.json").is_file()}}
         figures = {name: held_out(path, held, teacher, args.eval_threads, WORK / "embeddings")
                    for name, path in bundles.items()}
-    gates = [json.loads(line) for line in gate_log.read_text().splitlines() if line.strip()] \
-        if gate_log.is_file() else []
     return {"folder": str(pointer.parent), "replayed": seen.answered + seen.refused,
             "answered": seen.answered, "refused": seen.refused, "codes": seen.codes, "why": seen.why,
             "replay_s": replayed_s,
@@ -344,10 +346,12 @@ def report(r: dict[str, Any], seed_items: int, finetune: bool) -> tuple[str, str
         if d["outcome"] == "promoted":
             serving = name
             promoted_rows.append((before, name))
+        elif g and g.get("refreshed"):  # kept aside, and the serving bundle took the gate's thresholds
+            serving = Path(g["refreshed"]).name
         labels = d["seen"]
         rows.append([f"{d['attempt']}", str(s["answered"] + s["refused"]),
                      f"{labels.get('audits', 0)} / {labels.get('escalations', 0)} ({census(d['candidate'])})",
-                     f"{d['outcome']}", gate,
+                     d["outcome"] + ("; serving refreshed" if g and g.get("refreshed") else ""), gate,
                      serving, cert(serving), held(name), f"{teacher_calls(s['metrics']):.3f}",
                      str(s["refused"])])
     rows.append(["end", str(r["replayed"]), "-", "-", "-", r["serving_at_end"], cert(r["serving_at_end"]),
@@ -390,7 +394,8 @@ def goals(r: dict[str, Any], promoted: list[tuple[str, str]], finetune: bool) ->
     parts = [
         f"promotions: {len(promoted)}",
         f"held-out share falls at most 2 points at a promotion: {'met' if worst_fall <= 2 else 'MISSED'} "
-        f"(largest fall {worst_fall:+.1f} points)" if promoted else "no promotion to judge a fall on",
+        f"({'largest fall' if worst_fall > 0 else 'none fell; smallest rise'} {abs(worst_fall):.1f} points)"
+        if promoted else "no promotion to judge a fall on",
         f">= {floor:.0%} kept at the end: {'met' if end['kept'] >= floor else 'MISSED'} ({end['kept']:.1%})",
         (f"promoted agreement >= 0.975: {'met' if min(agreements) >= 0.975 else 'MISSED'} "
          f"(lowest {min(agreements):.4f})") if agreements else "no promoted bundle kept a held-out item",
