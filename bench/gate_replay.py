@@ -92,20 +92,6 @@ class Bundle:
         return bool(np.mean((self.score >= threshold) & ~self.correct) > 1 - TARGET)
 
 
-def one_run(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: int, evaluation: int,
-            resamples: int) -> tuple[bool, bool]:
-    """Promoted, and whether the bundle serving after the gate fails its certificate."""
-    drawn = rng.choice(len(pair[0].score), certifying + evaluation, replace=False)
-    level = certificate_delta(DELTA, 1)
-    thresholds = [threshold_for_agreement(b.score[drawn[:certifying]], b.correct[drawn[:certifying]],
-                                          TARGET, level).threshold for b in pair]
-    items = np.arange(len(drawn))
-    serving, candidate = ([Question(items, b.score[drawn], b.correct[drawn])] for b in pair)
-    promoted = compare(serving, candidate, len(drawn), TARGET, resamples=resamples,
-                       seed=int(rng.integers(2 ** 31))).promotes
-    return promoted, pair[int(promoted)].fails(thresholds[int(promoted)])
-
-
 @dataclass(frozen=True)
 class Gated:
     """One gate: promoted, and the thresholds it certified for (serving, candidate)."""
@@ -126,6 +112,14 @@ def gate(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: np.n
     promoted = compare(serving, candidate, len(weighed), TARGET, resamples=resamples,
                        seed=int(rng.integers(2 ** 31))).promotes
     return Gated(promoted, (thresholds[0], thresholds[1]))
+
+
+def one_run(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: int, evaluation: int,
+            resamples: int) -> tuple[bool, bool]:
+    """Promoted, and whether the bundle serving after the gate fails its certificate."""
+    drawn = rng.choice(len(pair[0].score), certifying + evaluation, replace=False)
+    one = gate(rng, pair, drawn[:certifying], drawn, 1, resamples)
+    return one.promoted, pair[int(one.promoted)].fails(one.thresholds[int(one.promoted)])
 
 
 def chain_run(rng: np.random.Generator, bundles: tuple[Bundle, Bundle, Bundle], certifying: int,

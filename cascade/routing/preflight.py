@@ -21,7 +21,7 @@ from cascade.tiers.kinds import kind_of
 
 
 def prepared(bundle_dir: Path, teacher: Teacher | None, labels: Labels | None,
-              accept_other_teacher: bool, where: Build) -> tuple[Bundle, Build, bool]:
+             accept_other_teacher: bool, where: Build) -> tuple[Bundle, Build, bool]:
     """The bundle, how to build its tiers (``where``'s placement, with the teacher), and whether
     its answers are certified: every check before a model loads."""
     if teacher is not None and labels is not None:
