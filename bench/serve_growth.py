@@ -336,7 +336,7 @@ def report(r: dict[str, Any], seed_items: int, finetune: bool) -> tuple[str, str
 
     gates = {Path(g["candidate"]["path"]).name: g for g in r["gates"]}
     rows = [["seed", f"0 (+{seed_items} trained)", "-", "-", "-", "seed", cert("seed"), held("seed"), "-",
-             "0"]]
+             "-", "0"]]
     serving, promoted_rows = "seed", []
     for s in r["snapshots"]:
         d, name = s["decision"], Path(s["decision"]["candidate"]).name
@@ -352,14 +352,15 @@ def report(r: dict[str, Any], seed_items: int, finetune: bool) -> tuple[str, str
         rows.append([f"{d['attempt']}", str(s["answered"] + s["refused"]),
                      f"{labels.get('audits', 0)} / {labels.get('escalations', 0)} ({census(d['candidate'])})",
                      d["outcome"] + ("; serving refreshed" if g and g.get("refreshed") else ""), gate,
-                     serving, cert(serving), held(name), f"{teacher_calls(s['metrics']):.3f}",
+                     serving, cert(serving), held(serving), held(name), f"{teacher_calls(s['metrics']):.3f}",
                      str(s["refused"])])
-    rows.append(["end", str(r["replayed"]), "-", "-", "-", r["serving_at_end"], cert(r["serving_at_end"]),
-                 held(r["serving_at_end"]), f"{teacher_calls(r['metrics_at_end']):.3f}", str(r["refused"])])
+    end = r["serving_at_end"]
+    rows.append(["end", str(r["replayed"]), "-", "-", "-", end, cert(end), held(end), "-",
+                 f"{teacher_calls(r['metrics_at_end']):.3f}", str(r["refused"])])
     table = markdown(["attempt", "items answered", "audits / escalations in the store (census escalations "
                       "in the retrain's evidence)", "outcome", "gate",
                       "serving after", "its certified share (on n)",
-                      "candidate's held-out kept (agreement of those; of all)",
+                      "its held-out kept (agreement of those; of all)", "the candidate's held-out kept",
                       "teacher calls per item so far", "refused so far"], rows)
     return table, goals(r, promoted_rows, finetune)
 

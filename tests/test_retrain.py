@@ -218,6 +218,7 @@ def test_a_serving_bundle_that_keeps_nothing_serves_the_gates_certificate_when_k
     gate = first["gate"]
     assert not first["promoted"] and gate["lower_bound"] == 0 and gate["serving_share"] > 0  # a tie
     assert first["refreshed"] == str(tmp_path / "candidate.serving") and "kept nothing" in first["reason"]
+    assert first["previous"] == str(young.resolve())  # logged before the swap, the replaced bundle named
     named = (tmp_path / pointer.read_text(encoding="utf-8").strip()).resolve()
     assert named == (tmp_path / "candidate.serving").resolve()
     refreshed = Bundle.load(named).manifest

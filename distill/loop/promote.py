@@ -184,20 +184,23 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
         candidate = Bundle.load(candidate_dir)
     refreshed = None if comparison.promotes else _refreshed(serving, results["serving"], delta,
                                                             Path(candidate_dir))
+    swapped = comparison.promotes or refreshed is not None
+    replaced = _replaced_at(Path(serving_path), serving_dir)
     record = Promotion(at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        promoted=comparison.promotes, serving=BundleVersion.of(serving),
                        candidate=BundleVersion.of(candidate), gate=gate,
                        reason=_reason(gate, comparison.promotes, refreshed),
-                       refreshed=None if refreshed is None else str(refreshed))
+                       refreshed=None if refreshed is None else str(refreshed),
+                       previous=str(replaced) if swapped else None)
     if record.promoted:
-        record.previous = str(_swap(Path(serving_path), serving_dir, Path(candidate_dir)))
+        _swap(Path(serving_path), serving_dir, Path(candidate_dir))
     else:
         (Path(candidate_dir) / KEPT_ASIDE_NAME).write_text(record.model_dump_json(indent=2) + "\n",
                                                            encoding="utf-8")
     with log.open("a", encoding="utf-8") as handle:
         handle.write(record.model_dump_json() + "\n")
     if refreshed is not None:  # logged first: a swap cut short leaves the old thresholds, which keep nothing
-        record.previous = str(_swap(Path(serving_path), serving_dir, refreshed))
+        _swap(Path(serving_path), serving_dir, refreshed)
     return record
 
 
@@ -350,10 +353,18 @@ def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None) -> str:
             f"certified for it ({gate.serving_share:.1%} kept), from {refreshed}")
 
 
-def _swap(path: Path, serving_dir: Path, candidate_dir: Path) -> Path:
-    """Serve the candidate from ``path``; returns where the replaced bundle is. A link or pointer
-    file is replaced in one rename; a folder gets the candidate copied over it (its old contents
-    kept as NAME.previous beside it)."""
+def _replaced_at(path: Path, serving_dir: Path) -> Path:
+    """Where ``_swap`` leaves the bundle it replaces: known before the swap, so that a refresh,
+    logged before it swaps, names it."""
+    if path.is_symlink() or path.is_file():
+        return serving_dir
+    return serving_dir.parent / f"{serving_dir.name}{PREVIOUS_SUFFIX}"
+
+
+def _swap(path: Path, serving_dir: Path, candidate_dir: Path) -> None:
+    """Serve the candidate from ``path``, the replaced bundle left where ``_replaced_at`` says. A
+    link or pointer file is replaced in one rename; a folder gets the candidate copied over it (its
+    old contents kept as NAME.previous beside it)."""
     if path.is_symlink() or path.is_file():
         target = os.path.relpath(candidate_dir.resolve(), path.absolute().parent)
         fresh = path.with_name(f".{path.name}.promoting")
@@ -363,10 +374,9 @@ def _swap(path: Path, serving_dir: Path, candidate_dir: Path) -> Path:
         else:
             fresh.write_text(target + "\n", encoding="utf-8")
         os.replace(fresh, path)
-        return serving_dir
-    previous = serving_dir.parent / f"{serving_dir.name}{PREVIOUS_SUFFIX}"
+        return
+    previous = _replaced_at(path, serving_dir)
     shutil.rmtree(previous, ignore_errors=True)
     shutil.copytree(serving_dir, previous)
     with staged(serving_dir) as stage:
         shutil.copytree(candidate_dir, stage, dirs_exist_ok=True)
-    return previous
