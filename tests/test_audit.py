@@ -21,6 +21,7 @@ import pytest
 from corpora import QUESTIONS_JSON, corpus_items
 from servers import KEPT, running, serving_bundle
 
+from cascade.answers import NoulAnswer
 from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.audit.sample import AuditSampler
@@ -153,6 +154,43 @@ def test_auditing_needs_a_live_certified_teacher(bundle_dir: Path, gemma_path: P
             pytest.raises(CascadeError, match="needs a live teacher"):
         Auditor(replay, AuditSampler(), lambda _: None)
     assert auditor_for(replay, None, 0.02, "s", "demote") == (None, None)
+
+
+def test_an_audit_of_an_item_the_teacher_answered_records_those_answers_and_asks_nothing(
+        bundle_dir: Path, gemma_path: Path) -> None:
+    """Every bundle question escalated: the audit records the teacher's answers the response
+    holds (a second read would cost a teacher call); one question answered below, or not asked:
+    the teacher reads them all again."""
+    records: list[AuditRecord] = []
+    with Cascade.load(bundle_dir, teacher=gemma_path, threads=1) as cascade:
+        auditor = Auditor(cascade, AuditSampler(1.0), records.append, on_drift="demote")
+        assert auditor.watch is not None
+        teacher, reads, reply = cascade.tiers[-1], list[int](), cascade.tiers[-1].reply
+
+        def counted(*args: Any) -> Any:  # the real teacher, its reads counted
+            reads.append(1)
+            return reply(*args)
+        teacher.reply = counted  # type: ignore[method-assign]
+        every = {qid: qid for qid in cascade.questions}
+        state = items(1)[0].state
+        auditor.watch.demoted.update(cascade.questions)  # every answer from the teacher
+        sent_up = cascade.decide(state)
+        assert {a.routing.tier for a in sent_up.answers.values() if a.routing} == {teacher.name}
+        asked_before = len(reads)
+        record = auditor.audit(Item("a", state), sent_up, every)
+        assert record is not None and len(reads) == asked_before  # no teacher call
+        held = {qid: [answer.noul, 1 - answer.noul] if isinstance(answer, NoulAnswer)
+                else list(answer.probabilities.values()) for qid, answer in sent_up.answers.items()}
+        assert record.teacher == {qid: dict(zip(cascade.questions[qid].option_keys(), p, strict=True))
+                                  for qid, p in held.items()}
+        assert all(abs(sum(p.values()) - 1) < 1e-6 for p in record.teacher.values())
+        assert set(record.prompt_hashes) == set(cascade.questions)
+        assert all(record.agreed(qid) for qid in record.system)
+        one = cascade.decide(state, questions=[KEPT])  # the others not asked: not known
+        record = auditor.audit(Item("b", state), one, every)
+        assert record is not None and len(reads) == asked_before + 2  # its decision's read, and the audit's
+        assert set(record.teacher) == set(cascade.questions)
+        assert auditor.answered_above(one, every) is None and auditor.audited == 2
 
 
 def test_decide_audits_its_sample_and_cascade_audit_reports_it(

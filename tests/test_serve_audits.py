@@ -11,6 +11,7 @@ Every wait is bounded on a condition (``servers.until``), never on the time take
 from __future__ import annotations
 
 import random
+import shutil
 import sqlite3
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -126,12 +127,14 @@ def auditing(store: Path, sinks: list[StoreSink]) -> Callable[[Cascade], Auditor
     return audit
 
 
-def burst(base: str, n: int, clients: int = 8) -> list[int]:
-    """``n`` requests of the question the encoder keeps, from ``clients`` at once: their statuses."""
+def burst(base: str, n: int, clients: int = 8, questions: tuple[str, ...] = (KEPT,)) -> list[int]:
+    """``n`` requests of ``questions`` (default: the one the encoder keeps), from ``clients`` at
+    once: their statuses."""
     texts = [item.text for item in corpus_items()]
 
     def one(k: int) -> int:
-        body = {"state": f"{texts[k % len(texts)]} (case {k})", "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+        body = {"state": f"{texts[k % len(texts)]} (case {k})",
+                "questions": {qid: QUESTIONS_JSON[qid] for qid in questions}}
         return httpx.post(f"{base}/v1/systemone", json=body, timeout=120).status_code
     with ThreadPoolExecutor(clients) as pool:
         return list(pool.map(one, range(n)))
@@ -150,12 +153,12 @@ def settled(base: str, n: int) -> Callable[[], bool]:  # gemma on shared cores: 
 
 
 def audited_burst(load: Callable[[], Cascade], engine: EngineSettings, store: Path,
-                  n: int) -> dict[str, float]:
+                  n: int, questions: tuple[str, ...] = (KEPT,)) -> dict[str, float]:
     """``burst`` of ``n`` requests at a server auditing each into ``store``, all answered 200;
     its metrics once every chosen audit has an outcome."""
     sinks = list[StoreSink]()
     with running(load, ServeConfig(engine=engine, audit=auditing(store, sinks))) as base:
-        assert burst(base, n) == [200] * n
+        assert burst(base, n, questions=questions) == [200] * n
         until(settled(base, n), "every chosen audit has an outcome", 600)
         seen = metrics(base)
     for sink in sinks:
@@ -178,9 +181,33 @@ def test_with_an_upstream_teacher_every_item_of_a_burst_is_audited_on_the_upstre
     assert seen["cascade_audit_share_asked"] == 1.0 and seen["cascade_audit_share_realised"] == 1.0
     assert seen['cascade_audit_requests_total{count="eligible"}'] == n
     assert seen[f'cascade_audit_routed_total{{question="{KEPT}"}}'] == n
+    assert seen['cascade_upstream_total{count="audit_calls"}'] == n  # each answer was the encoder's
+    assert seen["cascade_audits_answered_above_total"] == 0
     records = stored_audits(tmp_path / "labels.sqlite")
     assert len(records) == n and {r.inclusion for r in records} == {1.0}
     assert sorted(r.routed[KEPT] for r in records) == list(range(1, n + 1))  # each item counted once
+
+
+def test_an_item_the_upstream_answered_on_every_question_is_audited_with_no_second_call(
+        bundle_dir: Path, gemma_server: Any, tmp_path: Path) -> None:
+    """A young cascade (no threshold: every question goes upstream) audited at share 1: each
+    audit records the answers its request already got from the teacher, so the upstream sees no
+    audit call, and every record agrees with the system by construction."""
+    young = tmp_path / "young"
+    shutil.copytree(bundle_dir, young)
+    manifest = Bundle.load(young).manifest
+    bare = {qid: dict.fromkeys(row) for qid, row in manifest.thresholds.items()}
+    Bundle(manifest.model_copy(update={"thresholds": bare}), young).save()
+    n, every = 6, tuple(manifest.questions)
+    patient = UpstreamSettings(gemma_server.url, read_timeout=120, deadline=120)
+    load = lambda: Cascade.load(young, teacher=patient, threads=1)  # noqa: E731
+    seen = audited_burst(load, EngineSettings(audit_in_flight=2), tmp_path / "labels.sqlite", n, every)
+    assert seen['cascade_audits_total{outcome="audited"}'] == n == seen["cascade_audits_answered_above_total"]
+    assert seen['cascade_upstream_total{count="audit_calls"}'] == 0
+    assert seen['cascade_upstream_total{count="calls"}'] == n  # the requests' own
+    records = stored_audits(tmp_path / "labels.sqlite")
+    assert len(records) == n and all(set(r.teacher) == set(every) == set(r.system) for r in records)
+    assert all(r.agreed(qid) and r.system[qid].tier == "teacher" for r in records for qid in every)
 
 
 def test_audits_an_upstream_refuses_with_503_wait_its_retry_after_and_are_none_of_them_lost(

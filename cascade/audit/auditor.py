@@ -4,6 +4,11 @@ and the drift watch counts it (with a shared stream, in the stream's order: ``ca
 ``Cascade.decide`` callers (``cascade decide``) audit inline, on the thread that routed; the server
 audits on the top tier's worker at the lowest priority (``cascade.serve.engine``). Only a live
 GGUF teacher can audit: with recorded labels as the top tier there is nothing new to learn.
+
+An item the cascade sent up on every bundle question already carries the teacher's answers (the
+top tier is never temperature-scaled: they are its raw distributions), so its audit records
+those and asks the teacher nothing (``answered_above``): a second readout of the same item would
+cost a teacher call and could only disagree with the first by the teacher's own batch noise.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from cascade.answers import DecisionResponse
+from cascade.answers import DecisionResponse, NoulAnswer
 from cascade.audit.record import AuditRecord, AuditSink, certified_answers
 from cascade.audit.sample import AuditSampler
 from cascade.audit.stream import AuditStream, StreamFollower
@@ -24,6 +29,8 @@ from cascade.routing.router import Cascade
 from cascade.tiers.base import Item
 
 log = logging.getLogger("cascade.audit")
+Known = tuple[dict[str, dict[str, float]], dict[str, str]]
+"""The teacher's distribution by option key per bundle question, and the prompt hash of each."""
 
 
 class Auditor:
@@ -86,12 +93,59 @@ class Auditor:
 
     def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str],
               survival: float = 1.0, routed: Mapping[str, int] | None = None) -> AuditRecord | None:
-        """Ask the teacher every bundle question about ``item``; ``response`` is what the system
-        answered, ``bundle_ids`` maps its question ids to the bundle's. ``survival``: the chance
+        """Record the teacher's answer to every bundle question about ``item`` (those ``response``
+        holds where it holds all, else read now); ``response`` is what the system answered,
+        ``bundle_ids`` maps its question ids to the bundle's. ``survival``: the chance
         the audit survived a full queue's random drops (1: audited inline), logged times the share
         as the item's inclusion probability, with ``routed`` (``route``'s counts). None (said once
         per run, counted in ``unreadable``) when the teacher's context cannot hold the state:
         nothing to compare with."""
+        known = self.answered_above(response, bundle_ids)
+        if known is None:
+            known = self._ask(item)
+            if known is None:
+                return None
+        teacher, hashes = known
+        record = AuditRecord(
+            item_id=f"audit:{self.run_id}:{item.id}", state=item.state,
+            calibration_version=self.cascade.calibration_version, at=time.time(), teacher=teacher,
+            prompt_hashes=hashes, system=certified_answers(response.answers, bundle_ids),
+            inclusion=self.sampler.share * survival, routed=dict(routed or {}))
+        self.sink(record)
+        self.audited += 1
+        if self.follower is not None:  # this record, and every one the store put before it
+            self.follower.catch_up()
+        elif self.watch is not None:
+            for qid in self.watch.observe(record):
+                self._report(self.watch, qid)
+        return record
+
+    def answered_above(self, response: DecisionResponse, bundle_ids: Mapping[str, str]) -> Known | None:
+        """The teacher's answers to every bundle question, with their prompt hashes, where
+        ``response`` holds them (the top tier answered each: an audit then asks nothing); None
+        where any is missing (a question not asked, answered below, or unreadable)."""
+        top = self.cascade.tiers[-1].name
+        teacher: dict[str, dict[str, float]] = {}
+        hashes: dict[str, str] = {}
+        for qid, answer in response.answers.items():
+            bundle_qid = bundle_ids.get(qid)
+            if bundle_qid is None or answer.routing is None or answer.routing.tier != top:
+                continue
+            keys = self.cascade.questions[bundle_qid].option_keys()
+            if isinstance(answer, NoulAnswer):
+                probabilities = [answer.noul, 1.0 - answer.noul]
+            elif list(answer.probabilities) == keys:
+                probabilities = list(answer.probabilities.values())
+            else:
+                continue
+            teacher[bundle_qid] = dict(zip(keys, map(float, probabilities), strict=True))
+            if answer.readout is not None and answer.readout.prompt_hash:
+                hashes[bundle_qid] = answer.readout.prompt_hash
+        return (teacher, hashes) if set(teacher) == set(self.cascade.questions) else None
+
+    def _ask(self, item: Item) -> Known | None:
+        """The teacher's answers to every bundle question about ``item``, read now; None (said
+        once per run, counted in ``unreadable``) where its context cannot hold the state."""
         qids = list(self.cascade.questions)
         reply = self.cascade.tiers[-1].reply([item], [qids], self.cascade.questions)
         if reply.too_long[0] is not None:
@@ -102,20 +156,7 @@ class Auditor:
             return None
         teacher = {qid: dict(zip(self.cascade.questions[qid].option_keys(), map(float, reply.answers[0][qid]),
                                  strict=True)) for qid in qids}
-        record = AuditRecord(
-            item_id=f"audit:{self.run_id}:{item.id}", state=item.state,
-            calibration_version=self.cascade.calibration_version, at=time.time(), teacher=teacher,
-            prompt_hashes={qid: r.prompt_hash for qid, r in reply.readouts[0].items()},
-            system=certified_answers(response.answers, bundle_ids),
-            inclusion=self.sampler.share * survival, routed=dict(routed or {}))
-        self.sink(record)
-        self.audited += 1
-        if self.follower is not None:  # this record, and every one the store put before it
-            self.follower.catch_up()
-        elif self.watch is not None:
-            for qid in self.watch.observe(record):
-                self._report(self.watch, qid)
-        return record
+        return teacher, {qid: r.prompt_hash for qid, r in reply.readouts[0].items()}
 
     @staticmethod
     def _report(watch: DriftWatch, qid: str) -> None:

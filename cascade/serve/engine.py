@@ -468,16 +468,17 @@ class Engine:
         audit is then put back, not counted), else None."""
         assert self.auditor is not None
         audit, started = deferred.audit, time.perf_counter()
+        known = self.auditor.answered_above(audit.response, audit.bundle_ids) is not None
         try:
-            if self.upstream is not None:
+            if self.upstream is not None and not known:
                 with self.upstream.on_behalf_of(audit.authorization):
                     record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
                                                 deferred.survival, audit.routed)
                 self.ledger.audit(len(self.cascade.questions), time.perf_counter() - started)
-            else:
+            else:  # a local teacher, or answers the escalation already holds (no teacher call)
                 record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
                                             deferred.survival, audit.routed)
-            self._counted("audited" if record is not None else "unreadable")
+            self._counted("audited" if record is not None else "unreadable", known)
         except TeacherChangedError as exc:  # an audit's answer is an answer: the change is caught here too
             self._teacher_changed(exc)
             self._counted("failed")
@@ -492,13 +493,15 @@ class Engine:
             self._counted("failed")
         return None
 
-    def _counted(self, outcome: str) -> None:
-        """One audit's outcome (or pause) counted: audits run on several threads at once."""
+    def _counted(self, outcome: str, known: bool = False) -> None:
+        """One audit's outcome (or pause) counted, ``known`` where it recorded the answers the
+        escalation held: audits run on several threads at once."""
         with self._sampling:
             if outcome == "paused":
                 self.totals.paused += 1
             else:
                 self.totals.audits[outcome] += 1
+                self.totals.answered_above += known and outcome == "audited"
 
     def _overloaded(self, job: Job, exc: QueueFullError) -> None:
         keep = (self.settings.overload == "keep" and not job.matched.foreign and job.run is not None

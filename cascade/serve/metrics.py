@@ -107,6 +107,9 @@ class ServerMetrics:
                                   "its audits sample", ["question"], registry=self.registry)
         self.audit_pauses = Total("cascade_audit_pauses", "Audits the upstream teacher answered 429 or 503: "
                                   "each is kept and retried after its Retry-After", registry=self.registry)
+        self.audit_known = Total("cascade_audits_answered_above", "Audited items the teacher had "
+                                 "answered already (every bundle question escalated): recorded from "
+                                 "those answers, with no teacher call", registry=self.registry)
         self.audit_asked = Gauge("cascade_audit_share_asked", "The share of answered requests the audit "
                                  "sample asks for (--audit-share)", registry=self.registry)
         self.audit_realised = Gauge("cascade_audit_share_realised", "Audited over eligible answered "
@@ -206,6 +209,7 @@ class ServerMetrics:
         self.audit_sample.set(eligible, "eligible")
         self.audit_sample.set(sum(totals.chosen for totals in engines), "chosen")
         self.audit_pauses.set(sum(totals.paused for totals in engines))
+        self.audit_known.set(sum(totals.answered_above for totals in engines))
         for reason in ("queue_full", "stopped"):
             self.audits_dropped.set(sum(totals.dropped[reason] for totals in engines), reason)
         routed: dict[str, int] = {}

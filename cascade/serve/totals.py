@@ -12,10 +12,11 @@ class Totals:
     ``dropped`` audits by reason (queue_full: dropped at random from a full queue; stopped: left
     waiting when the engine stopped), the answered requests the audit sample looked at
     (``eligible``) and chose (``chosen``), the times an upstream asked audits to wait
-    (``paused``: each such audit is put back and retried), ``routed`` (``Auditor.route``'s
-    counts) and ``abandoned`` jobs (dropped uncomputed: their client had gone). An object of
-    their own, so that the server's metrics go on adding up an engine a swap retired (its last
-    audits still running) without keeping the engine itself."""
+    (``paused``: each such audit is put back and retried), the audited items whose answers the
+    escalation already held (``answered_above``: no teacher call), ``routed``
+    (``Auditor.route``'s counts) and ``abandoned`` jobs (dropped uncomputed: their client had
+    gone). An object of their own, so that the server's metrics go on adding up an engine a swap
+    retired (its last audits still running) without keeping the engine itself."""
 
     audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("audited", "dropped", "failed", "unreadable"), 0))
@@ -23,6 +24,7 @@ class Totals:
     eligible: int = 0
     chosen: int = 0
     paused: int = 0
+    answered_above: int = 0
     routed: dict[str, int] = field(default_factory=dict)
     abandoned: int = 0
 
