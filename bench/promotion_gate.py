@@ -14,7 +14,9 @@ The certificates are the library's (``maths.threshold_for_agreement``), the rule
 With ``--evaluation K``, each run draws K more items, an evaluation part that certifies nothing,
 and a third row ("new + evaluation") applies the new rule to all n + K items, as
 ``distill.loop.promote`` weighs a retrained bundle's evaluation part beside its certifying items,
-with the certificates of the new rule on the n items.
+with the certificates of the new rule on the n items, and a fourth ("coverage", ``served_more``:
+measured, not the library's) promotes where the candidate's certificate keeps more of the K
+items than the serving bundle's.
 
     .venv/bin/python -m bench.promotion_gate --runs 1000
     .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 1000 --evaluation 1000
@@ -76,7 +78,22 @@ def one_run(rng: np.random.Generator, n: int, slopes: tuple[float, float], args:
                            seed=int(rng.integers(2 ** 31))).promotes
         chosen = int(promoted)
         out[rule] = promoted, population_agreement(slopes[chosen], new[chosen].threshold) < args.target
+    if args.evaluation:
+        promoted = served_more([(s[n:], t.threshold) for (s, _), t in zip(everything, new, strict=True)])
+        chosen = int(promoted)
+        out["coverage"] = promoted, population_agreement(slopes[chosen], new[chosen].threshold) < args.target
     return out
+
+
+def served_more(bundles: list[tuple[np.ndarray, float | None]], alpha: float = ALPHA) -> bool:
+    """The rule measured beside the library's (not the library's): whether the candidate's
+    certified threshold keeps more of the evaluation items than the serving bundle's, paired, by a
+    one-sided ``1 - alpha`` normal bound on the mean difference of the kept indicators above 0.
+    It compares what each bundle would serve; the evaluation items certified neither threshold."""
+    kept = [np.zeros(len(s)) if t is None else (s >= t).astype(float) for s, t in bundles]
+    difference = kept[1] - kept[0]
+    spread = difference.std(ddof=1) / np.sqrt(len(difference)) if len(difference) > 1 else 0.0
+    return bool(difference.mean() - norm.ppf(1 - alpha) * spread > 0)
 
 
 def failing(runs: list[tuple[bool, bool]]) -> str:
@@ -117,7 +134,7 @@ def main() -> None:
           "P(promoted and fails), all |")
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
-        rules = ["old", "new", *(["new + evaluation"] if args.evaluation else [])]
+        rules = ["old", "new", *(["new + evaluation", "coverage"] if args.evaluation else [])]
         cells: dict[str, dict[str, list[tuple[bool, bool]]]] = {rule: {} for rule in rules}
         for name, gap in SCENARIOS.items():
             slopes = (slope(SERVING_SHARE, args.target), slope(SERVING_SHARE + gap, args.target))
