@@ -13,9 +13,12 @@ on as many other items (about equal), or on fewer (worse); each pair's populatio
 Each run draws ``--certifying`` + ``--evaluation`` items from the population without replacement,
 certifies both bundles on the certifying ones at half the first attempt's delta, and applies
 ``gate.compare`` to all of them, as ``distill.loop.promote`` does (``--evaluation 0``: the gate as
-it was, on the certifying items alone). A promoted certificate fails where the cascade at its
-threshold agrees with the teacher on less than the target of the whole population (the items it
-keeps disagreeing, those it sends up answered by the teacher).
+it was, on the certifying items alone), by both rules on the same draw: the library's ("band":
+plug-in shares averaged over ``gate.band``) and the one before it ("plug-in": at the target
+alone). A promoted certificate fails where the cascade at its threshold agrees with the teacher on
+less than the target of the whole population (the items it keeps disagreeing, those it sends up
+answered by the teacher); the population share served after the gate is what the certified
+threshold of the bundle serving then keeps of the population.
 
 ``--chain``: two gates in a row on one growing holdout, as ``cascade loop`` runs them. Bundles A, B
 and C (CHAINS); gate 1 weighs B against A on the first draw; gate 2 weighs C against whichever
@@ -58,7 +61,7 @@ from bench.common import (
 from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder
 from cascade.thresholds import CERTIFIED_SCORE, threshold_score
 from distill.calibration.maths import threshold_for_agreement
-from distill.loop.gate import Question, certificate_delta, compare
+from distill.loop.gate import Question, band, certificate_delta, compare
 
 SOURCE = "teacher, soft"
 PAIRS = {"better (500 -> 1,000 items)": ((0, 500), (0, 1000)),
@@ -100,26 +103,38 @@ class Gated:
     thresholds: tuple[float | None, float | None]
 
 
+RULES = ("band", "plug-in")
+"""The library's rule (plug-in shares over ``gate.band``) and the one before it (at the target)."""
+
+
 def gate(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: np.ndarray, weighed: np.ndarray,
-         attempt: int, resamples: int) -> Gated:
+         attempt: int, resamples: int, rule: str = "band") -> Gated:
     """``distill.loop.promote``'s gate on population items: both certified on ``certifying`` at
     half attempt ``attempt``'s delta, the rule applied to ``weighed``."""
     level = certificate_delta(DELTA, attempt)
+    targets = band(TARGET, len(certifying), level) if rule == "band" else (TARGET,)
     thresholds = tuple(threshold_for_agreement(b.score[certifying], b.correct[certifying], TARGET, level)
                        .threshold for b in pair)
     items = np.arange(len(weighed))
     serving, candidate = ([Question(items, b.score[weighed], b.correct[weighed])] for b in pair)
-    promoted = compare(serving, candidate, len(weighed), TARGET, resamples=resamples,
+    promoted = compare(serving, candidate, len(weighed), targets, resamples=resamples,
                        seed=int(rng.integers(2 ** 31))).promotes
     return Gated(promoted, (thresholds[0], thresholds[1]))
 
 
 def one_run(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: int, evaluation: int,
-            resamples: int) -> tuple[bool, bool]:
-    """Promoted, and whether the bundle serving after the gate fails its certificate."""
+            resamples: int) -> dict[str, tuple[bool, bool, float]]:
+    """Per rule: promoted, whether the bundle serving after the gate fails its certificate, and the
+    population share its certified threshold keeps."""
     drawn = rng.choice(len(pair[0].score), certifying + evaluation, replace=False)
-    one = gate(rng, pair, drawn[:certifying], drawn, 1, resamples)
-    return one.promoted, pair[int(one.promoted)].fails(one.thresholds[int(one.promoted)])
+    out = {}
+    for rule in RULES:
+        one = gate(rng, pair, drawn[:certifying], drawn, 1, resamples, rule)
+        chosen = pair[int(one.promoted)]
+        threshold = one.thresholds[int(one.promoted)]
+        out[rule] = (one.promoted, chosen.fails(threshold),
+                     0.0 if threshold is None else float(np.mean(chosen.score >= threshold)))
+    return out
 
 
 def chain_run(rng: np.random.Generator, bundles: tuple[Bundle, Bundle, Bundle], certifying: int,
@@ -188,18 +203,22 @@ def main() -> None:
         pair = tuple(Bundle(items, pool[start:end], population) for start, end in spans)
         runs = [one_run(rng, pair, args.certifying, args.evaluation, args.resamples)  # type: ignore[arg-type]
                 for _ in range(args.runs)]
-        promoted = [fails for p, fails in runs if p]
-        rows.append([name, f"{pair[0].share:.1%} / {pair[1].share:.1%}",
-                     f"{pair[1].share - pair[0].share:+.1%}",
-                     f"{np.mean([p for p, _ in runs]):.1%}",
-                     f"{np.mean(promoted):.1%} of {len(promoted)}" if promoted else "-",
-                     f"{np.mean([fails for _, fails in runs]):.1%}"])
+        for rule in RULES:
+            outcomes = [run[rule] for run in runs]
+            promoted = [fails for p, fails, _ in outcomes if p]
+            rows.append([name, f"{pair[0].share:.1%} / {pair[1].share:.1%}",
+                         f"{pair[1].share - pair[0].share:+.1%}", rule,
+                         f"{np.mean([p for p, _, _ in outcomes]):.1%}",
+                         f"{np.mean(promoted):.1%} of {len(promoted)}" if promoted else "-",
+                         f"{np.mean([fails for _, fails, _ in outcomes]):.1%}",
+                         f"{np.mean([served for _, _, served in outcomes]):.1%}"])
         print(f"{name}: done", flush=True)
     print(f"AG News, {len(population)} population items, target {TARGET}, delta {DELTA} (each certificate at "
           f"{certificate_delta(DELTA, 1):.4f}), {args.certifying} certifying + {args.evaluation} evaluation "
           f"items a run, {args.runs} runs, {args.resamples} resamples")
-    print(markdown(["candidate", "population share kept (serving / candidate)", "gap",
-                    "promoted", "cert fails given promoted", "serving after the gate fails"], rows))
+    print(markdown(["candidate", "population share kept (serving / candidate)", "gap", "rule",
+                    "promoted", "cert fails given promoted", "serving after the gate fails",
+                    "population share served after the gate"], rows))
 
 
 if __name__ == "__main__":

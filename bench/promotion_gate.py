@@ -1,25 +1,30 @@
-"""The promotion gate on synthetic bundles with known population shares: the old rule ("candidate's
-certified share >= serving's", both certified at delta on the same items) against the new one
-(``distill.loop.gate``: paired plug-in bootstrap bound > 0, each certificate at delta/2 of the
-first attempt's spend).
+"""The promotion gate on synthetic bundles with known population curves: the old rule ("candidate's
+certified share >= serving's", both certified at delta on the same items), the paired plug-in
+bootstrap at the user's target alone ("plug-in", the rule before the band), and the library's
+(``distill.loop.gate``: the same bound averaged over the band of targets up to the certificate's
+effective one, "band"), each certificate of the last two at delta/2 of the first attempt's spend.
 
-A bundle is a score s ~ U(0, 1) per item and a disagreement curve P(wrong | s) = a (1 - s)^2, so
-the cascade keeping s >= t agrees on 1 - a (1 - t)^3 / 3 of the population and keeps 1 - t: at a
-target the population share is q = (3 (1 - target) / a)^(1/3), and a is solved from the share
-asked for. The two bundles are scored on the same items: their scores are tied by a Gaussian
+A bundle is a score s ~ U(0, 1) per item and a disagreement curve P(wrong | s) = a (1 - s)^k, so
+the cascade keeping s >= t agrees on 1 - a (1 - t)^(k+1) / (k+1) of the population and keeps
+1 - t: at a target the population share is q = ((k+1) (1 - target) / a)^(1/(k+1)), and a is solved
+from the share asked for. The serving bundle keeps 60% at the target with k = 2; a candidate keeps
+5 points more or less with the same k, or as much with k = 4 (its disagreements sit lower down:
+it keeps about 5 points more at 0.99, as a fine-tuned encoder did) or k = 1 (about 5 points less
+at 0.99). The two bundles are scored on the same items: their scores are tied by a Gaussian
 copula (correlation RHO) and their disagreements by one uniform per item (a hard item is hard for
-both), as two encoders trained on the same labels are. Each run draws n items, applies both
-rules, and for the promoted bundle checks its certified threshold against the population curve.
-The certificates are the library's (``maths.threshold_for_agreement``), the rule is the gate's.
-With ``--evaluation K``, each run draws K more items, an evaluation part that certifies nothing,
-and a third row ("new + evaluation") applies the new rule to all n + K items, as
-``distill.loop.promote`` weighs a retrained bundle's evaluation part beside its certifying items,
-with the certificates of the new rule on the n items, and a fourth ("coverage", ``served_more``:
-measured, not the library's) promotes where the candidate's certificate keeps more of the K
-items than the serving bundle's.
+both), as two encoders trained on the same labels are. Each run draws n items and applies the
+rules; for the bundle serving after each gate it checks the certified threshold against the
+population curve (fails: agreement under the target) and records the population share that
+threshold keeps (served: 1 - threshold), the share users get. The certificates are the library's
+(``maths.threshold_for_agreement``), the rules the gate's. With ``--evaluation K``, each run draws
+K more items, an evaluation part that certifies nothing, and the rules marked "+ evaluation" weigh
+all n + K items, as ``distill.loop.promote`` weighs a retrained bundle's evaluation part beside its
+certifying items, with the certificates on the n items; "coverage" (``served_more``: measured,
+not the library's) promotes where the candidate's certificate keeps more of the K items than the
+serving bundle's.
 
     .venv/bin/python -m bench.promotion_gate --runs 1000
-    .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 1000 --evaluation 1000
+    .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 300 1000 --evaluation 1000
 """
 
 from __future__ import annotations
@@ -31,57 +36,76 @@ import numpy as np
 from scipy.stats import norm
 
 from distill.calibration.maths import threshold_for_agreement
-from distill.loop.gate import ALPHA, Question, certificate_delta, compare
+from distill.loop.gate import ALPHA, Question, band, certificate_delta, compare
 
-SERVING_SHARE = 0.60
+SERVING = (0.60, 2)
+"""The serving bundle's population share at the target and the exponent k of its curve."""
 RHO = 0.9
 SIZES = (300, 1000, 2000)
-SCENARIOS = {"5 points better": 0.05, "equal": 0.0, "5 points worse": -0.05}
+SCENARIOS = {"5 points better": (0.65, 2), "equal": (0.60, 2), "5 points worse": (0.55, 2),
+             "equal, better at the top": (0.60, 4), "equal, worse at the top": (0.60, 1)}
+"""Scenario -> the candidate's (population share at the target, exponent k)."""
+
+Curve = tuple[float, int]
+"""(a, k) of P(wrong | s) = a (1 - s)^k."""
 
 
-def slope(share: float, target: float) -> float:
-    """The a of P(wrong | s) = a (1 - s)^2 that keeps ``share`` of the population at ``target``."""
-    return 3 * (1 - target) / share ** 3
+def curve(share: float, exponent: int, target: float) -> Curve:
+    """The curve with exponent k that keeps ``share`` of the population at ``target``."""
+    return (exponent + 1) * (1 - target) / share ** (exponent + 1), exponent
 
 
-def population_agreement(a: float, threshold: float | None) -> float:
+def population_agreement(line: Curve, threshold: float | None) -> float:
     """The cascade's agreement on the population when the bundle keeps s >= threshold."""
-    return 1.0 if threshold is None else 1 - a * (1 - threshold) ** 3 / 3
+    a, k = line
+    return 1.0 if threshold is None else 1 - a * (1 - threshold) ** (k + 1) / (k + 1)
 
 
-def draw(rng: np.random.Generator, n: int, slopes: tuple[float, float], rho: float
+def draw(rng: np.random.Generator, n: int, curves: tuple[Curve, Curve], rho: float
          ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Scores and agreement of both bundles on the same n items."""
     z = rng.standard_normal((2, n))
     scores = norm.cdf(np.stack([z[0], rho * z[0] + np.sqrt(1 - rho ** 2) * z[1]]))
     hard = rng.random(n)
-    return [(s, hard >= a * (1 - s) ** 2) for s, a in zip(scores, slopes, strict=True)]
+    return [(s, hard >= a * (1 - s) ** k) for s, (a, k) in zip(scores, curves, strict=True)]
 
 
-def one_run(rng: np.random.Generator, n: int, slopes: tuple[float, float], args: argparse.Namespace,
-            resamples: int) -> dict[str, tuple[bool, bool]]:
-    """Per rule: promoted, and whether the bundle serving after the gate fails its certificate."""
-    everything = draw(rng, n + args.evaluation, slopes, args.rho)
+Outcome = tuple[bool, bool, float]
+"""One gate: promoted, the certificate serving after it fails, the population share it keeps."""
+
+
+def after(curves: tuple[Curve, Curve], promoted: bool, thresholds: list[float | None], target: float
+          ) -> Outcome:
+    """The outcome of a gate that promoted or not, the bundles certified at ``thresholds``."""
+    chosen = int(promoted)
+    threshold = thresholds[chosen]
+    return (promoted, population_agreement(curves[chosen], threshold) < target,
+            0.0 if threshold is None else 1 - threshold)
+
+
+def one_run(rng: np.random.Generator, n: int, curves: tuple[Curve, Curve], args: argparse.Namespace,
+            resamples: int) -> dict[str, Outcome]:
+    """Per rule, the gate's outcome."""
+    everything = draw(rng, n + args.evaluation, curves, args.rho)
     data = [(s[:n], c[:n]) for s, c in everything]
-    out = {}
     old = [threshold_for_agreement(s, c, args.target, args.delta) for s, c in data]
     promoted = old[1].kept_share >= old[0].kept_share
-    chosen = int(promoted)
-    out["old"] = promoted, population_agreement(slopes[chosen], old[chosen].threshold) < args.target
+    out = {"old": after(curves, promoted, [t.threshold for t in old], args.target)}
     level = certificate_delta(args.delta, 1)
-    new = [threshold_for_agreement(s, c, args.target, level) for s, c in data]
-    rows = {"new": data, "new + evaluation": everything} if args.evaluation else {"new": data}
-    for rule, weighed in rows.items():
+    new = [threshold_for_agreement(s, c, args.target, level).threshold for s, c in data]
+    rows = {"": data, " + evaluation": everything} if args.evaluation else {"": data}
+    rules = {"plug-in": (args.target,), "band": band(args.target, n, level)}
+    for suffix, weighed in rows.items():
         items = np.arange(len(weighed[0][0]))
         serving, candidate = ([Question(items, s, c)] for s, c in weighed)
-        promoted = compare(serving, candidate, len(items), args.target, resamples=resamples,
-                           seed=int(rng.integers(2 ** 31))).promotes
-        chosen = int(promoted)
-        out[rule] = promoted, population_agreement(slopes[chosen], new[chosen].threshold) < args.target
+        seed = int(rng.integers(2 ** 31))
+        for rule, targets in rules.items():
+            promoted = compare(serving, candidate, len(items), targets, resamples=resamples,
+                               seed=seed).promotes
+            out[rule + suffix] = after(curves, promoted, new, args.target)
     if args.evaluation:
-        promoted = served_more([(s[n:], t.threshold) for (s, _), t in zip(everything, new, strict=True)])
-        chosen = int(promoted)
-        out["coverage"] = promoted, population_agreement(slopes[chosen], new[chosen].threshold) < args.target
+        evaluation = [(s[n:], t) for (s, _), t in zip(everything, new, strict=True)]
+        out["coverage"] = after(curves, served_more(evaluation), new, args.target)
     return out
 
 
@@ -96,15 +120,15 @@ def served_more(bundles: list[tuple[np.ndarray, float | None]], alpha: float = A
     return bool(difference.mean() - norm.ppf(1 - alpha) * spread > 0)
 
 
-def failing(runs: list[tuple[bool, bool]]) -> str:
+def failing(runs: list[Outcome]) -> str:
     """P(the promoted bundle's certificate fails | promoted), and of how many promoted."""
-    promoted = [fails for p, fails in runs if p]
+    promoted = [fails for p, fails, _ in runs if p]
     return f"{np.mean(promoted):.1%} of {len(promoted)}" if promoted else "- of 0"
 
 
-def cell(runs: list[tuple[bool, bool]]) -> str:
-    """P(promote) in one scenario, with the failure rate of its promoted certificates."""
-    return f"{np.mean([p for p, _ in runs]):.1%} (fails {failing(runs)})"
+def cell(runs: list[Outcome]) -> str:
+    """P(promote) in one scenario, and the mean population share served after the gate."""
+    return f"{np.mean([p for p, _, _ in runs]):.1%} ({np.mean([served for _, _, served in runs]):.1%})"
 
 
 def main() -> None:
@@ -120,32 +144,35 @@ def main() -> None:
     parser.add_argument("--rho", type=float, default=RHO,
                         help="correlation of the two bundles' scores on an item (Gaussian copula)")
     parser.add_argument("--evaluation", type=int, default=0,
-                        help="items of an evaluation part per run, weighed by a third rule beside the n "
-                        "certifying items (0: no such row)")
+                        help="items of an evaluation part per run, weighed by the rules marked "
+                        "'+ evaluation' beside the n certifying items (0: no such rows)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
-    print(f"target {args.target}, delta {args.delta}, serving share {SERVING_SHARE:.0%} on the population, "
-          f"score correlation {args.rho}, {args.runs} runs per cell, {args.resamples} resamples, rule level "
-          f"{ALPHA}, certificates at "
-          f"{args.delta} (old) and {certificate_delta(args.delta, 1):.4f} (new)")
-    print("| n | rule | 5 points better | equal | 5 points worse | P(cert fails \\| promoted), all | "
+    level = certificate_delta(args.delta, 1)
+    print(f"target {args.target}, delta {args.delta}, serving share {SERVING[0]:.0%} on the population (k = "
+          f"{SERVING[1]}), score correlation {args.rho}, {args.runs} runs per cell, {args.resamples} "
+          "resamples, "
+          f"rule level {ALPHA}, certificates at {args.delta} (old) and {level:.4f} (the others)")
+    print("cells: promoted (mean population share served after the gate)")
+    print(f"| n | rule | {' | '.join(SCENARIOS)} | P(cert fails \\| promoted), all | "
           "P(promoted and fails), all |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|" + "---|" * len(SCENARIOS) + "---|---|")
+    serving = curve(*SERVING, args.target)
     for n in args.sizes:
-        rules = ["old", "new", *(["new + evaluation", "coverage"] if args.evaluation else [])]
-        cells: dict[str, dict[str, list[tuple[bool, bool]]]] = {rule: {} for rule in rules}
-        for name, gap in SCENARIOS.items():
-            slopes = (slope(SERVING_SHARE, args.target), slope(SERVING_SHARE + gap, args.target))
-            runs = [one_run(rng, n, slopes, args, args.resamples) for _ in range(args.runs)]
-            for rule in cells:
-                cells[rule][name] = [run[rule] for run in runs]
+        cells: dict[str, dict[str, list[Outcome]]] = {}
+        for name, (share, exponent) in SCENARIOS.items():
+            curves = (serving, curve(share, exponent, args.target))
+            runs = [one_run(rng, n, curves, args, args.resamples) for _ in range(args.runs)]
+            for rule in runs[0]:
+                cells.setdefault(rule, {})[name] = [run[rule] for run in runs]
         for rule, by_scenario in cells.items():
             row = [cell(by_scenario[name]) for name in SCENARIOS]
-            pooled = [pair for rows in by_scenario.values() for pair in rows]
+            pooled = [outcome for rows in by_scenario.values() for outcome in rows]
             print(f"| {n} | {rule} | {' | '.join(row)} | {failing(pooled)} | "
-                  f"{np.mean([p and fails for p, fails in pooled]):.1%} |")
+                  f"{np.mean([p and fails for p, fails, _ in pooled]):.1%} |", flush=True)
+        print(f"(band at n = {n}: {', '.join(f'{t:.4f}' for t in band(args.target, n, level))})")
     print(f"({time.perf_counter() - started:.0f} s)")
 
 

@@ -12,8 +12,9 @@ counted from the promotions log, spends delta x 6 / (pi^2 k^2)); so with probabi
 both certificates hold, whichever bundle the rule then picks, and the rule may look at any items.
 It looks at both parts, twice the items the certificates rest on under the default split
 (``gate.compare``): the candidate passes only where the paired bootstrap lower bound on how much
-more it keeps at the target (plug-in shares, averaged over the questions) is above 0; a tie never
-passes.
+more it keeps (plug-in shares, averaged over the questions and over a band of targets from the
+user's up to the one the certificate effectively asks of the certifying items: ``gate.band``) is
+above 0; a tie never passes.
 Refused, it stays where it is with the reason in ``promotion.json``; where the serving bundle's
 thresholds keep nothing (a young cascade that certified nothing yet), it then serves the thresholds
 the gate certified for it instead (``refreshed``): a copy of it beside the candidate
@@ -52,7 +53,7 @@ from distill.calibration.manifest import updated_manifest
 from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
-from distill.loop.gate import RULE, Comparison, Question, certificate_delta, chain_ranks, compare
+from distill.loop.gate import RULE, Comparison, Question, band, certificate_delta, chain_ranks, compare
 from distill.loop.retrain import EVIDENCE_NAME, LINEAGE_NAME
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
@@ -90,8 +91,9 @@ class Gate(BaseModel):
     rule weighs beside ``items`` (it certifies nothing). ``serving_share`` and ``candidate_share``: the
     shares the certified thresholds keep (answers the cheap tiers keep, per question in ``shares``
     and averaged). ``rule``: the choosing rule; ``serving_plugin`` and ``candidate_plugin`` the
-    plug-in shares it compares, ``difference`` theirs and ``lower_bound`` its one-sided
-    ``1 - alpha`` paired bootstrap bound over ``resamples``; promoted only where it is above 0."""
+    plug-in shares it compares (averaged over the questions and the ``band`` of targets),
+    ``difference`` theirs and ``lower_bound`` its one-sided ``1 - alpha`` paired bootstrap bound
+    over ``resamples``; promoted only where it is above 0."""
 
     target: float
     delta: float
@@ -111,6 +113,7 @@ class Gate(BaseModel):
     candidate_plugin: float | None = None
     difference: float | None = None
     lower_bound: float | None = None
+    band: tuple[float, ...] | None = None
 
     def weighed(self) -> str:
         """How many held-out items the rule weighed, of which parts."""
@@ -175,7 +178,7 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
         scores = {name: _merged(scores[name], calibrate_bundle(bundle, states, store, scoring, run=run,
                                                                encoder=encoder).item_scores)
                   for name, bundle in bundles.items()}
-    comparison = _compare(results, scores, sorted(held) + sorted(evaluated), target)
+    comparison = _compare(results, scores, sorted(held) + sorted(evaluated), band(target, len(held), level))
     gate = _gate(results, comparison, delta, attempt, len(held), excluded, len(evaluated))
     if comparison.promotes:  # served with the thresholds the gate certified, at its level
         manifest = updated_manifest(candidate.manifest, results["candidate"])
@@ -290,10 +293,10 @@ def _merged(first: Scores, second: Scores) -> Scores:
 
 
 def _compare(results: dict[str, CalibrationResult], scores: dict[str, Scores], ids: list[str],
-             target: float) -> Comparison:
-    """Both bundles' per-item evidence on the same items, per question, through ``gate.compare``:
-    ``scores`` on ``ids``, each bundle's cheap tiers chained as its certificate (``results``) serves
-    them."""
+             targets: tuple[float, ...]) -> Comparison:
+    """Both bundles' per-item evidence on the same items, per question, through ``gate.compare``
+    over ``targets``: ``scores`` on ``ids``, each bundle's cheap tiers chained as its certificate
+    (``results``) serves them."""
     index = {item: k for k, item in enumerate(ids)}
     qids = sorted(set().union(*scores.values()))
     if not qids:
@@ -301,7 +304,7 @@ def _compare(results: dict[str, CalibrationResult], scores: dict[str, Scores], i
                            "nothing to compare; label more items and retrain")
     sides = {name: [_question(result, scores[name].get(qid, {}), index) for qid in qids]
              for name, result in results.items()}
-    return compare(sides["serving"], sides["candidate"], len(ids), target)
+    return compare(sides["serving"], sides["candidate"], len(ids), targets)
 
 
 def _question(result: CalibrationResult, scored: dict[str, dict[str, tuple[float, bool]]],
@@ -333,12 +336,12 @@ def _gate(results: dict[str, CalibrationResult], comparison: Comparison, delta: 
                 attempt=attempt, certificate_delta=ours.delta, alpha=comparison.alpha,
                 resamples=comparison.resamples, serving_plugin=comparison.serving_share,
                 candidate_plugin=comparison.candidate_share, difference=comparison.difference,
-                lower_bound=comparison.lower_bound)
+                lower_bound=comparison.lower_bound, band=comparison.targets)
 
 
 def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None) -> str:
     figures = (f"on the same {gate.weighed()} held-out items at target {gate.target}, the candidate's cheap "
-               f"tiers keep {gate.candidate_plugin:.1%} of answers at the target and the serving bundle's "
+               f"tiers keep {gate.candidate_plugin:.1%} of answers {_at(gate)} and the serving bundle's "
                f"{gate.serving_plugin:.1%} (difference {gate.difference:+.1%}, {1 - (gate.alpha or 0):.0%} "
                f"paired lower bound {gate.lower_bound:+.1%}); certified at delta "
                f"{gate.certificate_delta:.4g} each (attempt {gate.attempt} against this bundle, of delta "
@@ -351,6 +354,13 @@ def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None) -> str:
         return kept
     return (f"{kept}. The serving bundle's thresholds kept nothing, so it now serves the ones this gate "
             f"certified for it ({gate.serving_share:.1%} kept), from {refreshed}")
+
+
+def _at(gate: Gate) -> str:
+    """Where the plug-in shares were read: the target, or the band up to the certificate's level."""
+    if not gate.band or len(gate.band) < 2:
+        return "at the target"
+    return f"at targets {gate.band[0]:g} to {gate.band[-1]:.4f} (averaged)"
 
 
 def _replaced_at(path: Path, serving_dir: Path) -> Path:
