@@ -166,6 +166,15 @@ def audited_burst(load: Callable[[], Cascade], engine: EngineSettings, store: Pa
     return seen
 
 
+def young_copy(bundle_dir: Path, to: Path) -> tuple[str, ...]:
+    """A copy of the bundle with no threshold (every question goes to the teacher); its questions."""
+    shutil.copytree(bundle_dir, to)
+    manifest = Bundle.load(to).manifest
+    bare = {qid: dict.fromkeys(row) for qid, row in manifest.thresholds.items()}
+    Bundle(manifest.model_copy(update={"thresholds": bare}), to).save()
+    return tuple(manifest.questions)
+
+
 def test_with_an_upstream_teacher_every_item_of_a_burst_is_audited_on_the_upstream_s_capacity(
         bundle_dir: Path, gemma_server: Any, tmp_path: Path) -> None:
     """16 requests from 8 clients, answered at the encoder, each chosen for audit: the audits run
@@ -194,11 +203,7 @@ def test_an_item_the_upstream_answered_on_every_question_is_audited_with_no_seco
     audit records the answers its request already got from the teacher, so the upstream sees no
     audit call, and every record agrees with the system by construction."""
     young = tmp_path / "young"
-    shutil.copytree(bundle_dir, young)
-    manifest = Bundle.load(young).manifest
-    bare = {qid: dict.fromkeys(row) for qid, row in manifest.thresholds.items()}
-    Bundle(manifest.model_copy(update={"thresholds": bare}), young).save()
-    n, every = 6, tuple(manifest.questions)
+    n, every = 6, young_copy(bundle_dir, young)
     patient = UpstreamSettings(gemma_server.url, read_timeout=120, deadline=120)
     load = lambda: Cascade.load(young, teacher=patient, threads=1)  # noqa: E731
     seen = audited_burst(load, EngineSettings(audit_in_flight=2), tmp_path / "labels.sqlite", n, every)
@@ -207,6 +212,21 @@ def test_an_item_the_upstream_answered_on_every_question_is_audited_with_no_seco
     assert seen['cascade_upstream_total{count="calls"}'] == n  # the requests' own
     records = stored_audits(tmp_path / "labels.sqlite")
     assert len(records) == n and all(set(r.teacher) == set(every) == set(r.system) for r in records)
+    assert all(r.agreed(qid) and r.system[qid].tier == "teacher" for r in records for qid in every)
+
+
+def test_with_a_local_teacher_an_audit_of_an_item_it_answered_is_written_at_once_and_never_dropped(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    """The burst of the test below, behind the same audit queue of 1, but every question sent up:
+    each audit needs no teacher, so none waits for the busy teacher's worker and none is dropped,
+    and every record carries inclusion 1 (the share asked for)."""
+    n, every = 12, young_copy(bundle_dir, tmp_path / "young")
+    load = lambda: Cascade.load(tmp_path / "young", teacher=gemma_path, threads=2)  # noqa: E731
+    seen = audited_burst(load, EngineSettings(audit_queue=1), tmp_path / "labels.sqlite", n, every)
+    assert seen['cascade_audits_total{outcome="audited"}'] == n == seen["cascade_audits_answered_above_total"]
+    assert seen['cascade_audits_dropped_total{reason="queue_full"}'] == 0
+    records = stored_audits(tmp_path / "labels.sqlite")
+    assert len(records) == n and {r.inclusion for r in records} == {1.0}
     assert all(r.agreed(qid) and r.system[qid].tier == "teacher" for r in records for qid in every)
 
 

@@ -33,6 +33,9 @@ upstream teacher takes them on its own capacity, ``audit_in_flight`` at once, wh
 queue, pausing only when the upstream answers 429 or 503 (``cascade.serve.audit_pool``). Past
 ``audit_queue`` one audit is dropped at random, never the newest by rule, so each audited item's
 inclusion probability is known and written with it, with the routed counts (``Auditor.route``).
+An audit of a request the teacher answered on every bundle question needs no teacher
+(``Auditor.answered_above``): it is written at once, on the worker that finished the request, so it
+is never deferred nor dropped (its inclusion is the share asked for).
 With an escalation ``Collector``, the teacher's answers to the questions a request escalated are
 handed to it once answered (``cascade.routing.escalations``), to be written on its own thread.
 """
@@ -124,14 +127,16 @@ class Job:
 
 @dataclass
 class _Audit:
-    """An answered request the teacher is to audit: the item, its response, its bundle ids, and
-    the routed counts when it was answered."""
+    """An answered request the teacher is to audit: the item, its response, its bundle ids, the
+    routed counts when it was answered, and whether the response holds the teacher's answer to
+    every bundle question already (``known``: the audit then asks the teacher nothing)."""
 
     item: Item
     response: DecisionResponse
     bundle_ids: dict[str, str]
     routed: dict[str, int]
     authorization: str | None = None
+    known: bool = False
 
 
 _Entry = tuple[int, int, "Job | None"]
@@ -455,7 +460,11 @@ class Engine:
             self.totals.chosen += 1
         # a client may send the same X-Request-Id twice: the audit's id is the server's own
         item = Item(f"{job.item.id}.{uuid.uuid4().hex[:12]}", job.item.state)
-        audit = _Audit(item, response, bundle_ids, routed, job.authorization)
+        known = self.auditor.answered_above(response, bundle_ids) is not None
+        audit = _Audit(item, response, bundle_ids, routed, job.authorization, known)
+        if known:  # it needs no teacher: written now, so it never waits for one nor is dropped
+            self._audit(Deferred(audit, 1.0))
+            return
         dropped = self.deferred.put(audit)
         if dropped is not None:
             with self._sampling:
@@ -468,9 +477,8 @@ class Engine:
         audit is then put back, not counted), else None."""
         assert self.auditor is not None
         audit, started = deferred.audit, time.perf_counter()
-        known = self.auditor.answered_above(audit.response, audit.bundle_ids) is not None
         try:
-            if self.upstream is not None and not known:
+            if self.upstream is not None and not audit.known:
                 with self.upstream.on_behalf_of(audit.authorization):
                     record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
                                                 deferred.survival, audit.routed)
@@ -478,7 +486,7 @@ class Engine:
             else:  # a local teacher, or answers the escalation already holds (no teacher call)
                 record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
                                             deferred.survival, audit.routed)
-            self._counted("audited" if record is not None else "unreadable", known)
+            self._counted("audited" if record is not None else "unreadable", audit.known)
         except TeacherChangedError as exc:  # an audit's answer is an answer: the change is caught here too
             self._teacher_changed(exc)
             self._counted("failed")
@@ -501,7 +509,7 @@ class Engine:
                 self.totals.paused += 1
             else:
                 self.totals.audits[outcome] += 1
-                self.totals.answered_above += known and outcome == "audited"
+                self.totals.answered_above += int(known and outcome == "audited")
 
     def _overloaded(self, job: Job, exc: QueueFullError) -> None:
         keep = (self.settings.overload == "keep" and not job.matched.foreign and job.run is not None
