@@ -446,8 +446,9 @@ class Engine:
 
     def _sample(self, job: Job, response: DecisionResponse) -> None:
         """Count an answered request among the routed ones and defer its audit where the sample
-        chose it (keyed on the count of answered requests, not on anything the client sent);
-        none while the certificate is void. A full queue drops one audit at random."""
+        chose it (keyed on the count of answered requests, not on anything the client sent), or
+        write it now where the response holds the teacher's answers already; none while the
+        certificate is void. A full queue drops one audit at random."""
         if self.auditor is None or self.voided:
             return
         bundle_ids = dict(job.matched.bundle)
