@@ -33,9 +33,8 @@ upstream teacher takes them on its own capacity, ``audit_in_flight`` at once, wh
 queue, pausing only when the upstream answers 429 or 503 (``cascade.serve.audit_pool``). Past
 ``audit_queue`` one audit is dropped at random, never the newest by rule, so each audited item's
 inclusion probability is known and written with it, with the routed counts (``Auditor.route``).
-An audit of a request the teacher answered on every bundle question needs no teacher
-(``Auditor.answered_above``): it is written at once, on the worker that finished the request, so it
-is never deferred nor dropped (its inclusion is the share asked for).
+An audit of a request the teacher answered on every bundle question (``Auditor.answered_above``) is
+written at once by the worker that finished it: never deferred nor dropped (inclusion: the share).
 With an escalation ``Collector``, the teacher's answers to the questions a request escalated are
 handed to it once answered (``cascade.routing.escalations``), to be written on its own thread.
 """
@@ -446,9 +445,8 @@ class Engine:
 
     def _sample(self, job: Job, response: DecisionResponse) -> None:
         """Count an answered request among the routed ones and defer its audit where the sample
-        chose it (keyed on the count of answered requests, not on anything the client sent), or
-        write it now where the response holds the teacher's answers already; none while the
-        certificate is void. A full queue drops one audit at random."""
+        chose it (keyed on the count of answered requests, not on anything the client sent), or write
+        it now where the response holds the teacher's answers; none while the certificate is void."""
         if self.auditor is None or self.voided:
             return
         bundle_ids = dict(job.matched.bundle)
