@@ -10,6 +10,8 @@ Every call ends in an answer or an ``UpstreamError`` with the status a server pa
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -18,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jevcompat.mock import MockConfig, Running, respond
-from servers import MOCK_MODEL, free_port, jevcompat_mock, upstream
+from jevcompat.mock import MockConfig, Running, make_server, respond
+from servers import MOCK_MODEL, free_port, jevcompat_mock, until, upstream
 
 from cascade.errors import (
     UpstreamAnswerError,
@@ -186,6 +188,49 @@ def test_an_upstream_that_is_not_there_is_a_502() -> None:
         client.post(body())
     client.close()
     assert (gone.value.status, gone.value.headers) == (502, {"Retry-After": "1"})
+
+
+def test_a_connect_a_full_accept_queue_drops_is_sent_again_within_the_deadline() -> None:
+    """A busy upstream whose accept queue is full drops the connect (the kernel would resend it
+    only after 1 s): nothing was sent, so the client tries again rather than failing the call.
+    The mock's queue is filled for real, and drained only once the first try has given up."""
+    server = make_server(MockConfig())
+    port = server.server_address[1]
+    fillers = _fill_accept_queue(port)
+    client = UpstreamClient(settings(f"http://127.0.0.1:{port}/v1/systemone", connect_timeout=0.5))
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(client.post, body())
+        until(lambda: _connecting(port), "the client's first connect")
+        until(lambda: not _connecting(port), "the first connect given up")
+        for sock in fillers:
+            sock.close()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        reply = call.result(timeout=30)
+    client.close()
+    server.shutdown()
+    server.server_close()
+    assert reply.tries >= 2 and set(reply.data["answers"]) == set(QUESTIONS)
+
+
+def _fill_accept_queue(port: int) -> list[socket.socket]:
+    """Connections the server never accepted, until the kernel drops the next one."""
+    held: list[socket.socket] = []
+    while True:
+        sock = socket.socket()
+        sock.settimeout(0.3)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except TimeoutError:
+            sock.close()
+            return held
+        held.append(sock)
+
+
+def _connecting(port: int) -> bool:
+    """Whether a socket of this machine waits for ``port`` to take its connect (SYN_SENT)."""
+    remote = f"0100007F:{port:04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return any(row.split()[2] == remote and row.split()[3] == "02" for row in rows)
 
 
 def test_an_upstream_slow_past_the_timeout_is_a_504_then_answers_again() -> None:

@@ -4,7 +4,8 @@ Every call has a deadline (``UpstreamSettings.deadline``, below the 10 s System 
 default, so that the cascade answers before its own client gives up) and ends in the answer or in
 an ``UpstreamError`` whose status a server can pass on (``cascade.errors``):
 
-- refused or dropped connection: retried with a short backoff while the deadline allows (a
+- refused or dropped connection, or none taken within the connect timeout (a busy upstream's
+  full accept queue drops the connect): retried with a short backoff while the deadline allows (a
   System One call is a pure function of its body, so a resend changes no answer), then 502;
 - no answer within the read timeout: 504, never retried (the upstream is computing; a resend
   would double its load);
@@ -235,6 +236,9 @@ class UpstreamClient:
             call.tries += 1
             try:
                 response = self._send(call)
+            except httpx.ConnectTimeout:  # nothing was sent: as safe to send again as a refusal
+                self._backoff_or_raise(call, None, self._unreachable())
+                continue
             except httpx.TimeoutException as exc:
                 raise self._timed_out(exc, call) from None
             except httpx.DecodingError as exc:  # an answer whose compressed body does not inflate
@@ -328,11 +332,13 @@ class UpstreamClient:
             raise error
         time.sleep(pause)
 
+    def _unreachable(self) -> UpstreamUnreachable:
+        return UpstreamUnreachable(f"the upstream {self.settings.shown} took no connection within "
+                                   f"{self.settings.connect_timeout:g} s; check that it runs", retry_after=1)
+
     def _timed_out(self, exc: httpx.TimeoutException, call: _Call) -> UpstreamError:
-        if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-            return UpstreamUnreachable(f"the upstream {self.settings.shown} took no connection within "
-                                       f"{self.settings.connect_timeout:g} s; check that it runs",
-                                       retry_after=1)
+        if isinstance(exc, httpx.PoolTimeout):
+            return self._unreachable()
         return UpstreamTimeout(f"the upstream {self.settings.shown} did not answer within "
                                f"{min(self.settings.read_timeout, self.settings.deadline):g} s "
                                f"({type(exc).__name__}); retry later, or raise its timeout",
