@@ -10,8 +10,8 @@ held-out items as ``bench.serve_growth`` does (the replay upstream as teacher).
 A run's decisions are a chain: once one gate decides otherwise, the store that later gates read
 would have filled differently, so only the gates up to and including the first that differs are
 a valid counterfactual (the table marks it). A promoted candidate's manifest was rewritten by its
-gate, so weighing it again as a candidate certifies at that smaller delta: its row is a
-consistency check, not a fresh decision.
+gate; it is weighed again at the delta that gate was asked for (its ``asked_delta``), so its row
+is the same decision made again: a consistency check.
 
     PYTHONPATH=. .venv/bin/python -m bench.regate_growth CACHE/serve_growth/runs/STAMP ...
 """

@@ -177,6 +177,12 @@ def test_a_candidate_that_keeps_clearly_more_is_promoted_with_the_gates_threshol
     # the next retrain asks for the delta the gate was asked for, not the share it spent
     again = retrain(Bundle.load(candidate), served, tmp_path / "again", labelled[0], encoder, embedding_cache)
     assert again.bundle.manifest.calibration.delta == gate.delta > level
+    # and the promoted bundle weighed again as a candidate is weighed at that delta too
+    other = tmp_path / "other"
+    other.write_text(str(copied(weak, tmp_path / "weak-again").resolve()) + "\n", encoding="utf-8")
+    with LabelStore.open_existing(served) as store:
+        regated = promote(other, candidate, store, run=run(embedding_cache), encoder=encoder)
+    assert (regated.gate.delta, regated.gate.certificate_delta) == (gate.delta, level)
 
 
 def test_a_tie_is_kept_aside_and_each_attempt_spends_less_delta(

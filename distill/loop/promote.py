@@ -268,14 +268,15 @@ def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], list[str],
 
 
 def _level(candidate: Bundle) -> tuple[float, float]:
-    """The target and delta the candidate was certified at (``cascade retrain`` asks for the
-    serving bundle's: the delta its own gate was asked for, where one certified it): both bundles
-    are weighed at them."""
+    """The target and delta asked for the candidate (``cascade retrain`` asks for the serving
+    bundle's: the delta its own gate was asked for, where one certified it): both bundles are
+    weighed at them. A candidate a gate already certified holds that gate's smaller share as its
+    ``delta``; what was asked is its ``asked_delta``."""
     section = candidate.manifest.calibration
     if section.mode != "agreement" or section.target is None or section.delta is None:
         raise PromoteError(f"candidate {candidate.manifest.name!r} is not calibrated for a target "
                            "agreement; calibrate it (cascade retrain does) before promoting it")
-    return section.target, section.delta
+    return section.target, section.asked_delta or section.delta
 
 
 Scores = dict[str, dict[str, dict[str, tuple[float, bool]]]]
