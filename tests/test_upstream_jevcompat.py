@@ -212,6 +212,23 @@ def test_a_connect_a_full_accept_queue_drops_is_sent_again_within_the_deadline()
     assert reply.tries >= 2 and set(reply.data["answers"]) == set(QUESTIONS)
 
 
+def test_an_upstream_that_takes_no_connection_at_all_is_a_502_after_every_try() -> None:
+    server = make_server(MockConfig())  # listening, never accepting: its queue stays full
+    port = server.server_address[1]
+    fillers = _fill_accept_queue(port)
+    client = UpstreamClient(settings(f"http://127.0.0.1:{port}/v1/systemone", connect_timeout=0.2, retries=2))
+    every = r"took no connection within 0\.2 s \(each of 3 tries\)"
+    with pytest.raises(UpstreamUnreachable, match=every) as post:
+        client.post(body())
+    with pytest.raises(UpstreamUnreachable, match=r"took no connection within 0\.2 s; check") as get:
+        client.get(client.models_url)
+    client.close()
+    for sock in fillers:
+        sock.close()
+    server.server_close()
+    assert {(error.value.status, error.value.retry_after) for error in (post, get)} == {(502, 1)}
+
+
 def _fill_accept_queue(port: int) -> list[socket.socket]:
     """Connections the server never accepted, until the kernel drops the next one."""
     held: list[socket.socket] = []

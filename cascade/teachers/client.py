@@ -237,7 +237,7 @@ class UpstreamClient:
             try:
                 response = self._send(call)
             except httpx.ConnectTimeout:  # nothing was sent: as safe to send again as a refusal
-                self._backoff_or_raise(call, None, self._unreachable())
+                self._backoff_or_raise(call, None, self._unreachable(call))
                 continue
             except httpx.TimeoutException as exc:
                 raise self._timed_out(exc, call) from None
@@ -332,13 +332,15 @@ class UpstreamClient:
             raise error
         time.sleep(pause)
 
-    def _unreachable(self) -> UpstreamUnreachable:
+    def _unreachable(self, call: _Call) -> UpstreamUnreachable:
+        tries = f" (each of {call.tries} tries)" if call.tries > 1 else ""
         return UpstreamUnreachable(f"the upstream {self.settings.shown} took no connection within "
-                                   f"{self.settings.connect_timeout:g} s; check that it runs", retry_after=1)
+                                   f"{self.settings.connect_timeout:g} s{tries}; check that it runs",
+                                   retry_after=1)
 
     def _timed_out(self, exc: httpx.TimeoutException, call: _Call) -> UpstreamError:
-        if isinstance(exc, httpx.PoolTimeout):
-            return self._unreachable()
+        if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+            return self._unreachable(call)
         return UpstreamTimeout(f"the upstream {self.settings.shown} did not answer within "
                                f"{min(self.settings.read_timeout, self.settings.deadline):g} s "
                                f"({type(exc).__name__}); retry later, or raise its timeout",
