@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import shutil
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,11 +25,12 @@ from corpora import QUESTIONS_JSON, corpus_items
 from servers import KEPT, running, serving_bundle, teacher_server, until, upstream
 
 from cascade.audit.auditor import Auditor
-from cascade.audit.deferral import DeferralQueue
+from cascade.audit.deferral import DeferralQueue, Deferred
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.bundle.manifest import Bundle
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
+from cascade.serve.audit_pool import AuditPool
 from cascade.serve.engine import EngineSettings
 from cascade.teachers.settings import UpstreamSettings
 from distill.loop.auditing import StoreSink, auditor_for, stored_audits
@@ -60,6 +62,39 @@ def test_a_full_queue_drops_at_random_and_the_inverse_survival_weighs_each_audit
             taken, weight = taken + 1, weight + 1 / deferred.survival
         assert taken < put / 2 and dropped_waiting > put / 4
         assert abs(weight - put) < 0.02 * put
+
+
+def test_a_stopping_store_thread_writes_what_waits_unless_a_write_outlasts_the_drain() -> None:
+    """The store's thread (an ``AuditPool`` of one) given a drain: it takes every audit still
+    waiting where the store keeps up; where a write stalls, ``stop`` returns once the drain is
+    spent, the audits behind it left waiting (the engine counts them dropped, stopped)."""
+    done: list[int] = []
+    writing, freed = threading.Event(), threading.Event()
+
+    def write(deferred: Deferred[int]) -> None:
+        writing.set()
+        if deferred.audit == 0 and not freed.is_set():
+            freed.wait(60)  # a store that stalls until the test frees it
+        done.append(deferred.audit)
+
+    for stalled in (False, True):
+        done.clear()
+        writes: DeferralQueue[int] = DeferralQueue(8)
+        for n in range(3):
+            writes.put(n)
+        if not stalled:
+            freed.set()
+        pool = AuditPool("store", writes, write, 1)
+        pool.wake()
+        assert writing.wait(60)  # the first write has begun
+        pool.stop(drain=0.5 if stalled else 60)
+        left = len(writes)
+        freed.set()
+        for thread in pool._threads:
+            thread.join(60)
+        assert (done, left) == (([0], 2) if stalled else ([0, 1, 2], 0))
+        freed.clear()
+        writing.clear()
 
 
 def test_the_store_keeps_each_audit_s_inclusion_probability_and_routed_counts(
@@ -215,7 +250,7 @@ def test_an_item_the_upstream_answered_on_every_question_is_audited_with_no_seco
     assert all(r.agreed(qid) and r.system[qid].tier == "teacher" for r in records for qid in every)
 
 
-def test_with_a_local_teacher_an_audit_of_an_item_it_answered_is_written_at_once_and_never_dropped(
+def test_with_a_local_teacher_an_audit_of_an_item_it_answered_never_waits_for_it_and_is_not_dropped(
         bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
     """The burst of the test below, behind the same audit queue of 1, but every question sent up:
     each audit needs no teacher, so none waits for the busy teacher's worker and none is dropped,
@@ -228,6 +263,37 @@ def test_with_a_local_teacher_an_audit_of_an_item_it_answered_is_written_at_once
     records = stored_audits(tmp_path / "labels.sqlite")
     assert len(records) == n and {r.inclusion for r in records} == {1.0}
     assert all(r.agreed(qid) and r.system[qid].tier == "teacher" for r in records for qid in every)
+
+
+def test_a_store_that_stalls_holds_up_no_request_and_its_audits_are_written_once_it_frees(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
+    """Another writer holds the store's write lock (a real SQLite lock, as a stalled replica or a
+    long migration would) while requests keep coming to a local teacher, every question sent up:
+    each is answered while the lock is held, since the workers hand audits to the store's own
+    thread instead of writing them. Released, the waiting audits are written: none failed or lost.
+    (A worker that wrote them itself waited out the store's 30 s busy timeout per audit, and each
+    of those writes failed.)"""
+    n, every = 4, young_copy(bundle_dir, tmp_path / "young")
+    store, sinks = tmp_path / "labels.sqlite", list[StoreSink]()
+    load = lambda: Cascade.load(tmp_path / "young", teacher=gemma_path, threads=2)  # noqa: E731
+    with running(load, ServeConfig(audit=auditing(store, sinks))) as base:
+        assert burst(base, 1, clients=1, questions=every) == [200]  # the store is made at the first
+        until(settled(base, 1), "the first audit written", 600)
+        lock = sqlite3.connect(store, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            statuses = [burst(base, 1, clients=1, questions=every)[0] for _ in range(n)]
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        until(settled(base, n + 1), "every audit has an outcome", 600)
+        seen = metrics(base)
+    for sink in sinks:
+        sink.close()
+    assert statuses == [200] * n
+    assert seen['cascade_audits_total{outcome="audited"}'] == n + 1
+    assert seen.get('cascade_audits_total{outcome="failed"}', 0.0) == 0
+    assert len(stored_audits(store)) == n + 1
 
 
 def test_audits_an_upstream_refuses_with_503_wait_its_retry_after_and_are_none_of_them_lost(

@@ -2,7 +2,9 @@
 and the drift watch counts it (with a shared stream, in the stream's order: ``cascade.audit.stream``).
 
 ``Cascade.decide`` callers (``cascade decide``) audit inline, on the thread that routed; the server
-audits on the top tier's worker at the lowest priority (``cascade.serve.engine``). Only a live
+reads the teacher on the top tier's worker at the lowest priority (``ask``) and writes the record
+on a thread of its own (``audit`` with the answers), so that no worker waits for the store
+(``cascade.serve.engine``). Only a live
 GGUF teacher can audit: with recorded labels as the top tier there is nothing new to learn.
 
 An item the cascade sent up on every bundle question already carries the teacher's answers (the
@@ -92,17 +94,18 @@ class Auditor:
             self.follower.close()
 
     def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str],
-              survival: float = 1.0, routed: Mapping[str, int] | None = None) -> AuditRecord | None:
+              survival: float = 1.0, routed: Mapping[str, int] | None = None,
+              answers: Known | None = None) -> AuditRecord | None:
         """Record the teacher's answer to every bundle question about ``item`` (those ``response``
         holds where it holds all, else read now); ``response`` is what the system answered,
         ``bundle_ids`` maps its question ids to the bundle's. ``survival``: the chance
         the audit survived a full queue's random drops (1: audited inline), logged times the share
-        as the item's inclusion probability, with ``routed`` (``route``'s counts). None (said once
-        per run, counted in ``unreadable``) when the teacher's context cannot hold the state:
-        nothing to compare with."""
-        known = self.answered_above(response, bundle_ids)
+        as the item's inclusion probability, with ``routed`` (``route``'s counts); ``answers``: the
+        teacher's, read already (``ask``). None (said once per run, counted in ``unreadable``)
+        when the teacher's context cannot hold the state: nothing to compare with."""
+        known = answers or self.answered_above(response, bundle_ids)
         if known is None:
-            known = self._ask(item)
+            known = self.ask(item)
             if known is None:
                 return None
         teacher, hashes = known
@@ -143,7 +146,7 @@ class Auditor:
                 hashes[bundle_qid] = answer.readout.prompt_hash
         return (teacher, hashes) if set(teacher) == set(self.cascade.questions) else None
 
-    def _ask(self, item: Item) -> Known | None:
+    def ask(self, item: Item) -> Known | None:
         """The teacher's answers to every bundle question about ``item``, read now; None (said
         once per run, counted in ``unreadable``) where its context cannot hold the state."""
         qids = list(self.cascade.questions)

@@ -34,6 +34,7 @@ class AuditPool(Generic[A]):
         self.deferred, self.run = deferred, run
         self._resume_at = 0.0
         self._stopping = False
+        self._drain_until = 0.0
         self._ready = threading.Condition()
         self._threads = [threading.Thread(target=self._loop, name=f"cascade-{name}-audit-{n}", daemon=True)
                          for n in range(in_flight)]
@@ -49,7 +50,7 @@ class AuditPool(Generic[A]):
         """The next audit to run, waiting out a pause; None once stopping."""
         with self._ready:
             while True:
-                if self._stopping:
+                if self._stopping and (not len(self.deferred) or time.monotonic() >= self._drain_until):
                     return None
                 paused = self._resume_at - time.monotonic()
                 if paused > 0:
@@ -78,10 +79,13 @@ class AuditPool(Generic[A]):
                 self._resume_at = resume
             self._ready.notify_all()
 
-    def stop(self) -> None:
-        """Let each thread finish its audit, then end; the audits still waiting are left."""
+    def stop(self, drain: float = 0.0) -> None:
+        """Let each thread finish its audit, and take those still waiting for up to ``drain``
+        seconds, then end; the audits still waiting are left. With ``drain``, waits at most that
+        long (a thread held past it by a stalled call ends when the call does)."""
+        ends = time.monotonic() + drain
         with self._ready:
-            self._stopping = True
+            self._stopping, self._drain_until = True, ends
             self._ready.notify_all()
         for thread in self._threads:
-            thread.join()
+            thread.join(max(ends - time.monotonic(), 0.0) if drain else None)

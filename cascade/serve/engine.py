@@ -33,8 +33,10 @@ upstream teacher takes them on its own capacity, ``audit_in_flight`` at once, wh
 queue, pausing only when the upstream answers 429 or 503 (``cascade.serve.audit_pool``). Past
 ``audit_queue`` one audit is dropped at random, never the newest by rule, so each audited item's
 inclusion probability is known and written with it, with the routed counts (``Auditor.route``).
-An audit of a request the teacher answered on every bundle question (``Auditor.answered_above``) is
-written at once by the worker that finished it: never deferred nor dropped (inclusion: the share).
+An audit of a request the teacher answered on every bundle question (``Auditor.answered_above``)
+needs no teacher: it never waits in that queue. No worker writes the store: every audit whose
+answers are in hand (those, and a local teacher's once read) goes to one thread of its own
+through a second such queue (``writes``), so a store that stalls holds up no request.
 With an escalation ``Collector``, the teacher's answers to the questions a request escalated are
 handed to it once answered (``cascade.routing.escalations``), to be written on its own thread.
 """
@@ -44,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cascade.answers import DecisionResponse
-from cascade.audit.auditor import Auditor
+from cascade.audit.auditor import Auditor, Known
 from cascade.audit.deferral import DeferralQueue, Deferred
 from cascade.collect.collector import Collector, size_of
 from cascade.collect.escalation import EscalationRecord
@@ -65,19 +66,22 @@ from cascade.readout.prompts import read_chars
 from cascade.routing.budget import Budget, Run
 from cascade.routing.escalations import escalation_of, sent_up_whatever
 from cascade.routing.router import Cascade
+from cascade.serve.audit_pool import AuditPool
 from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
 from cascade.serve.totals import Totals
+from cascade.serve.worker import TierWorker
 from cascade.teachers.admission import Admission, RateAdmission, Ticket, work_of
 from cascade.tiers.base import Item
 from cascade.tiers.upstream import UpstreamTier
 
 log = logging.getLogger("cascade.serve")
 Overload = Literal["refuse", "keep"]
-_LIVE, _STOP, _AUDIT = 0, 1, 2  # a worker takes live jobs first, audits only when none waits
 _BUSY = (429, 503)  # what an upstream answers when an audit should wait
 DEFAULT_MAX_WAIT = 8.0
+WRITE_DRAIN = 5.0
+"""Seconds a stopping engine waits for its audits' store writes (a store that stalls may not end)."""
 """Seconds a request may expect to wait for the top tier: below the 10 s System One SDKs wait."""
 DRIFT_WHY = "a drift alarm on audited traffic: agreement with the teacher fell below the target"
 
@@ -136,65 +140,8 @@ class _Audit:
     routed: dict[str, int]
     authorization: str | None = None
     known: bool = False
-
-
-_Entry = tuple[int, int, "Job | None"]
-
-
-class _Worker:
-    """A thread serving one tier's queue: ``serve`` gets the live jobs it takes at once, ``audit``
-    one audit of ``deferred`` at a time, taken only when no live job waits (an ``_AUDIT`` entry
-    says one was deferred)."""
-
-    def __init__(self, name: str, serve: Callable[[list[Job]], None], batch: int,
-                 deferred: DeferralQueue[_Audit] | None = None,
-                 audit: Callable[[Deferred[_Audit]], float | None] | None = None) -> None:
-        self.queue: queue.PriorityQueue[_Entry] = queue.PriorityQueue()
-        self.serve, self.batch = serve, batch
-        self.deferred, self.audit = deferred, audit
-        self.depth = 0  # live jobs queued and not yet taken
-        self.lock = threading.Lock()
-        self._order = itertools.count()
-        self.thread = threading.Thread(target=self._loop, name=f"cascade-{name}", daemon=True)
-        self.thread.start()
-
-    def put(self, job: Job) -> None:
-        with self.lock:
-            self.depth += 1
-        self.queue.put((_LIVE, next(self._order), job))
-
-    def audit_deferred(self) -> None:
-        """An audit was deferred: taken when no live job waits."""
-        self.queue.put((_AUDIT, next(self._order), None))
-
-    def _loop(self) -> None:
-        while True:
-            kind, _, first = self.queue.get()
-            if kind == _STOP:
-                return
-            if kind == _AUDIT:  # the audit it stood for may have been dropped since: then none
-                deferred = self.deferred.take() if self.deferred is not None else None
-                if deferred is not None and self.audit is not None:
-                    self.audit(deferred)
-                continue
-            jobs = [first] if isinstance(first, Job) else []
-            while len(jobs) < self.batch:
-                try:
-                    entry = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if not isinstance(entry[2], Job):
-                    self.queue.put(entry)
-                    break
-                jobs.append(entry[2])
-            with self.lock:
-                self.depth -= len(jobs)
-            self.serve(jobs)
-
-    def stop(self) -> None:
-        """Stop after the live jobs queued; audits still waiting are left (the engine counts them)."""
-        self.queue.put((_STOP, next(self._order), None))
-        self.thread.join()
+    answers: Known | None = None  # the teacher's, once read: the audit then waits only for the store
+    survival: float = 1.0  # of the teacher's queue, before the store's
 
 
 class Engine:
@@ -204,9 +151,9 @@ class Engine:
                  auditor: Auditor | None = None, ledger: UpstreamLedger | None = None,
                  escalations: Collector[EscalationRecord] | None = None) -> None:
         """``auditor``: audits its sampler's share of the answered requests on the top tier's
-        worker, at the lowest priority (None: no audit). ``ledger``: counts what went upstream
-        and ``escalations`` keeps the teacher's answers to escalated questions (a server keeps
-        both across bundles)."""
+        worker, at the lowest priority, and writes them on a thread of its own (None: no audit).
+        ``ledger``: counts what went upstream and ``escalations`` keeps the teacher's answers to
+        escalated questions (a server keeps both across bundles)."""
         if escalations is not None and not cascade.tiers[-1].reads_any_question:
             raise CascadeError(f"keeping escalations needs a live teacher as the top tier; "
                                f"{cascade.tiers[-1].name!r} replays recorded labels (give --teacher, or "
@@ -229,15 +176,17 @@ class Engine:
         self._gate = threading.Lock()
         self._sampling = threading.Lock()
         self._retired = False
-        self.workers: list[_Worker | PoolWorker[Job, _Audit]] = [
-            _Worker(tier.name, self._serving(t), self._batch_of(t))
+        self.writes: DeferralQueue[_Audit] = DeferralQueue(self.settings.audit_queue)
+        self.writer = AuditPool("store", self.writes, self._write, 1)  # no worker waits for the store
+        self.workers: list[TierWorker[Job, _Audit] | PoolWorker[Job, _Audit]] = [
+            TierWorker(tier.name, self._serving(t), self._batch_of(t))
             for t, tier in enumerate(cascade.tiers[:-1])]
         if self.upstream is not None:
             self.workers.append(PoolWorker(top.name, self._serving(self.top), parallel, self.deferred,
-                                           self._audit, self.settings.audit_in_flight))
+                                           self._ask, self.settings.audit_in_flight))
         else:
-            self.workers.append(_Worker(top.name, self._serving(self.top), self._batch_of(self.top),
-                                        self.deferred, self._audit))
+            self.workers.append(TierWorker(top.name, self._serving(self.top), self._batch_of(self.top),
+                                           self.deferred, self._ask))
 
     def _batch_of(self, t: int) -> int:
         batched = self.settings.batch and not self.cascade.tiers[t].meters_tokens
@@ -282,10 +231,12 @@ class Engine:
         self.cascade.close()
 
     def close(self) -> None:
-        """Stop the workers; the audits left waiting are counted dropped (stopped)."""
+        """Stop the workers, then give the store's thread ``WRITE_DRAIN`` seconds for the audits
+        they handed it; the audits left waiting are counted dropped (stopped)."""
         for worker in self.workers:
             worker.stop()
-        self.totals.drop("stopped", len(self.deferred.clear()))
+        self.writer.stop(drain=WRITE_DRAIN)
+        self.totals.drop("stopped", len(self.deferred.clear()) + len(self.writes.clear()))
 
     def _serving(self, t: int) -> Callable[[list[Job]], None]:
         return lambda jobs: self._serve(t, jobs)
@@ -445,8 +396,9 @@ class Engine:
 
     def _sample(self, job: Job, response: DecisionResponse) -> None:
         """Count an answered request among the routed ones and defer its audit where the sample
-        chose it (keyed on the count of answered requests, not on anything the client sent), or write
-        it now where the response holds the teacher's answers; none while the certificate is void."""
+        chose it (keyed on the count of answered requests, not on anything the client sent), or hand
+        it to the store's thread where the response holds the teacher's answers; none while the
+        certificate is void."""
         if self.auditor is None or self.voided:
             return
         bundle_ids = dict(job.matched.bundle)
@@ -461,8 +413,8 @@ class Engine:
         item = Item(f"{job.item.id}.{uuid.uuid4().hex[:12]}", job.item.state)
         known = self.auditor.answered_above(response, bundle_ids) is not None
         audit = _Audit(item, response, bundle_ids, routed, job.authorization, known)
-        if known:  # it needs no teacher: written now, so it never waits for one nor is dropped
-            self._audit(Deferred(audit, 1.0))
+        if known:  # it needs no teacher: it never waits for one
+            self._write_later(audit)
             return
         dropped = self.deferred.put(audit)
         if dropped is not None:
@@ -471,34 +423,66 @@ class Engine:
         if dropped is not audit:
             self.workers[self.top].audit_deferred()
 
-    def _audit(self, deferred: Deferred[_Audit]) -> float | None:
-        """Run one deferred audit; the seconds to pause where the upstream answered 429/503 (the
-        audit is then put back, not counted), else None."""
+    def _ask(self, deferred: Deferred[_Audit]) -> float | None:
+        """On the teacher's worker (local) or an audit thread (upstream): read the teacher's
+        answers, and leave the write to the store's thread. The seconds to pause where the
+        upstream answered 429/503 (the audit is then put back, not counted), else None."""
         assert self.auditor is not None
         audit, started = deferred.audit, time.perf_counter()
         try:
-            if self.upstream is not None and not audit.known:
+            if self.upstream is not None:
                 with self.upstream.on_behalf_of(audit.authorization):
-                    record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
-                                                deferred.survival, audit.routed)
+                    answers = self.auditor.ask(audit.item)
                 self.ledger.audit(len(self.cascade.questions), time.perf_counter() - started)
-            else:  # a local teacher, or answers the escalation already holds (no teacher call)
-                record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
-                                            deferred.survival, audit.routed)
-            self._counted("audited" if record is not None else "unreadable", audit.known)
+            else:
+                answers = self.auditor.ask(audit.item)
         except TeacherChangedError as exc:  # an audit's answer is an answer: the change is caught here too
             self._teacher_changed(exc)
             self._counted("failed")
+            return None
         except ServiceError as exc:
             if self.upstream is not None and exc.status in _BUSY:
                 self._counted("paused")
                 return float(exc.retry_after or 1)
-            log.exception("audit of request %s failed", audit.item.id)
-            self._counted("failed")
+            self._failed(audit)
+            return None
         except Exception:  # an audit never fails a request; it is logged and counted
-            log.exception("audit of request %s failed", audit.item.id)
-            self._counted("failed")
+            self._failed(audit)
+            return None
+        if answers is None:
+            self._counted("unreadable")
+            return None
+        audit.answers = answers
+        self._write_later(audit, deferred.survival)
         return None
+
+    def _write_later(self, audit: _Audit, survival: float = 1.0) -> None:
+        """Queue an audit whose answers are in hand for the store's thread: past ``audit_queue``
+        waiting (a store that stalls), one is dropped at random."""
+        audit.survival = survival
+        dropped = self.writes.put(audit)
+        if dropped is not None:
+            with self._sampling:
+                self.totals.drop("store_behind")
+        if dropped is not audit:
+            self.writer.wake()
+
+    def _write(self, deferred: Deferred[_Audit]) -> None:
+        """On the store's thread: the record written (its inclusion: the share times its survival
+        of both queues), and the drift watch told."""
+        assert self.auditor is not None
+        audit = deferred.audit
+        try:
+            record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
+                                        audit.survival * deferred.survival, audit.routed, audit.answers)
+        except Exception:  # an audit never fails a request; it is logged and counted
+            self._failed(audit)
+            return
+        self._counted("audited" if record is not None else "unreadable", audit.known)
+
+    def _failed(self, audit: _Audit) -> None:
+        log.exception("audit of request %s failed", audit.item.id)
+        self._counted("failed")
 
     def _counted(self, outcome: str, known: bool = False) -> None:
         """One audit's outcome (or pause) counted, ``known`` where it recorded the answers the

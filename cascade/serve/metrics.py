@@ -27,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from cascade.answers import DecisionResponse
 from cascade.audit.watch import DriftWatch
 from cascade.cost.upstream import Ledger
+from cascade.serve.totals import DROP_REASONS, Totals
 
 if TYPE_CHECKING:
     from cascade.collect.collector import Collector
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from cascade.routing.router import Cascade
     from cascade.serve.engine import Engine
     from cascade.serve.swap import BundleWatch, Version
-    from cascade.serve.totals import Totals
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -97,7 +97,8 @@ class ServerMetrics:
                             "state does not fit the teacher's context)", ["outcome"], registry=self.registry)
         self.audits_dropped = Total("cascade_audits_dropped", "Audits dropped since the server started, by "
                                     "reason: queue_full (--audit-queue audits waited: one drawn at random "
-                                    "was dropped), stopped (left waiting when a bundle's engine stopped)",
+                                    "was dropped), store_behind (as many waited for the store), stopped "
+                                    "(left waiting when a bundle's engine stopped)",
                                     ["reason"], registry=self.registry)
         self.audit_sample = Total("cascade_audit_requests", "Answered requests since the server started that "
                                   "the audit sample looked at (eligible: a certificate in force) and chose",
@@ -210,7 +211,7 @@ class ServerMetrics:
         self.audit_sample.set(sum(totals.chosen for totals in engines), "chosen")
         self.audit_pauses.set(sum(totals.paused for totals in engines))
         self.audit_known.set(sum(totals.answered_above for totals in engines))
-        for reason in ("queue_full", "stopped"):
+        for reason in DROP_REASONS:
             self.audits_dropped.set(sum(totals.dropped[reason] for totals in engines), reason)
         routed: dict[str, int] = {}
         for totals in engines:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DROP_REASONS = ("queue_full", "store_behind", "stopped")
+
 
 @dataclass
 class Totals:
     """An engine's running totals: ``audits`` by outcome (audited, dropped, failed, unreadable),
-    ``dropped`` audits by reason (queue_full: dropped at random from a full queue; stopped: left
-    waiting when the engine stopped), the answered requests the audit sample looked at
+    ``dropped`` audits by reason (queue_full: dropped at random from a full queue; store_behind:
+    likewise from the queue of audits waiting for the store; stopped: left waiting when the
+    engine stopped), the answered requests the audit sample looked at
     (``eligible``) and chose (``chosen``), the times an upstream asked audits to wait
     (``paused``: each such audit is put back and retried), the audited items whose answers the
     escalation already held (``answered_above``: no teacher call), ``routed``
@@ -20,7 +23,7 @@ class Totals:
 
     audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("audited", "dropped", "failed", "unreadable"), 0))
-    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("queue_full", "stopped"), 0))
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     eligible: int = 0
     chosen: int = 0
     paused: int = 0
