@@ -4,8 +4,8 @@ and the drift watch counts it (with a shared stream, in the stream's order: ``ca
 ``Cascade.decide`` callers (``cascade decide``) audit inline, on the thread that routed; the server
 reads the teacher on the top tier's worker at the lowest priority (``ask``) and writes the record
 on a thread of its own (``audit`` with the answers), so that no worker waits for the store
-(``cascade.serve.engine``). Only a live
-GGUF teacher can audit: with recorded labels as the top tier there is nothing new to learn.
+(``cascade.serve.engine``). Only a live GGUF teacher can audit: with recorded labels as the top
+tier there is nothing new to learn.
 
 An item the cascade sent up on every bundle question already carries the teacher's answers (the
 top tier is never temperature-scaled: they are its raw distributions), so its audit records

@@ -6,6 +6,10 @@ them from the deferral queue (``cascade.audit.deferral``) as fast as the upstrea
 only brake is the upstream's own: an audit it answers 429 or 503 (after the client's retries) is
 put back at the head of the queue, and every audit thread pauses for its Retry-After (1 s where it
 gave none) before taking the next one.
+
+The engine runs one more pool, of one thread, as the store's writer: it takes the audits whose
+answers are in hand and writes them, so that no worker waits for the store; stopping, it is given
+a few seconds to write what waits (``stop``'s ``drain``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class AuditPool(Generic[A]):
             self._ready.notify()
 
     def _next(self) -> Deferred[A] | None:
-        """The next audit to run, waiting out a pause; None once stopping."""
+        """The next audit to run, waiting out a pause; None once stopping (with a drain: once none
+        waits or the drain is spent)."""
         with self._ready:
             while True:
                 if self._stopping and (not len(self.deferred) or time.monotonic() >= self._drain_until):

@@ -80,9 +80,9 @@ log = logging.getLogger("cascade.serve")
 Overload = Literal["refuse", "keep"]
 _BUSY = (429, 503)  # what an upstream answers when an audit should wait
 DEFAULT_MAX_WAIT = 8.0
+"""Seconds a request may expect to wait for the top tier: below the 10 s System One SDKs wait."""
 WRITE_DRAIN = 5.0
 """Seconds a stopping engine waits for its audits' store writes (a store that stalls may not end)."""
-"""Seconds a request may expect to wait for the top tier: below the 10 s System One SDKs wait."""
 DRIFT_WHY = "a drift alarm on audited traffic: agreement with the teacher fell below the target"
 
 
