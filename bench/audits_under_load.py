@@ -136,6 +136,8 @@ def main() -> None:
                         help="a checkout to run the server from (repeat; default: this one)")
     parser.add_argument("--delay", type=float, default=0.1, help="the replay upstream's seconds a call")
     parser.add_argument("--port", type=int, default=18741)
+    parser.add_argument("--audit-in-flight", type=int, default=4,
+                        help="cascade serve --audit-in-flight, for the sources that have it (4)")
     args = parser.parse_args()
     teacher = default_gguf_path()
     if args.mode == "upstream":
@@ -157,7 +159,7 @@ def main() -> None:
             for n, source in enumerate(sources):
                 store = Path(tmp) / f"audits-{n}.sqlite"
                 new = (source / "cascade" / "audit" / "deferral.py").is_file()
-                flags = ["--audit-in-flight", "4"] if new else []
+                flags = ["--audit-in-flight", str(args.audit_in_flight)] if new else []
                 seen = run(bundle, f"{upstream}/v1/systemone", args.port + 1 + n, source, args.requests,
                            args.clients, flags, store)
                 rows.append([str(source), " ".join(flags) or "-", f"{seen['answered']:.0f}",
