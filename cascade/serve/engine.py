@@ -411,8 +411,9 @@ class Engine:
             self.totals.chosen += 1
         # a client may send the same X-Request-Id twice: the audit's id is the server's own
         item = Item(f"{job.item.id}.{uuid.uuid4().hex[:12]}", job.item.state)
-        known = self.auditor.answered_above(response, bundle_ids) is not None
-        audit = _Audit(item, response, bundle_ids, routed, job.authorization, known)
+        held = self.auditor.answered_above(response, bundle_ids)  # read once, written as is
+        known = held is not None
+        audit = _Audit(item, response, bundle_ids, routed, job.authorization, known, held)
         if known:  # it needs no teacher: it never waits for one
             self._write_later(audit)
             return
