@@ -48,13 +48,15 @@ def served(labelled: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         for n, item in enumerate(corpus_items()[:40]):
             store.put_audit(record("audit:r1", item, n))
         for n, item in enumerate(generate(150, seed=5)):
-            if n < 120:
-                store.put_audit(record("audit:r2", item, 100 + n))
+            if n < 120:  # drawn at 0.5, every other one past a queue that dropped half
+                store.put_audit(record("audit:r2", item, 100 + n).model_copy(
+                    update={"inclusion": 0.5 if n % 2 else 0.25}))
             else:  # as `cascade serve --escalation-share` keeps them
                 store.put_escalation(EscalationRecord(
                     item_id=f"escalation:r2.{item.id}", request_id=item.id, state=item.text,
                     calibration_version="v0", at=START + 100 + n,
-                    teacher={q: item.labels[q] for q in HEADED}, census=tuple(HEADED) if n >= 130 else ()))
+                    teacher={q: item.labels[q] for q in HEADED}, census=tuple(HEADED) if n >= 130 else (),
+                    inclusion=1.0))
     return path
 
 
@@ -97,6 +99,9 @@ def test_every_labelled_state_counts_once_and_keeps_its_part(retrained: RetrainR
         part: {i for i in census if part_of(i, split.fractions, split.salt) == part} for part in parts}
     assert census & certified_on and census & set(parts["train"])
     assert any(i.startswith("audit:r2:") for i in certified_on)
+    drawn = {(item.origin, item.inclusion) for item in evidence.items}  # as each was drawn
+    assert drawn == {("corpus", None), ("audit", 0.25), ("audit", 0.5),  # r1's audits repeat the corpus
+                     ("census escalation", 1.0), ("escalation", 1.0)}
     evaluated_on = set(retrained.lineage["evaluated_on"])  # weighed by the gate, never certified on
     assert evaluated_on == set(parts["evaluation"]) and not evaluated_on & escalations
 
@@ -304,6 +309,12 @@ def test_the_command_retrains_through_a_link_and_says_what_comes_next(
     certified_on = lineage["certified_on"]  # traffic: audits and census escalations, never the corpus
     assert all(i.startswith("audit:") or i.startswith("escalation:r2.") for i in certified_on)
     assert {i.split(":")[0] for i in certified_on} == {"audit", "escalation"}
+    with LabelStore.open_existing(served) as store:  # the census escalations were all drawn at 1
+        thinned = sum(r.inclusion == 0.25 for r in store.audits() if r.item_id in certified_on)
+    assert thinned > 0 and lineage["evidence"]["certified_on_unequal"] == {
+        "audit": {"items": thinned, "lowest": 0.25, "highest": 0.5}}
+    assert (f"drawn unequally: {thinned} audit drawn at 0.25-0.5 (a queue that dropped at random under "
+            "load") in printed
 
 
 def test_collected_traffic_counts_as_collected_and_each_state_once(tmp_path: Path) -> None:

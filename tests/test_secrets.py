@@ -355,16 +355,17 @@ def test_store_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
 
 
 def test_the_collector_queue_is_bounded_by_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A store that is slow for real (another writer holds its lock): past the byte budget, items
-    are dropped and counted, and said once; the queued ones are written when the store frees."""
+    """A store that is slow for real (another writer holds its lock): past the byte budget, one
+    item drawn at random among the waiting ones and the newcomer is dropped and counted, said once;
+    the queued ones are written when the store frees, each with its survival of those draws."""
     import sqlite3
 
     store = tmp_path / "traffic.sqlite"
     questions = parse_request({"state": STATE, "questions": {"urgent": URGENT}}).questions
 
-    def item(k: int) -> CollectedItem:
+    def item(k: int, inclusion: float | None = None) -> CollectedItem:
         return collected_item(f"r{k}", questions, f"{STATE} {k}", {"urgent": np.array([0.7, 0.3])},
-                              EndpointIdentity(model="m1"), 0.0)
+                              EndpointIdentity(model="m1"), 0.0, inclusion)
 
     sink = StoreTraffic(store)
     sink.append(item(0))
@@ -373,16 +374,27 @@ def test_the_collector_queue_is_bounded_by_bytes(tmp_path: Path, caplog: pytest.
     collector = Collector(sink, max_queue_bytes=1000)
     try:
         with caplog.at_level(logging.WARNING, logger="cascade.collect"):
-            for k in range(1, 5):
+            collector.offer(functools.partial(item, 1), size=400)
+            deadline = time.monotonic() + 60
+            while len(collector._queue) and time.monotonic() < deadline:  # the writer holds r1, waiting
+                time.sleep(0.01)
+            for k in range(2, 6):
                 collector.offer(functools.partial(item, k), size=400)  # 400, 800, then past 1000 twice
-            counts = dict(collector.counts)
+            counts, waiting = dict(collector.counts), collector.queued_bytes
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
     collector.close()
     sink.close()
-    assert counts["dropped"] == 2 and collector.counts["collected"] == 2 and collector.queued_bytes == 0
-    assert [i.request_id for i in collected(store)] == ["r0", "r1", "r2"]
+    assert counts["dropped"] == 2 and waiting == 800
+    assert collector.counts["collected"] == 3 and collector.queued_bytes == 0
+    kept = list(collected(store))
+    assert [i.request_id for i in kept[:2]] == ["r0", "r1"] and len(kept) == 4
+    # r1 was being written, never drawn; of r2 and r3, each draw (2 waiting + the newcomer) spared
+    # each with 2/3, and r5 witnessed only its own draw (r4, if kept, both)
+    survivals = {i.request_id: i.inclusion for i in kept[1:]}
+    assert survivals["r1"] == 1.0
+    assert sorted(survivals.values())[:2] == pytest.approx([4 / 9, 4 / 9 if "r5" not in survivals else 2 / 3])
     said = [r.getMessage() for r in caplog.records if "queue is full" in r.getMessage()]
     assert len(said) == 1 and "counted as dropped" in said[0]
     assert (size_of(b"abc"), size_of("\u00e9"), size_of({"a": 1})) == (3, 2, len('{"a": 1}'))

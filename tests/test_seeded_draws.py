@@ -38,7 +38,7 @@ def test_the_collectors_share_draws_what_it_drew() -> None:
         sink = _Kept()
         collector = Collector(sink, share=0.5, seed=seed)
         for n in range(16):
-            collector.offer(lambda n=n: n)  # type: ignore[misc]
+            collector.offer(lambda _, n=n: n)  # type: ignore[misc]
         collector.close()
         assert sink.items == kept, seed
         assert collector.counts["not_chosen"] == 16 - len(kept)

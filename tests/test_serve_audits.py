@@ -25,15 +25,20 @@ from corpora import QUESTIONS_JSON, corpus_items
 from servers import KEPT, running, serving_bundle, teacher_server, until, upstream
 
 from cascade.audit.auditor import Auditor
-from cascade.audit.deferral import DeferralQueue, Deferred
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.bundle.manifest import Bundle
+from cascade.collect.escalation import EscalationRecord
+from cascade.collect.record import collected_item
+from cascade.deferral import DeferralQueue, Deferred
+from cascade.questions import parse_request
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.audit_pool import AuditPool
 from cascade.serve.engine import EngineSettings
+from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 from distill.loop.auditing import StoreSink, auditor_for, stored_audits
+from distill.loop.collected import StoreTraffic, collected
 from distill.store import LabelStore
 from distill.store.records import Teacher
 
@@ -51,7 +56,8 @@ def test_a_full_queue_drops_at_random_and_the_inverse_survival_weighs_each_audit
         taken, dropped_waiting, weight = 0, 0, 0.0
         for n in range(put):
             dropped = queue.put(n)
-            dropped_waiting += dropped is not None and dropped != n
+            assert len(dropped) <= 1
+            dropped_waiting += sum(d != n for d in dropped)
             if n % 3 == 0 and (deferred := queue.take()) is not None:
                 if n % 7 == 0:  # an upstream asked to wait: put back, its survival kept
                     queue.put_back(deferred)
@@ -62,6 +68,36 @@ def test_a_full_queue_drops_at_random_and_the_inverse_survival_weighs_each_audit
             taken, weight = taken + 1, weight + 1 / deferred.survival
         assert taken < put / 2 and dropped_waiting > put / 4
         assert abs(weight - put) < 0.02 * put
+
+
+def test_a_queue_bounded_by_size_draws_until_what_waits_fits_and_still_weighs_up_to_the_whole() -> None:
+    """Items of sizes 1-9 behind a budget of 20 (and a count bound never reached): a large
+    newcomer takes several draws, each uniform among what waits and itself. The inverse
+    survivals of what is taken still add up to every item put, and to every byte put: the sizes
+    set how many draws there were, not who is spared in one. An item larger than the budget is
+    dropped at once, without a draw."""
+    put = 40_000
+    for seed in range(3):
+        rng = random.Random(seed + 10)
+        queue: DeferralQueue[int] = DeferralQueue(1000, random.Random(seed), max_size=20)
+        sizes = [rng.randint(1, 9) for _ in range(put)]
+        weight = weighed_bytes = 0.0
+        several = 0
+        for n, size in enumerate(sizes):
+            dropped = queue.put(n, size)
+            several += len(dropped) > 1
+            assert queue.size <= 20 and queue.size == sum(s for *_, s in queue._waiting)
+            if n % 4 == 0 and (deferred := queue.take()) is not None:
+                assert deferred.size == sizes[deferred.audit]
+                weight += 1 / deferred.survival
+                weighed_bytes += deferred.size / deferred.survival
+        while (deferred := queue.take()) is not None:
+            weight += 1 / deferred.survival
+            weighed_bytes += deferred.size / deferred.survival
+        assert several > put / 20  # a newcomer often dropped more than one
+        assert abs(weight - put) < 0.03 * put
+        assert abs(weighed_bytes - sum(sizes)) < 0.03 * sum(sizes)
+    assert DeferralQueue[str](4, max_size=5).put("large", 6) == ["large"]
 
 
 def test_a_stopping_store_thread_writes_what_waits_unless_a_write_outlasts_the_drain() -> None:
@@ -118,6 +154,33 @@ def test_the_store_keeps_each_audit_s_inclusion_probability_and_routed_counts(
         AuditRecord.model_validate(record.model_dump() | {"inclusion": 0.0})
 
 
+def test_the_store_keeps_the_inclusion_of_each_escalation_and_collected_request(
+        place: Callable[[str], str]) -> None:
+    """Census escalations and collected traffic certify as uniform draws: each keeps the
+    probability its collector kept it with, as an audit does (None where it was not known)."""
+    teacher = Teacher(kind="gguf", model="m.gguf", model_sha256="0" * 64, prompt_version="v1")
+    escalated = EscalationRecord(item_id="escalation:r1.a", request_id="r1", state="state",
+                                 calibration_version="v", at=1.0,
+                                 teacher={"team": {"billing": 0.7, "sales": 0.3}}, census=("team",),
+                                 inclusion=0.125)
+    questions = parse_request({"state": "s", "questions": {"urgent": QUESTIONS_JSON[KEPT]}}).questions
+    forwarded = [collected_item(f"r{k}", questions, f"s{k}", {"urgent": [0.7, 0.3]},
+                                EndpointIdentity(model="m1"), 0.0, inclusion)
+                 for k, inclusion in ((0, 0.5), (1, None))]
+    with LabelStore(place("labels.db"), teacher) as store:
+        store.put_escalation(escalated)
+        store.put_escalation(escalated.model_copy(update={"item_id": "escalation:r1.b", "inclusion": None}))
+        assert [r.inclusion for _, r in store.escalations_after(0)] == [0.125, None]
+    traffic = place("traffic.db")
+    sink = StoreTraffic(traffic)
+    try:
+        for item in forwarded:
+            sink.append(item)
+    finally:
+        sink.close()
+    assert [item.inclusion for item in collected(traffic)] == [0.5, None]
+
+
 def test_a_store_made_before_the_design_columns_reads_them_as_unknown_and_gains_them_when_written(
         tmp_path: Path) -> None:
     path = tmp_path / "old.db"
@@ -135,6 +198,17 @@ def test_a_store_made_before_the_design_columns_reads_them_as_unknown_and_gains_
         store.put_audit(AuditRecord(item_id="audit:r:1", state="new", calibration_version="v", at=1.0,
                                     teacher={"team": {"billing": 1.0}}, inclusion=0.5, routed={"team": 2}))
         assert [(r.inclusion, r.routed) for r in store.audits()] == [(None, {}), (0.5, {"team": 2})]
+        escalated = EscalationRecord(item_id="escalation:r.0", request_id="r", state="s",
+                                     calibration_version="v", at=1.0, teacher={"team": {"billing": 1.0}},
+                                     inclusion=0.5)
+        store.put_escalation(escalated)
+    with sqlite3.connect(path) as db:  # the escalations table as the cascade before inclusion made it
+        db.execute("ALTER TABLE escalations DROP COLUMN inclusion")
+    db.close()
+    with LabelStore(path, teacher) as store:
+        assert [r.inclusion for _, r in store.escalations_after(0)] == [None]
+        store.put_escalation(escalated.model_copy(update={"item_id": "escalation:r.1"}))
+        assert [r.inclusion for _, r in store.escalations_after(0)] == [None, 0.5]
 
 
 # --- cascade serve under a burst ---

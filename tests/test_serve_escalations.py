@@ -164,6 +164,7 @@ def test_escalations_of_a_question_sent_up_whatever_the_item_are_a_census_that_c
         evidence = gather(opened, Bundle.load(bare).manifest.parsed_questions(), None)
     assert [(record.state, record.census) for record in kept] == [
         *((state, (ESCALATED,)) for state in STATES[:3]), (STATES[3], ())]
+    assert [record.inclusion for record in kept] == [1.0] * 4  # the share; the queue dropped none
     assert dict(evidence.origins) == {"census escalation": 3, "escalation": 1}
     assert evidence.ids(CERTIFYING["traffic"]) == {record.item_id for record in kept[:3]}
 
@@ -228,6 +229,7 @@ def test_decide_keeps_the_escalations_of_its_share_and_a_rerun_adds_none(
         assert not opened.audits()
     chosen = [f"i{n}" for n in range(len(STATES)) if AuditSampler(0.5, "s").chosen(f"i{n}")]
     assert 0 < len(chosen) < len(STATES) and [record.request_id for record in kept] == chosen
+    assert {record.inclusion for record in kept} == {0.5}  # drawn by item id at the share, written at once
     assert f"{len(chosen)} escalations kept in {store}" in capsys.readouterr().out
     for record in kept:  # every question the teacher answered about the item, as the line holds it
         answers = decided[record.request_id]["answers"]

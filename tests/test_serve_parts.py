@@ -129,8 +129,8 @@ def test_the_collector_keeps_its_share_and_stops_at_its_size(tmp_path: Path) -> 
     identity = EndpointIdentity(model="m1")
 
     def item(k: int) -> object:
-        return lambda: collected_item(f"r{k}", QUESTIONS, f"state {k}", {"urgent": np.array([0.7, 0.3])},
-                                      identity, 0.0)
+        return lambda inclusion: collected_item(f"r{k}", QUESTIONS, f"state {k}",
+                                                {"urgent": np.array([0.7, 0.3])}, identity, 0.0, inclusion)
 
     sink = StoreTraffic(store)
     collector = Collector(sink, share=0.5, max_items=5, seed="s")
@@ -142,6 +142,7 @@ def test_the_collector_keeps_its_share_and_stops_at_its_size(tmp_path: Path) -> 
     assert counts["collected"] == 5 and counts["full"] + counts["not_chosen"] + 5 == 40
     assert counts["not_chosen"] > 0
     assert [i.answers["urgent"] for i in collected(store)] == [{"true": 0.7, "false": 0.3}] * 5
+    assert [i.inclusion for i in collected(store)] == [0.5] * 5  # the share: its queue dropped none
     again = Collector(StoreTraffic(store), share=1.0, max_items=5)  # a restart counts what the store holds
     again.offer(item(99))  # type: ignore[arg-type]
     again.close()

@@ -29,14 +29,12 @@ class AuditRecord(LabelledState):
     nor another run's audit of the same item); ``teacher`` holds every bundle question, and
     ``system`` the system's answer to each question the request asked.
 
-    ``inclusion``: the probability this item was audited, the share asked for times the chance it
-    survived the random drops of a full audit queue (``cascade.audit.deferral``), so that
-    estimators can weight it by its inverse; None in records written before it was kept.
-    ``routed``: per bundle question, how many answered items of this run (the ``<run>`` of the
-    id) had a certified answer to it, this one included: the population the audits sample."""
+    ``inclusion`` (``LabelledState``'s): the share asked for times the chance the audit survived
+    the random drops of the full queues it met (``cascade.deferral``). ``routed``: per bundle
+    question, how many answered items of this run (the ``<run>`` of the id) had a certified
+    answer to it, this one included: the population the audits sample."""
 
     system: dict[str, SystemAnswer] = Field(default_factory=dict)
-    inclusion: float | None = Field(default=None, gt=0, le=1)
     routed: dict[str, int] = Field(default_factory=dict)
 
     def agreed(self, qid: str) -> bool:

@@ -9,11 +9,16 @@ The request path only hands over what it already has (the body and the upstream'
 returns: parsing, checking and writing happen on the collector's own thread, through a queue
 bounded twice: at most ``QUEUE_SIZE`` items, and at most ``QUEUE_BYTES`` bytes of what they hold
 (the bodies and answers they will be built from, which a caller states as ``size``), so that a
-slow store under large requests cannot fill the memory. A full queue (either bound) drops the item,
-counts it as ``dropped`` and says so in one log line until the queue takes items again; a store
-that refuses an item (another teacher answered: the upstream's model changed) stops the
-collection with one alarm line, since every later item would be refused alike. The answer to the
-client never waits for, or fails with, any of it.
+slow store under large requests cannot fill the memory. Past either bound one item, drawn at
+random among those waiting and the newcomer, is dropped (``cascade.deferral``), never the
+newcomer by rule: the items a slow store loses are then a random draw, and each item kept carries
+its inclusion probability (``share`` times its survival of the queue), which ``build`` is given
+to record with it. Collected traffic and census escalations certify as uniform draws, and a queue
+that dropped the newcomer would have lost the busy periods' items, the hard ones. A drop is counted
+as ``dropped`` and said in one log line until the queue takes items again; a store that refuses an
+item (another teacher answered: the upstream's model changed) stops the collection with one alarm
+line, since every later item would be refused alike. The answer to the client never waits for, or
+fails with, any of it.
 """
 
 from __future__ import annotations
@@ -21,17 +26,17 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
+from cascade.deferral import DeferralQueue, Deferred
 from cascade.errors import CascadeError
 from cascade.hashing import seeded_unit
 
 log = logging.getLogger("cascade.collect")
 QUEUE_SIZE = 1024
-"""Items waiting for the writer at most: past it an item is dropped (and counted), never waited for."""
+"""Items waiting for the writer at most: past it one is dropped at random (and counted), never waited for."""
 QUEUE_BYTES = 64 * 1024 * 1024
 """Bytes the items waiting for the writer hold at most (their ``size``): past it, dropped alike."""
 
@@ -45,6 +50,9 @@ class Requested(Protocol):
 
 T = TypeVar("T", bound=Requested)
 T_in = TypeVar("T_in", contravariant=True)
+Build = Callable[[float], T | None]
+"""Makes the item from what its request had, given its inclusion probability; None where there is
+nothing to collect."""
 
 
 class Sink(Protocol[T_in]):
@@ -62,9 +70,10 @@ class Sink(Protocol[T_in]):
 class Collector(Generic[T]):
     """Keeps a seeded ``share`` of the requests offered, up to ``max_items`` in ``sink`` (None: no
     limit). ``counts`` says what became of every offered request. ``build`` given to ``offer``
-    makes the item from what the request had; None where there is nothing to collect (a body
-    that is not a System One request, an answer of the wrong shape). ``what``: what is collected,
-    as its log lines and the store's refusal name it. ``max_queue_bytes``: the queue's byte budget."""
+    makes the item from what the request had and its inclusion probability; None where there is
+    nothing to collect (a body that is not a System One request, an answer of the wrong shape).
+    ``what``: what is collected, as its log lines and the store's refusal name it.
+    ``max_queue_bytes``: the queue's byte budget."""
 
     def __init__(self, sink: Sink[T], share: float = 1.0, max_items: int | None = None,
                  seed: str = "collect", what: str = "collect", max_queue_bytes: int = QUEUE_BYTES) -> None:
@@ -73,57 +82,53 @@ class Collector(Generic[T]):
                              f"got {share!r}, {max_items!r}, {max_queue_bytes!r}")
         self.sink, self.share, self.max_items, self.seed, self.what = sink, share, max_items, seed, what
         self.max_queue_bytes = max_queue_bytes
-        self.queued_bytes = 0
         self.held = sink.count()
         self.counts = {"collected": 0, "not_chosen": 0, "full": 0, "dropped": 0, "unreadable": 0,
                        "failed": 0}
         self.stopped: str | None = None
         self._numbers = itertools.count()
-        self._queue: queue.Queue[tuple[Callable[[], T | None], int] | None] = queue.Queue(QUEUE_SIZE)
+        self._queue: DeferralQueue[Build[T]] = DeferralQueue(QUEUE_SIZE, max_size=max_queue_bytes)
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._closing = False
         self._dropping = False  # said once per run of drops
         self._thread = threading.Thread(target=self._write, name=f"cascade-{what}", daemon=True)
         self._thread.start()
 
-    def offer(self, build: Callable[[], T | None], size: int = 0) -> None:
+    @property
+    def queued_bytes(self) -> int:
+        """What the items waiting for the writer hold."""
+        return self._queue.size
+
+    def offer(self, build: Build[T], size: int = 0) -> None:
         """Collect this request if it is chosen and there is room; never blocks. ``size``: the
         bytes ``build`` holds until it runs (the request's body and answer), counted against the
         queue's byte budget."""
         chosen = self._chosen(str(next(self._numbers)))
         with self._lock:
             reason = ("not_chosen" if not chosen else "full" if self._full() else
-                      "failed" if self.stopped else
-                      "dropped" if self.queued_bytes + size > self.max_queue_bytes else None)
+                      "failed" if self.stopped else None)
             if reason is None:
                 self.held += 1  # counted when queued, so the limit holds with items in flight
-                self.queued_bytes += size
+                dropped = self._queue.put(build, size)
+                for _ in dropped:
+                    self.held -= 1
+                    self.counts["dropped"] += 1
+                said, self._dropping = self._dropping, bool(dropped)
+                self._ready.notify()
         if reason is not None:
             self._count(reason)
-            if reason == "dropped":
-                self._say_dropped(size)
-            return
-        try:
-            self._queue.put_nowait((build, size))
-        except queue.Full:
-            self._undo("dropped", size)
-            self._say_dropped(size)
-            return
-        self._dropping = False
-
-    def _say_dropped(self, size: int) -> None:
-        """One log line for a run of drops of a full queue (until the queue takes an item again)."""
-        with self._lock:
-            said, self._dropping = self._dropping, True
-            waiting, held = self._queue.qsize(), self.queued_bytes
-        if not said:
+        elif dropped and not said:
             log.warning("%s: the writer's queue is full (%d items, %d bytes of a %d-byte budget, the "
-                        "item %d bytes): requests are not collected, counted as dropped in /metrics, "
-                        "until the store keeps up again", self.what, waiting, held, self.max_queue_bytes,
-                        size)
+                        "item %d bytes): one item drawn at random is dropped for each request "
+                        "collected, counted as dropped in /metrics, until the store keeps up again",
+                        self.what, len(self._queue), self._queue.size, self.max_queue_bytes, size)
 
     def close(self) -> None:
         """Write what is queued, then stop the thread."""
-        self._queue.put(None)
+        with self._ready:
+            self._closing = True
+            self._ready.notify()
         self._thread.join()
 
     def _chosen(self, key: str) -> bool:
@@ -134,21 +139,25 @@ class Collector(Generic[T]):
     def _full(self) -> bool:
         return self.max_items is not None and self.held >= self.max_items
 
-    def _write(self) -> None:
-        while (queued := self._queue.get()) is not None:
-            build, size = queued
-            try:
-                self._take(build)
-            finally:
-                with self._lock:
-                    self.queued_bytes -= size
+    def _next(self) -> Deferred[Build[T]] | None:
+        """The next item to write, waiting for one; None once closing and none waits."""
+        with self._ready:
+            while (queued := self._queue.take()) is None:
+                if self._closing:
+                    return None
+                self._ready.wait()
+            return queued
 
-    def _take(self, build: Callable[[], T | None]) -> None:
+    def _write(self) -> None:
+        while (queued := self._next()) is not None:
+            self._take(queued.audit, self.share * queued.survival)
+
+    def _take(self, build: Build[T], inclusion: float) -> None:
         if self.stopped:
             self._undo("failed")
             return
         try:
-            item = build()
+            item = build(inclusion)
         except Exception as exc:  # a body or answer that is not readable: not collected
             log.info("%s: request not collected (%s: %s)", self.what, type(exc).__name__, exc)
             item = None
@@ -173,10 +182,9 @@ class Collector(Generic[T]):
             return
         self._count("collected")
 
-    def _undo(self, reason: str, size: int = 0) -> None:
+    def _undo(self, reason: str) -> None:
         with self._lock:
             self.held -= 1
-            self.queued_bytes -= size
             self.counts[reason] += 1
 
     def _count(self, reason: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from cascade.questions import State
 
@@ -18,7 +18,10 @@ from cascade.questions import State
 class LabelledState(BaseModel):
     """``item_id``: unique per record, ``state``, ``calibration_version``, ``at`` (seconds since the
     epoch), and per question the teacher's distribution by option key (``teacher``), with the
-    sha256 of the prompt it read where known (``prompt_hashes``)."""
+    sha256 of the prompt it read where known (``prompt_hashes``). ``inclusion``: the probability
+    the state was kept, the share asked for times its survival of the random drops of the full
+    queues it met on the way to the store (``cascade.deferral``), so that estimators can weight
+    it by its inverse; None in records written before it was kept."""
 
     item_id: str
     state: State
@@ -26,6 +29,7 @@ class LabelledState(BaseModel):
     at: float
     teacher: dict[str, dict[str, float]]
     prompt_hashes: dict[str, str] = {}
+    inclusion: float | None = Field(default=None, gt=0, le=1)
 
     @property
     def state_sha256(self) -> str:

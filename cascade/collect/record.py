@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from cascade.questions import Question, State, parse_request
 from cascade.teachers.identity import EndpointIdentity
@@ -24,7 +24,9 @@ from cascade.teachers.identity import EndpointIdentity
 class CollectedItem(BaseModel):
     """``questions``: each question's wire JSON under the client's id; ``answers``: per question
     id, the upstream's probabilities by option key (noul: ``true``/``false``); ``identity``: the
-    teacher the answer named; ``at``: seconds since the epoch."""
+    teacher the answer named; ``at``: seconds since the epoch; ``inclusion``: the probability it
+    was collected (the share times its survival of the collector's queue; None in items collected
+    before it was kept)."""
 
     model_config = ConfigDict(frozen=True, protected_namespaces=())
 
@@ -34,6 +36,7 @@ class CollectedItem(BaseModel):
     answers: dict[str, dict[str, float]]
     identity: EndpointIdentity
     at: float
+    inclusion: float | None = Field(default=None, gt=0, le=1)
 
     def parsed_questions(self) -> dict[str, Question]:
         """The questions as typed objects (they were valid when collected)."""
@@ -46,12 +49,13 @@ class CollectedItem(BaseModel):
 
 
 def collected_item(request_id: str, questions: Mapping[str, Question], state: State,
-                   distributions: Mapping[str, Any], identity: EndpointIdentity, at: float
-                   ) -> CollectedItem:
+                   distributions: Mapping[str, Any], identity: EndpointIdentity, at: float,
+                   inclusion: float | None = None) -> CollectedItem:
     """The record of one answered request; ``distributions`` per question id in ``option_keys()``
-    order (as ``cascade.teachers.wire.distributions`` reads them)."""
+    order (as ``cascade.teachers.wire.distributions`` reads them); ``inclusion``: the
+    probability it was collected."""
     wire = {qid: q.model_dump(mode="json", exclude_none=True) for qid, q in questions.items()}
     answers = {qid: dict(zip(questions[qid].option_keys(), map(float, probs), strict=True))
                for qid, probs in distributions.items()}
     return CollectedItem(request_id=request_id, state=state, questions=wire, answers=answers,
-                         identity=identity, at=at)
+                         identity=identity, at=at, inclusion=inclusion)

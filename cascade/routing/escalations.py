@@ -18,11 +18,12 @@ from cascade.routing.router import Cascade
 
 
 def escalation_of(cascade: Cascade, run: Run, i: int, request_id: str, at: float,
-                  census: Collection[str] | None = None) -> EscalationRecord | None:
+                  census: Collection[str] | None = None, inclusion: float | None = None
+                  ) -> EscalationRecord | None:
     """The teacher's answers about item ``i`` of a finished ``run`` (None where it answered none).
     ``census``: the questions routing sent up whatever the item, as they stood when ``run`` was
     routed (default: as they stand now; a server builds the record later, on another thread, and a
-    drift alarm may demote a question meanwhile)."""
+    drift alarm may demote a question meanwhile); ``inclusion``: the probability it was kept."""
     top = len(cascade.tiers) - 1
     if census is None:
         census = sent_up_whatever(cascade, run)
@@ -37,7 +38,7 @@ def escalation_of(cascade: Cascade, run: Run, i: int, request_id: str, at: float
     return EscalationRecord(item_id=f"{PREFIX}{request_id}.{uuid.uuid4().hex[:12]}", request_id=request_id,
                             state=run.items[i].state, calibration_version=cascade.calibration_version,
                             at=at, teacher=teacher, prompt_hashes=hashes,
-                            census=tuple(qid for qid in asked if qid in census))
+                            census=tuple(qid for qid in asked if qid in census), inclusion=inclusion)
 
 
 def sent_up_whatever(cascade: Cascade, run: Run) -> frozenset[str]:

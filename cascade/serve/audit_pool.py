@@ -2,7 +2,7 @@
 
 An upstream's audit costs this machine a thread waiting on a socket, so audits do not wait for
 the live queue to be empty (as a local GGUF's must, on its one model): ``in_flight`` threads take
-them from the deferral queue (``cascade.audit.deferral``) as fast as the upstream answers. The
+them from the deferral queue (``cascade.deferral``) as fast as the upstream answers. The
 only brake is the upstream's own: an audit it answers 429 or 503 (after the client's retries) is
 put back at the head of the queue, and every audit thread pauses for its Retry-After (1 s where it
 gave none) before taking the next one.
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from cascade.audit.deferral import DeferralQueue, Deferred
+from cascade.deferral import DeferralQueue, Deferred
 
 log = logging.getLogger("cascade.serve")
 A = TypeVar("A")

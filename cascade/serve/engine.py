@@ -27,7 +27,7 @@ reason, until the server loads a recalibrated bundle. With ``forward_auth``, a c
 the upstream has not accepted lately gets every question from the upstream (which checks it).
 
 With an ``Auditor``, the answered requests its sample chooses (keyed on the engine's count of
-answered requests) are deferred in a queue of at most ``audit_queue`` (``cascade.audit.deferral``):
+answered requests) are deferred in a queue of at most ``audit_queue`` (``cascade.deferral``):
 a local GGUF teacher takes them on its worker at the lowest priority, when no live job waits; an
 upstream teacher takes them on its own capacity, ``audit_in_flight`` at once, whatever the local
 queue, pausing only when the upstream answers 429 or 503 (``cascade.serve.audit_pool``). Past
@@ -56,10 +56,10 @@ from typing import Literal
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor, Known
-from cascade.audit.deferral import DeferralQueue, Deferred
 from cascade.collect.collector import Collector, size_of
 from cascade.collect.escalation import EscalationRecord
 from cascade.cost.upstream import UpstreamLedger
+from cascade.deferral import DeferralQueue, Deferred
 from cascade.errors import CascadeError, QueueFullError, ServiceError, TeacherChangedError
 from cascade.questions import Question, State
 from cascade.readout.prompts import read_chars
@@ -386,7 +386,7 @@ class Engine:
             return
         cascade, request, at = self.cascade, job.item.id, time.time()
         census = sent_up_whatever(cascade, run)  # now: a drift alarm may demote a question before the build
-        self.escalations.offer(lambda: escalation_of(cascade, run, 0, request, at, census),
+        self.escalations.offer(lambda kept: escalation_of(cascade, run, 0, request, at, census, kept),
                                size=size_of(job.item.state))
 
     @staticmethod
@@ -418,10 +418,10 @@ class Engine:
             self._write_later(audit)
             return
         dropped = self.deferred.put(audit)
-        if dropped is not None:
+        if dropped:
             with self._sampling:
-                self.totals.drop("queue_full")
-        if dropped is not audit:
+                self.totals.drop("queue_full", len(dropped))
+        if all(d is not audit for d in dropped):
             self.workers[self.top].audit_deferred()
 
     def _ask(self, deferred: Deferred[_Audit]) -> float | None:
@@ -462,10 +462,10 @@ class Engine:
         waiting (a store that stalls), one is dropped at random."""
         audit.survival = survival
         dropped = self.writes.put(audit)
-        if dropped is not None:
+        if dropped:
             with self._sampling:
-                self.totals.drop("store_behind")
-        if dropped is not audit:
+                self.totals.drop("store_behind", len(dropped))
+        if all(d is not audit for d in dropped):
             self.writer.wake()
 
     def _write(self, deferred: Deferred[_Audit]) -> None:

@@ -27,7 +27,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from cascade.answers import Usage
-from cascade.audit.deferral import DeferralQueue
+from cascade.deferral import DeferralQueue
 from cascade.questions import Question
 from cascade.routing.budget import Run
 from cascade.routing.router import Cascade

@@ -151,7 +151,7 @@ def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) 
         metrics.seconds.observe(time.perf_counter() - started)
         if config.collector is not None:
             rid = request.state.request_id
-            config.collector.offer(lambda: _item(rid, body, reply, settings.shown),
+            config.collector.offer(lambda kept: _item(rid, body, reply, settings.shown, kept),
                                    size=len(body) + len(reply.content))
         return Response(reply.content, reply.status, _passed(reply.headers))
 
@@ -210,13 +210,15 @@ def _passed(headers: dict[str, str]) -> dict[str, str]:
             if name in _PASSED or name.startswith(("x-", "ratelimit"))}
 
 
-def _item(request_id: str, body: bytes, reply: UpstreamReply, url: str) -> CollectedItem:
-    """The collected record of one forwarded request (on the collector's thread): a body that is
-    not a System One request, or an answer of the wrong shape, raises and is not collected."""
+def _item(request_id: str, body: bytes, reply: UpstreamReply, url: str, inclusion: float) -> CollectedItem:
+    """The collected record of one forwarded request (on the collector's thread), kept with
+    probability ``inclusion``: a body that is not a System One request, or an answer of the wrong
+    shape, raises and is not collected."""
     parsed = parse_request(load_json(body))
     response = read_response(reply.data, url)
     found = distributions(response, parsed.questions, url)
-    return collected_item(request_id, parsed.questions, parsed.state, found, response.identity(), time.time())
+    return collected_item(request_id, parsed.questions, parsed.state, found, response.identity(), time.time(),
+                          inclusion)
 
 
 def _scraped(metrics: _ProxyMetrics, ledger: UpstreamLedger, admission: Admission,

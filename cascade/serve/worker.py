@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from cascade.audit.deferral import DeferralQueue, Deferred
+from cascade.deferral import DeferralQueue, Deferred
 
 J = TypeVar("J")
 A = TypeVar("A")

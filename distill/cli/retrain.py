@@ -74,6 +74,12 @@ def _print(result: RetrainResult, args: argparse.Namespace) -> None:
           "counted once")
     print("parts: " + ", ".join(f"{part} {n}" for part, n in evidence["parts"].items())
           + f"; certified on {len(result.lineage['certified_on'])} held-out items ({args.calibrate_on})")
+    if unequal := evidence["certified_on_unequal"]:
+        drawn = "; ".join(f"{int(d['items'])} {origin} drawn at {d['lowest']:.3g}-{d['highest']:.3g}"
+                          for origin, d in sorted(unequal.items()))
+        print(f"drawn unequally: {drawn} (a queue that dropped at random under load, or a share changed "
+              "between runs): the certificate counts each item alike, so it leans toward the periods "
+              "drawn most; each item's probability is in the store")
     for qid, shares in calibration.cascades.items():
         cheap = 1 - shares.answered_by.get(calibration.teacher_tier, 1.0)
         tiers = ", ".join(f"{tier} {share:.1%}" for tier, share in shares.answered_by.items())

@@ -40,7 +40,8 @@ class KeptEscalations:
             return
         chosen, at = AuditSampler(self.share, self.seed).chosen, time.time()
         for i, item in enumerate(run.items):
-            if chosen(item.id) and (record := escalation_of(cascade, run, i, item.id, at)) is not None:
+            if chosen(item.id) and (record := escalation_of(cascade, run, i, item.id, at,
+                                                             inclusion=self.share)) is not None:
                 self.sink.append(record)
                 self.kept += 1
 

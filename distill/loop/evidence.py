@@ -22,6 +22,12 @@ held a threshold for, as while the cascade had certified nothing: ``cascade.coll
 Such a record was kept because the request came, not because the cascade doubted it, so it is a
 uniform draw of the traffic of its time, as an audit is; it is placed in a part by its id's hash
 like one, and certifies there.
+
+Each draw of traffic keeps the probability it was drawn with (``inclusion``: the share asked for
+times its survival of the queues that dropped at random under load, ``cascade.deferral``). A
+certificate counts every item alike, which is exact only where they were drawn alike, so
+``Evidence.unequal`` says which certifying items were drawn with less probability than others of
+their origin, for ``cascade retrain`` to say so.
 """
 
 from __future__ import annotations
@@ -59,11 +65,14 @@ class EvidenceError(CascadeError, ValueError):
 
 @dataclass(frozen=True)
 class EvidenceItem:
-    """One labelled state: the id its labels are stored under, the state, where it came from."""
+    """One labelled state: the id its labels are stored under, the state, where it came from, and
+    the probability it was drawn with (None where unknown: a corpus item, a record written before
+    it was kept)."""
 
     id: str
     state: State
     origin: Origin
+    inclusion: float | None = None
 
     @property
     def content(self) -> str:
@@ -81,6 +90,19 @@ class Evidence:
     def ids(self, origins: Iterable[Origin] | None = None) -> set[str]:
         wanted = set(origins) if origins is not None else None
         return {item.id for item in self.items if wanted is None or item.origin in wanted}
+
+    def unequal(self, ids: Iterable[str]) -> dict[str, dict[str, float]]:
+        """Per origin, those of ``ids`` drawn with less probability than the most any of them had:
+        how many (``items``), the least probability (``lowest``) and the most (``highest``). A
+        queue that dropped under load, or a share changed between runs, draws so; none where all
+        were drawn alike."""
+        wanted = set(ids)
+        drawn: dict[str, list[float]] = {}
+        for item in self.items:
+            if item.id in wanted and item.inclusion is not None:
+                drawn.setdefault(item.origin, []).append(item.inclusion)
+        return {origin: {"items": sum(p < max(ps) for p in ps), "lowest": min(ps), "highest": max(ps)}
+                for origin, ps in drawn.items() if min(ps) < max(ps)}
 
     def write(self, path: Path) -> Path:
         """The states as a JSONL corpus (``{"id", "text"}``), which training and calibration read."""
@@ -114,13 +136,15 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
     if corpus is not None:
         met += [EvidenceItem(row.id, row.state, origin_of(row.id, "corpus"))
                 for row in corpus.read(trained_field) if row.id in labelled]
-    met += [EvidenceItem(r.item_id, r.state, origin_of(r.item_id)) for r in store.audits()
+    met += [EvidenceItem(r.item_id, r.state, origin_of(r.item_id), r.inclusion) for r in store.audits()
             if r.item_id in labelled]
-    met += [EvidenceItem(ident, state, "collected") for ident, state in _collected(store)
-            if ident in labelled]
+    met += [EvidenceItem(ident, state, "collected", inclusion)
+            for ident, (state, inclusion) in _collected(store) if ident in labelled]
     escalated = [r for r in escalations(store) if r.item_id in labelled]  # census first: they may certify
-    met += [EvidenceItem(r.item_id, r.state, "census escalation") for r in escalated if r.is_census]
-    met += [EvidenceItem(r.item_id, r.state, "escalation") for r in escalated if not r.is_census]
+    met += [EvidenceItem(r.item_id, r.state, "census escalation", r.inclusion)
+            for r in escalated if r.is_census]
+    met += [EvidenceItem(r.item_id, r.state, "escalation", r.inclusion)
+            for r in escalated if not r.is_census]
     stateless = labelled - {item.id for item in met}
     if stateless:
         where = ("in --corpus" if corpus is not None else
@@ -130,16 +154,17 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
     return _once(met)
 
 
-def _collected(store: LabelStore) -> list[tuple[str, State]]:
-    """Each collected state under the id its labels are stored under, first copy first."""
+def _collected(store: LabelStore) -> list[tuple[str, tuple[State, float | None]]]:
+    """Each collected state under the id its labels are stored under, with the probability it was
+    collected with, first copy first."""
     from distill.loop.collected import item_id
 
-    out: dict[str, State] = {}
+    out: dict[str, tuple[State, float | None]] = {}
     position = 0
     while page := store.traffic_after(position):
         position = page[-1][0]
         for _, item in page:
-            out.setdefault(item_id(item.state_sha256), item.state)
+            out.setdefault(item_id(item.state_sha256), (item.state, item.inclusion))
     return list(out.items())
 
 

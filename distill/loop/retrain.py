@@ -158,6 +158,7 @@ def _lineage(serving: Bundle, evidence: Evidence, parts: Mapping[str, list[str]]
                    "manifest_sha256": file_sha256(serving.directory / "manifest.json"),
                    "calibration_version": manifest.calibration.version()},
         "evidence": {"items": len(evidence.items), "duplicates": evidence.duplicates,
-                     "origins": dict(evidence.origins), "parts": {p: len(ids) for p, ids in parts.items()}},
+                     "origins": dict(evidence.origins), "parts": {p: len(ids) for p, ids in parts.items()},
+                     "certified_on_unequal": evidence.unequal(held)},
         "calibrate_on": calibrate_on, "certified_on": held, "evaluated_on": evaluated,
     }

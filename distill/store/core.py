@@ -381,8 +381,8 @@ class LabelStore:
             item_id=item, request_id=request, state=json.loads(state), calibration_version=version, at=at,
             teacher={q: json.loads(p) for q, p, _ in labels.get(item, [])},
             prompt_hashes={q: h for q, _, h in labels.get(item, []) if h},
-            census=tuple(json.loads(census or "[]"))))
-            for seq, item, request, state, version, at, census in rows]
+            census=tuple(json.loads(census or "[]")), inclusion=inclusion))
+            for seq, item, request, state, version, at, census, inclusion in rows]
 
     def escalation_count(self) -> int:
         """Escalated requests the store holds."""

@@ -3,7 +3,8 @@ labels (in ``labels``, under each record's ``escalation:`` id) it kept to retrai
 
 A table apart from ``audits``: audits are a uniform sample that the drift watch counts, and
 escalations are the items the serving cascade chose, which it must never count. ``census`` lists
-the questions routing sent up whatever the item (``cascade.collect.escalation``). Made on the first
+the questions routing sent up whatever the item (``cascade.collect.escalation``), ``inclusion``
+the probability the record was kept (``cascade.collect.collector``). Made on the first
 write, as every appended table is (``distill.store.appended``).
 """
 
@@ -21,7 +22,7 @@ TABLE = AppendedTable("escalations", (
     ("state", "TEXT NOT NULL"),
     ("calibration_version", "TEXT NOT NULL"),
     ("created_at", "DOUBLE PRECISION NOT NULL"),
-), added=(("census", "TEXT"),))
+), added=(("census", "TEXT"), ("inclusion", "DOUBLE PRECISION")))
 ESCALATION_PAGE = 400
 
 
@@ -29,14 +30,14 @@ def put_escalation_row(db: Backend, record: EscalationRecord, made: bool) -> Non
     """Append ``record``'s row inside the caller's transaction, past ``db.serialise()`` (its labels
     are the caller's to insert); ``made``: the table is known to exist already."""
     TABLE.append(db, (record.item_id, record.request_id, json.dumps(record.state), record.calibration_version,
-                      record.at, json.dumps(record.census)), made)
+                      record.at, json.dumps(record.census), record.inclusion), made)
 
 
 def escalation_rows_after(db: Backend, position: int, limit: int = ESCALATION_PAGE
-                          ) -> list[tuple[int, str, str, str, str, float, str | None]]:
+                          ) -> list[tuple[int, str, str, str, str, float, str | None, float | None]]:
     """Up to ``limit`` rows past ``position`` in order: (seq, item, request, state JSON, calibration
-    version, time, census questions JSON: None in a row written before they were kept); none in a
-    store without the table."""
+    version, time, census questions JSON, inclusion probability: None in a row written before each
+    was kept); none in a store without the table."""
     return TABLE.after(db, position, limit)
 
 

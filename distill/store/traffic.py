@@ -4,8 +4,9 @@ order the store committed them.
 A collected item keeps the client's questions and the teacher's answers as they came: the same
 question may arrive under many ids, and the same state more than once. Reading them as training
 data (each distinct question by content, each state once) is ``distill.loop.collected``'s job; this
-table only keeps every item, whole, in one order. The table is made on the first write, as every
-appended table is (``distill.store.appended``).
+table only keeps every item, whole, in one order, with the probability it was collected
+(``inclusion``: the share times its survival of the collector's queue). The table is made on the
+first write, as every appended table is (``distill.store.appended``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ TABLE = AppendedTable("traffic", (
     ("answers", "TEXT NOT NULL"),
     ("identity", "TEXT NOT NULL"),
     ("created_at", "DOUBLE PRECISION NOT NULL"),
-))
+), added=(("inclusion", "DOUBLE PRECISION"),))
 TRAFFIC_PAGE = 400
 
 
@@ -32,7 +33,8 @@ def put_traffic(db: Backend, item: CollectedItem, made: bool) -> None:
     """Append ``item`` inside the caller's transaction, past ``db.serialise()`` (its number is
     the next in the store's order); ``made``: the table is known to exist already."""
     TABLE.append(db, (item.request_id, json.dumps(item.state), json.dumps(item.questions),
-                      json.dumps(item.answers), item.identity.model_dump_json(), item.at), made)
+                      json.dumps(item.answers), item.identity.model_dump_json(), item.at,
+                      item.inclusion), made)
 
 
 def traffic_after(db: Backend, position: int, limit: int = TRAFFIC_PAGE) -> list[tuple[int, CollectedItem]]:
@@ -41,8 +43,9 @@ def traffic_after(db: Backend, position: int, limit: int = TRAFFIC_PAGE) -> list
     rows = TABLE.after(db, position, limit)
     return [(seq, CollectedItem(request_id=rid, state=json.loads(state), questions=json.loads(questions),
                                 answers=json.loads(answers),
-                                identity=EndpointIdentity.model_validate_json(identity), at=at))
-            for seq, rid, state, questions, answers, identity, at in rows]
+                                identity=EndpointIdentity.model_validate_json(identity), at=at,
+                                inclusion=inclusion))
+            for seq, rid, state, questions, answers, identity, at, inclusion in rows]
 
 
 def traffic_count(db: Backend) -> int:
