@@ -102,6 +102,7 @@ def test_collected_traffic_is_counted_by_question_content_and_becomes_a_training
         httpx.post(f"{base}/v1/systemone", content=b"not json", timeout=30)  # forwarded, not collected
     items = list(collected(store))
     assert len(items) == 6 and items[0].identity.model == "jevcompat-mock-0.1"
+    assert {item.inclusion for item in items} == {1.0}  # the share; the collector's queue dropped none
     assert items[0].answers["is_urgent"].keys() == {"true", "false"}
     found = census(items, min_count=3)
     assert [(q.id, q.count) for q in found.heads] == [("dept", 5), ("is_urgent", 5)] or \

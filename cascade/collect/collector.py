@@ -120,8 +120,8 @@ class Collector(Generic[T]):
             self._count(reason)
         elif dropped and not said:
             log.warning("%s: the writer's queue is full (%d items, %d bytes of a %d-byte budget, the "
-                        "item %d bytes): one item drawn at random is dropped for each request "
-                        "collected, counted as dropped in /metrics, until the store keeps up again",
+                        "item %d bytes): items drawn at random are dropped to make room, counted as "
+                        "dropped in /metrics, until the store keeps up again",
                         self.what, len(self._queue), self._queue.size, self.max_queue_bytes, size)
 
     def close(self) -> None:
