@@ -9,11 +9,14 @@ the new calibration version. Through the command, SIGHUP takes the promotion at 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ from cascade.bundle.manifest import Bundle
 from cascade.routing.router import Cascade
 from cascade.serve.app import BundleSource, ServeConfig, create_app
 from cascade.serve.engine import EngineSettings
-from distill.loop.auditing import auditor_for
+from distill.loop.auditing import StoreAudits, auditor_for
 
 STATE = corpus_items()[5].text
 CLIENTS, MOST = 4, 2500  # each client stops after MOST requests at the latest
@@ -195,3 +198,51 @@ def _status(base: str) -> str:
 def _version(base: str) -> Any:
     body = {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
     return httpx.post(f"{base}/v1/systemone", json=body, timeout=60).json()["audit"]["calibration_version"]
+
+
+
+def _held(store: Path) -> tuple[Counter[str], int]:
+    """The threads alive by name (numbers dropped), and the descriptors open on ``store``."""
+    names = Counter("".join(c for c in thread.name if not c.isdigit()) for thread in threading.enumerate())
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # one closed meanwhile
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return names, sum(link.startswith(str(store)) for link in links)
+
+
+def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
+        versions: tuple[Path, Path], gemma_path: Path, tmp_path: Path) -> None:
+    """A server lives through many promotions: each retired bundle's models, workers, audit
+    threads and store connection are let go (the audit hook is the command's own), so that after
+    ten swaps one cascade lives and the store is held as after the first."""
+    first, second = versions
+    link, store = first.parent / "current-for-leaks", tmp_path / "audits.sqlite"
+    point(link, first)
+    loaded: list[weakref.ref[Cascade]] = []
+
+    def load(directory: Path) -> Cascade:
+        cascade = Cascade.load(directory, teacher=gemma_path, threads=1)
+        loaded.append(weakref.ref(cascade))
+        return cascade
+
+    body = {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+    held = []
+    with StoreAudits(store, 1.0, "s", "alarm") as audits:
+        app = create_app(None, ServeConfig(bundle=BundleSource(link, load, interval=0.05), audit=audits,
+                                           engine=EngineSettings(max_wait=600.0)))
+        with serving(app) as base, httpx.Client(timeout=120) as http:
+            for swap in range(10):
+                target = (second, first)[swap % 2]
+                point(link, target)
+                until(lambda t=target: app.state.loaded.serving.version.directory == t.resolve(), "the swap")
+                assert http.post(f"{base}/v1/systemone", json=body).status_code == 200
+                until(lambda n=swap: f'cascade_audits_total{{outcome="audited"}} {float(n + 1)}'
+                      in http.get(f"{base}/metrics").text, "its audit written")
+                until(lambda: not any(t.name.startswith("cascade-retire") for t in threading.enumerate()),
+                      "the retired bundle's engine stopped")
+                gc.collect()
+                held.append((sum(ref() is not None for ref in loaded), *_held(store)))
+    assert len(loaded) == 11 and [live for live, _, _ in held] == [1] * 10
+    # the first swap's measure may come before SQLite opened its -wal file; from the second on
+    assert all(h[1:] == held[1][1:] for h in held[1:]) and held[1][2] > 0

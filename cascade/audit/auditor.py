@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from cascade.answers import DecisionResponse, NoulAnswer
 from cascade.audit.record import AuditRecord, AuditSink, certified_answers
@@ -42,10 +42,12 @@ class Auditor:
     ``stream``: where the watch reads every writer's audits from (the store ``sink`` writes to,
     shared by replicas): the watch then counts the stream in its order, this process's audits
     among the others', and ``follower`` keeps it caught up. None: the watch counts this process's
-    records as it writes them."""
+    records as it writes them. ``closing``: what else ``close`` lets go of (the store's connection
+    the sink holds), so that a server that retires a bundle at each promotion keeps none open."""
 
     def __init__(self, cascade: Cascade, sampler: AuditSampler, sink: AuditSink,
-                 on_drift: OnDrift = "demote", stream: AuditStream | None = None) -> None:
+                 on_drift: OnDrift = "demote", stream: AuditStream | None = None,
+                 closing: Callable[[], None] | None = None) -> None:
         if not cascade.tiers[-1].reads_any_question:
             raise CascadeError(f"auditing needs a live teacher as the top tier; {cascade.tiers[-1].name!r} "
                                "replays recorded labels (give --teacher PATH.gguf, or --audit-share 0)")
@@ -68,6 +70,7 @@ class Auditor:
         self.run_id = uuid.uuid4().hex[:12]
         self.routed: dict[str, int] = dict.fromkeys(cascade.questions, 0)
         self._routing = threading.Lock()
+        self._closing = closing
 
     def route(self, response: DecisionResponse, bundle_ids: Mapping[str, str]) -> dict[str, int]:
         """Count an answered item among the routed ones (per bundle question it has a certified
@@ -89,9 +92,13 @@ class Auditor:
                 self.watch.observe(record)
 
     def close(self) -> None:
-        """Stop following the stream (where ``follower.follow`` started a thread)."""
+        """Stop following the stream (where ``follower.follow`` started a thread) and let go of
+        ``closing``'s resources; once (a second call does nothing more)."""
         if self.follower is not None:
             self.follower.close()
+        closing, self._closing = self._closing, None
+        if closing is not None:
+            closing()
 
     def audit(self, item: Item, response: DecisionResponse, bundle_ids: Mapping[str, str],
               survival: float = 1.0, routed: Mapping[str, int] | None = None,

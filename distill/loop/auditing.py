@@ -11,6 +11,7 @@ demoted. It also turns a store's audits into the per-question table and plot of 
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +72,11 @@ def stored_audits(path: StoreLocation | str) -> list[AuditRecord]:
 
 def auditor_for(cascade: Cascade, store: StoreLocation | str | None, share: float, seed: str,
                 on_drift: OnDrift, poll: float | None = None) -> tuple[Auditor | None, StoreSink | None]:
-    """The auditor a command runs with, and its sink to close; (None, None) when audits are off,
-    said on stderr when only the store is missing. Its watch follows the store's audit stream
-    (every writer's audits, in the store's order), read through now, and every ``poll`` seconds
-    in a thread where given (a server: other replicas' audits); close it with ``auditor.close()``."""
+    """The auditor a command runs with, and its sink; (None, None) when audits are off, said on
+    stderr when only the store is missing. Its watch follows the store's audit stream (every
+    writer's audits, in the store's order), read through now, and every ``poll`` seconds in a
+    thread where given (a server: other replicas' audits); ``auditor.close()`` stops that and
+    closes the sink's store."""
     if share == 0:
         return None, None
     if store is None:
@@ -82,7 +84,7 @@ def auditor_for(cascade: Cascade, store: StoreLocation | str | None, share: floa
               "items with the teacher and watch the certificate", file=sys.stderr)
         return None, None
     sink = StoreSink(store, bundle_teacher(cascade.manifest))
-    auditor = Auditor(cascade, AuditSampler(share, seed), sink, on_drift, stream=sink)
+    auditor = Auditor(cascade, AuditSampler(share, seed), sink, on_drift, stream=sink, closing=sink.close)
     auditor.replay()
     if poll is not None and auditor.follower is not None:
         auditor.follower.follow(poll)
@@ -95,7 +97,10 @@ def auditor_for(cascade: Cascade, store: StoreLocation | str | None, share: floa
 class StoreAudits:
     """``auditor_for`` as the hook ``cascade.serve.lifecycle.serve`` calls with the cascade it
     loaded, its watch following the store every ``poll`` seconds (None: only when it audits);
-    closing it (or leaving its ``with`` block) stops that and closes the store it wrote to.
+    closing it (or leaving its ``with`` block) closes the auditors it made that are still open
+    (``Auditor.close``: the watch and the store). It holds them weakly: a server retires a bundle,
+    and closes its auditor, at every promotion, and a retired bundle (its models, its store
+    connection) must not live on here until the server stops.
 
     Entering it with ``bundle`` given opens the store at once, before any model loads: a URL that
     cannot be reached, refused credentials, a store of another schema version or another teacher
@@ -105,11 +110,12 @@ class StoreAudits:
                  poll: float | None = None, bundle: Path | None = None) -> None:
         self.store = store_location(store) if store is not None else None
         self.share, self.seed, self.on_drift, self.poll, self.bundle = share, seed, on_drift, poll, bundle
-        self._made: list[tuple[Auditor | None, StoreSink | None]] = []
+        self._made: weakref.WeakSet[Auditor] = weakref.WeakSet()
 
     def __call__(self, cascade: Cascade) -> Auditor | None:
-        auditor, sink = auditor_for(cascade, self.store, self.share, self.seed, self.on_drift, self.poll)
-        self._made.append((auditor, sink))
+        auditor, _ = auditor_for(cascade, self.store, self.share, self.seed, self.on_drift, self.poll)
+        if auditor is not None:
+            self._made.add(auditor)
         return auditor
 
     def check(self) -> None:
@@ -123,11 +129,8 @@ class StoreAudits:
         print(f"audits: {self.share:.0%} of routed items into {self.store}{poll}", file=sys.stderr)
 
     def close(self) -> None:
-        for auditor, sink in self._made:
-            if auditor is not None:
-                auditor.close()
-            if sink is not None:
-                sink.close()
+        for auditor in list(self._made):
+            auditor.close()
 
     def __enter__(self) -> StoreAudits:
         self.check()
