@@ -202,8 +202,10 @@ def _version(base: str) -> Any:
 
 
 def _held(store: Path) -> tuple[Counter[str], int]:
-    """The threads alive by name (numbers dropped), and the descriptors open on ``store``."""
-    names = Counter("".join(c for c in thread.name if not c.isdigit()) for thread in threading.enumerate())
+    """The server's threads alive by name (numbers dropped; not the event loop's pool, which grows
+    with the calls that overlap), and the descriptors open on ``store``."""
+    names = Counter("".join(c for c in thread.name if not c.isdigit()) for thread in threading.enumerate()
+                    if thread.name.startswith("cascade-"))
     links = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # one closed meanwhile
