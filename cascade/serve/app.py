@@ -141,6 +141,7 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
     loaded = _Loaded()
 
     def serving(cascade: Cascade, version: Version | None) -> Serving:
+        auditor = None
         try:
             if config.engine.forward_auth and not isinstance(cascade.tiers[-1], UpstreamTier):
                 raise CascadeError("forwarded auth sends callers' keys to an upstream teacher, and this "
@@ -149,6 +150,8 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
             auditor = config.audit(cascade) if config.audit is not None else None
             engine = Engine(cascade, config.engine, auditor, config.ledger, config.escalations)
         except BaseException:
+            if auditor is not None:  # its watch's thread and its store, which no engine will close
+                auditor.close()
             cascade.close()
             raise
         return Serving(engine, QuestionIndex(cascade.questions), version)
