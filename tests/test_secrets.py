@@ -397,4 +397,44 @@ def test_the_collector_queue_is_bounded_by_bytes(tmp_path: Path, caplog: pytest.
     assert sorted(survivals.values())[:2] == pytest.approx([4 / 9, 4 / 9 if "r5" not in survivals else 2 / 3])
     said = [r.getMessage() for r in caplog.records if "queue is full" in r.getMessage()]
     assert len(said) == 1 and "counted as dropped" in said[0]
+
+
+def test_a_collector_stopping_on_a_store_that_stalls_returns_after_its_drain(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another writer holds the store's lock (for real) while the server stops: ``close`` gives
+    the writer its drain, then returns, the items still queued counted as dropped and said; the
+    write under way lands once the lock is freed."""
+    import sqlite3
+
+    store = tmp_path / "traffic.sqlite"
+    questions = parse_request({"state": STATE, "questions": {"urgent": URGENT}}).questions
+
+    def item(k: int, inclusion: float) -> CollectedItem:
+        return collected_item(f"r{k}", questions, f"{STATE} {k}", {"urgent": np.array([0.7, 0.3])},
+                              EndpointIdentity(model="m1"), 0.0, inclusion)
+
+    sink = StoreTraffic(store)
+    sink.append(item(0, 1.0))
+    blocker = sqlite3.connect(store, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # the store's writer now waits for this lock
+    collector = Collector(sink)
+    try:
+        with caplog.at_level(logging.WARNING, logger="cascade.collect"):
+            for k in range(1, 4):
+                collector.offer(functools.partial(item, k))
+            until(lambda: len(collector._queue) == 2, "the writer waiting on r1")
+            stopping = threading.Thread(target=collector.close, args=(0.2,))
+            stopping.start()
+            stopping.join(60)
+            returned = not stopping.is_alive()
+            counts = dict(collector.counts)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert returned and counts["dropped"] == 2 and counts["collected"] == 0  # r1 was being written
+    until(lambda: collector.counts["collected"] == 1, "the write under way, once the lock is freed")
+    sink.close()
+    assert [i.request_id for i in collected(store)] == ["r0", "r1"]
+    said = [r.getMessage() for r in caplog.records if "left unwritten" in r.getMessage()]
+    assert said == ["collect: 2 items left unwritten: the store took none of them within 0.2 s of stopping"]
     assert (size_of(b"abc"), size_of("\u00e9"), size_of({"a": 1})) == (3, 2, len('{"a": 1}'))

@@ -39,6 +39,8 @@ QUEUE_SIZE = 1024
 """Items waiting for the writer at most: past it one is dropped at random (and counted), never waited for."""
 QUEUE_BYTES = 64 * 1024 * 1024
 """Bytes the items waiting for the writer hold at most (their ``size``): past it, dropped alike."""
+DRAIN = 5.0
+"""Seconds a stopping collector gives its writer for what is queued, as the audits' (``WRITE_DRAIN``)."""
 
 
 class Requested(Protocol):
@@ -124,12 +126,21 @@ class Collector(Generic[T]):
                         "dropped in /metrics, until the store keeps up again",
                         self.what, len(self._queue), self._queue.size, self.max_queue_bytes, size)
 
-    def close(self) -> None:
-        """Write what is queued, then stop the thread."""
+    def close(self, drain: float = DRAIN) -> None:
+        """Write what is queued for up to ``drain`` seconds, then stop: a store that stalls (a
+        SQLite lock another writer holds, a PostgreSQL server that stopped answering) never holds
+        up a server's shutdown. What is left is counted as dropped, and said in one line."""
         with self._ready:
             self._closing = True
             self._ready.notify()
-        self._thread.join()
+        self._thread.join(drain)
+        left = len(self._queue.clear())
+        if left:
+            with self._lock:
+                self.held -= left
+                self.counts["dropped"] += left
+            log.warning("%s: %d items left unwritten: the store took none of them within %g s of "
+                        "stopping", self.what, left, drain)
 
     def _chosen(self, key: str) -> bool:
         if self.share >= 1:
