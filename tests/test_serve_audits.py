@@ -26,6 +26,8 @@ from servers import KEPT, running, serving_bundle, teacher_server, until, upstre
 
 from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord, SystemAnswer
+from cascade.audit.stream import StreamFollower
+from cascade.audit.watch import DriftWatch
 from cascade.bundle.manifest import Bundle
 from cascade.collect.escalation import EscalationRecord
 from cascade.collect.record import collected_item
@@ -179,6 +181,36 @@ def test_the_store_keeps_the_inclusion_of_each_escalation_and_collected_request(
     finally:
         sink.close()
     assert [item.inclusion for item in collected(traffic)] == [0.5, None]
+
+
+def test_a_watch_whose_read_stalls_on_the_store_stops_within_its_wait(postgres_url: str) -> None:
+    """Another session holds an exclusive lock on the audits (for real, on PostgreSQL): the
+    follower's read waits for it. Closing the follower (a swap retiring its bundle, a shutdown)
+    returns after its wait instead of with the lock, and so does closing its store (which the read
+    holds): the read closes the connection as it ends."""
+    import psycopg
+
+    teacher = Teacher(kind="gguf", model="m.gguf", model_sha256="0" * 64, prompt_version="v1")
+    sink = StoreSink(postgres_url, teacher)
+    sink(AuditRecord(item_id="audit:r:1", state="s", calibration_version="v", at=1.0,
+                     teacher={"team": {"billing": 1.0}}))
+    follower = StreamFollower(DriftWatch(["team"], 0.9, 0.05, "v"), sink, lambda qid: None)
+    assert follower.catch_up() == 1
+    waiting = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND state = 'active' "
+               "AND query LIKE '%FROM audits%'")
+    with psycopg.connect(postgres_url) as locker, psycopg.connect(postgres_url, autocommit=True) as seer:
+        locker.execute("LOCK TABLE audits IN ACCESS EXCLUSIVE MODE")
+        follower.follow(0.05)  # each statement of ``seer`` reads the activity afresh
+        until(lambda: seer.execute(waiting).fetchone() == (1,), "the follower's read waiting on the lock")
+        returned = []
+        for close in (follower.close, sink.shared.close):  # as Auditor.close: the watch, then the store
+            closing = threading.Thread(target=close, args=(0.2,))
+            closing.start()
+            closing.join(60)
+            returned.append(not closing.is_alive())
+        locker.rollback()
+    assert returned == [True, True]
+    until(lambda: sink.shared._store is None, "the read, once freed, closing the connection")
 
 
 def test_a_store_made_before_the_design_columns_reads_them_as_unknown_and_gains_them_when_written(

@@ -27,6 +27,9 @@ from cascade.audit.record import AuditRecord
 from cascade.audit.watch import DriftWatch
 
 log = logging.getLogger("cascade.audit")
+CLOSE_WAIT = 5.0
+"""Seconds ``StreamFollower.close`` waits for a read under way before it leaves the read to end on
+its own: a store that stalls never holds up a swap's retirement or a server's shutdown."""
 
 
 class AuditStream(Protocol):
@@ -92,8 +95,13 @@ class StreamFollower:
         self._thread = threading.Thread(target=run, name="cascade-audit-stream", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, wait: float = CLOSE_WAIT) -> None:
+        """Stop following: the thread ends at once, or after the read under way, waited for at
+        most ``wait`` seconds (past it, the thread ends when its read does, and is said)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(wait)
+            if self._thread.is_alive():
+                log.warning("audit stream: a read of the store is still under way after %g s; the watch "
+                            "stops without it (the read ends on its own)", wait)
             self._thread = None

@@ -91,8 +91,9 @@ class EngineSettings:
     """``batch``: route the requests waiting at the encoder together (False: one at a time).
     ``max_batch``: most requests in one encoder batch. ``max_wait``: the expected wait past which
     the top tier's queue refuses a job. ``overload``: what a refused job gets (see the module).
-    ``audit_queue``: most audits waiting for the top tier; past it one is dropped at random (and
-    counted). ``audit_in_flight``: most audits at an upstream teacher at once.
+    ``audit_queue``: most audits waiting for the top tier, and for the store (there at least
+    ``max_batch``); past it one is dropped at random (and counted). ``audit_in_flight``: most
+    audits at an upstream teacher at once.
     ``forward_auth``: callers' keys are the upstream's to check (see the module).
     ``lower_queue``: most requests waiting at a tier below the top; past it 503 with Retry-After
     (the top tier's queue is bounded by its expected wait instead)."""
@@ -176,7 +177,9 @@ class Engine:
         self._gate = threading.Lock()
         self._sampling = threading.Lock()
         self._retired = False
-        self.writes: DeferralQueue[_Audit] = DeferralQueue(self.settings.audit_queue)
+        # at least a batch: the teacher's answers to a whole batch are handed over at once
+        self.writes: DeferralQueue[_Audit] = DeferralQueue(max(self.settings.audit_queue,
+                                                               self.settings.max_batch))
         self.writer = AuditPool("store", self.writes, self._write, 1)  # no worker waits for the store
         self.workers: list[TierWorker[Job, _Audit] | PoolWorker[Job, _Audit]] = [
             TierWorker(tier.name, self._serving(t), self._batch_of(t))

@@ -233,10 +233,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_audit_arguments(p)
     p.add_argument("--audit-queue", type=whole_number(1), default=64, metavar="N",
                    help="most audits waiting for the teacher (default 64), and as many waiting for the "
-                   "store: a local teacher takes them only when no live request waits, an upstream one at "
-                   "its own pace (--audit-in-flight), and one thread of their own writes them, so no "
-                   "request waits for the store; past N one drawn at random is dropped, counted in "
-                   "/metrics, and each audited item is written with its inclusion probability")
+                   "store (at least --max-batch, a batch's worth): a local teacher takes them only when "
+                   "no live request waits, an upstream one at its own pace (--audit-in-flight), and one "
+                   "thread of their own writes them, so no request waits for the store; past N one "
+                   "drawn at random is dropped, counted in /metrics, and each audited item is written "
+                   "with its inclusion probability")
     p.add_argument("--audit-in-flight", type=whole_number(1), default=4, metavar="N",
                    help="most audits at an upstream teacher at once (default 4), on the upstream's capacity "
                    "and never behind local requests; they pause only while it answers 429 or 503, for "
