@@ -31,7 +31,7 @@ class Deferred(Generic[A]):
     """An item taken from the queue, with the probability it survived the queue's random drops and
     the size it was put with."""
 
-    audit: A
+    item: A
     survival: float
     size: int = 0
 
@@ -55,23 +55,23 @@ class DeferralQueue(Generic[A]):
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def put(self, audit: A, size: int = 0) -> list[A]:
-        """Defer ``audit`` (holding ``size``); the items dropped to make room (``audit`` itself,
+    def put(self, item: A, size: int = 0) -> list[A]:
+        """Defer ``item`` (holding ``size``); the items dropped to make room (``item`` itself,
         waiting ones, or none)."""
         with self._lock:
             if size > self.max_size:
-                return [audit]
+                return [item]
             came, dropped = self._spared, list[A]()  # the newcomer is in every draw it makes
             while len(self._waiting) >= self.limit or self.size + size > self.max_size:
                 n = len(self._waiting)
                 self._spared += math.log(n / (n + 1))
                 drop = self._rng.randrange(n + 1)
                 if drop == n:
-                    return [*dropped, audit]
+                    return [*dropped, item]
                 dropped.append(self._waiting[drop][0])
                 self.size -= self._waiting[drop][3]
                 del self._waiting[drop]
-            self._waiting.append((audit, came, 1.0, size))
+            self._waiting.append((item, came, 1.0, size))
             self.size += size
             return dropped
 
@@ -80,22 +80,22 @@ class DeferralQueue(Generic[A]):
         with self._lock:
             if not self._waiting:
                 return None
-            audit, came, before, size = self._waiting.popleft()
+            item, came, before, size = self._waiting.popleft()
             self.size -= size
-            return Deferred(audit, before * math.exp(self._spared - came), size)
+            return Deferred(item, before * math.exp(self._spared - came), size)
 
     def put_back(self, deferred: Deferred[A]) -> None:
         """Return an item taken but not done (its upstream asked to wait) to the head of the
         queue, past the limits if need be; it keeps the probability it had survived with, and is
         drawn from again like any waiting item."""
         with self._lock:
-            self._waiting.appendleft((deferred.audit, self._spared, deferred.survival, deferred.size))
+            self._waiting.appendleft((deferred.item, self._spared, deferred.survival, deferred.size))
             self.size += deferred.size
 
     def clear(self) -> list[A]:
         """Every waiting item, removed (left undone when the taker stops)."""
         with self._lock:
-            left = [audit for audit, _, _, _ in self._waiting]
+            left = [item for item, _, _, _ in self._waiting]
             self._waiting.clear()
             self.size = 0
             return left

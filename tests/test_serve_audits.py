@@ -90,7 +90,7 @@ def test_a_queue_bounded_by_size_draws_until_what_waits_fits_and_still_weighs_up
             several += len(dropped) > 1
             assert queue.size <= 20 and queue.size == sum(s for *_, s in queue._waiting)
             if n % 4 == 0 and (deferred := queue.take()) is not None:
-                assert deferred.size == sizes[deferred.audit]
+                assert deferred.size == sizes[deferred.item]
                 weight += 1 / deferred.survival
                 weighed_bytes += deferred.size / deferred.survival
         while (deferred := queue.take()) is not None:
@@ -111,9 +111,9 @@ def test_a_stopping_store_thread_writes_what_waits_unless_a_write_outlasts_the_d
 
     def write(deferred: Deferred[int]) -> None:
         writing.set()
-        if deferred.audit == 0 and not freed.is_set():
+        if deferred.item == 0 and not freed.is_set():
             freed.wait(60)  # a store that stalls until the test frees it
-        done.append(deferred.audit)
+        done.append(deferred.item)
 
     for stalled in (False, True):
         done.clear()

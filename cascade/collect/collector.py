@@ -161,7 +161,7 @@ class Collector(Generic[T]):
 
     def _write(self) -> None:
         while (queued := self._next()) is not None:
-            self._take(queued.audit, self.share * queued.survival)
+            self._take(queued.item, self.share * queued.survival)
 
     def _take(self, build: Build[T], inclusion: float) -> None:
         if self.stopped:

@@ -432,7 +432,7 @@ class Engine:
         answers, and leave the write to the store's thread. The seconds to pause where the
         upstream answered 429/503 (the audit is then put back, not counted), else None."""
         assert self.auditor is not None
-        audit, started = deferred.audit, time.perf_counter()
+        audit, started = deferred.item, time.perf_counter()
         try:
             if self.upstream is not None:
                 with self.upstream.on_behalf_of(audit.authorization):
@@ -475,7 +475,7 @@ class Engine:
         """On the store's thread: the record written (its inclusion: the share times its survival
         of both queues), and the drift watch told."""
         assert self.auditor is not None
-        audit = deferred.audit
+        audit = deferred.item
         try:
             record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
                                         audit.survival * deferred.survival, audit.routed, audit.answers)
