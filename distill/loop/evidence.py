@@ -101,8 +101,9 @@ class Evidence:
         for item in self.items:
             if item.id in wanted and item.inclusion is not None:
                 drawn.setdefault(item.origin, []).append(item.inclusion)
-        return {origin: {"items": sum(p < max(ps) for p in ps), "lowest": min(ps), "highest": max(ps)}
-                for origin, ps in drawn.items() if min(ps) < max(ps)}
+        spread = {origin: (min(ps), max(ps)) for origin, ps in drawn.items()}
+        return {origin: {"items": sum(p < top for p in drawn[origin]), "lowest": low, "highest": top}
+                for origin, (low, top) in spread.items() if low < top}
 
     def write(self, path: Path) -> Path:
         """The states as a JSONL corpus (``{"id", "text"}``), which training and calibration read."""
