@@ -38,6 +38,12 @@ class CascadeError(Exception):
     """Base of every error this package raises for a user to fix."""
 
 
+class StoreUnavailable(CascadeError):
+    """A store that cannot be reached now (a database server restarting, a session it ended, a
+    lock held past the wait): what was being written is whole and may be written again, since the
+    store's writes are idempotent. A writer keeps it and retries; nothing about the item is wrong."""
+
+
 class RequestError(CascadeError, ValueError):
     """A decision request is malformed; the message starts with the field path."""
 

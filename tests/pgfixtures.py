@@ -34,6 +34,20 @@ def postgres_server() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture
+def halting_postgres() -> Iterator[pgserver.Server]:
+    """A PostgreSQL server of this test's own, which it may halt and resume (CI's shared one must
+    stay up); its ``url`` is the ``postgres`` database's."""
+    try:
+        server = pgserver.start(Path(tempfile.mkdtemp(prefix="cascade-pg-halting-")))
+    except pgserver.NoServer as exc:
+        pytest.skip(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def with_database(url: str, name: str) -> str:
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))

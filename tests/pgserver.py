@@ -64,9 +64,19 @@ class Server:
 
     directory: Path
     url: str
+    port: int
 
     def stop(self) -> None:
         stop(self.directory)
+
+    def halt(self) -> None:
+        """Stop the server as an operator or a failover does (fast shutdown: every session ended),
+        keeping its cluster for ``resume``."""
+        _pg_ctl(self.directory, "-m", "fast", "-w", "stop")
+
+    def resume(self) -> None:
+        """Start a halted server again, on the same port."""
+        _launch(self.directory, self.port)
 
 
 def start(directory: Path) -> Server:
@@ -89,13 +99,22 @@ def start(directory: Path) -> Server:
     _run([*run_as, str(bindir / "initdb"), "-D", str(cluster), "-U", USER, f"--pwfile={directory / 'pw'}",
           "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync"])
     (directory / "pw").unlink()
-    options = (f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={directory} "
-               "-c max_connections=200")
-    _run([*run_as, str(bindir / "pg_ctl"), "-D", str(cluster), "-l", str(directory / "server.log"),
-          "-o", options, "-w", "-t", "60", "start"])
+    _launch(directory, port)
     url = f"postgresql://{USER}:{password}@127.0.0.1:{port}/postgres"
     (directory / "url").write_text(url)
-    return Server(directory, url)
+    return Server(directory, url, port)
+
+
+def _launch(directory: Path, port: int) -> None:
+    options = (f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={directory} "
+               "-c max_connections=200")
+    _pg_ctl(directory, "-l", str(directory / "server.log"), "-o", options, "-w", "-t", "60", "start")
+
+
+def _pg_ctl(directory: Path, *arguments: str) -> None:
+    bindir = binaries()
+    assert bindir is not None
+    _run([*_runner(), str(bindir / "pg_ctl"), "-D", str(directory / "cluster"), *arguments])
 
 
 def stop(directory: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pgserver
 import pytest
 from corpora import QUESTIONS_JSON, corpus_items
 from servers import KEPT, running, serving_bundle, teacher_server, until, upstream
@@ -44,7 +45,7 @@ from distill.loop.collected import StoreTraffic, collected
 from distill.store import LabelStore
 from distill.store.records import Teacher
 
-pytest_plugins = ("pgfixtures",)  # place: the store test on both backends
+pytest_plugins = ("pgfixtures",)  # place: the store test on both backends; halting_postgres
 OUTCOMES = ("audited", "dropped", "failed", "unreadable")
 
 
@@ -257,7 +258,7 @@ def gemma_server(gemma_path: Path) -> Iterator[Any]:
         yield server
 
 
-def auditing(store: Path, sinks: list[StoreSink]) -> Callable[[Cascade], Auditor | None]:
+def auditing(store: Path | str, sinks: list[StoreSink]) -> Callable[[Cascade], Auditor | None]:
     """The server's audit hook: every answered request chosen (share 1), the alarm only reported
     (so that every request keeps its route), the records in ``store``."""
     def audit(cascade: Cascade) -> Auditor | None:
@@ -363,7 +364,8 @@ def test_with_a_local_teacher_an_audit_of_an_item_it_answered_never_waits_for_it
     and every record carries inclusion 1 (the share asked for)."""
     n, every = 12, young_copy(bundle_dir, tmp_path / "young")
     load = lambda: Cascade.load(tmp_path / "young", teacher=gemma_path, threads=2)  # noqa: E731
-    seen = audited_burst(load, EngineSettings(audit_queue=1), tmp_path / "labels.sqlite", n, every)
+    patient = EngineSettings(audit_queue=1, max_wait=600)  # every request admitted, on a loaded machine too
+    seen = audited_burst(load, patient, tmp_path / "labels.sqlite", n, every)
     assert seen['cascade_audits_total{outcome="audited"}'] == n == seen["cascade_audits_answered_above_total"]
     assert seen['cascade_audits_dropped_total{reason="queue_full"}'] == 0
     records = stored_audits(tmp_path / "labels.sqlite")
@@ -402,6 +404,35 @@ def test_a_store_that_stalls_holds_up_no_request_and_its_audits_are_written_once
     assert len(stored_audits(store)) == n + 1
 
 
+def test_audits_made_while_the_postgresql_store_is_down_are_written_once_it_is_back(
+        bundle_dir: Path, gemma_path: Path, tmp_path: Path, halting_postgres: pgserver.Server) -> None:
+    """The store's PostgreSQL server halts (every session ended, new ones refused) while requests
+    keep coming, then starts again: every request is answered meanwhile, ``/metrics`` says how long
+    the store has been down, and every audit is written once the store answers, none failed or
+    lost. (Before, each audit the store could not take was counted failed and lost.)"""
+    n, every = 4, young_copy(bundle_dir, tmp_path / "young")
+    url, sinks = halting_postgres.url, list[StoreSink]()
+    load = lambda: Cascade.load(tmp_path / "young", teacher=gemma_path, threads=2)  # noqa: E731
+    with running(load, ServeConfig(audit=auditing(url, sinks))) as base:
+        assert burst(base, 1, clients=1, questions=every) == [200]
+        until(settled(base, 1), "the first audit written", 600)
+        halting_postgres.halt()
+        try:
+            statuses = [burst(base, 1, clients=1, questions=every)[0] for _ in range(n)]
+            until(lambda: metrics(base)["cascade_store_unavailable_seconds"] > 0, "/metrics saying so")
+        finally:
+            halting_postgres.resume()
+        until(settled(base, n + 1), "every audit has an outcome", 600)
+        seen = metrics(base)
+    assert seen["cascade_store_unavailable_seconds"] == 0
+    for sink in sinks:
+        sink.close()
+    assert statuses == [200] * n
+    assert seen['cascade_audits_total{outcome="audited"}'] == n + 1
+    assert seen.get('cascade_audits_total{outcome="failed"}', 0.0) == 0
+    assert len(stored_audits(url)) == n + 1
+
+
 def test_audits_an_upstream_refuses_with_503_wait_its_retry_after_and_are_none_of_them_lost(
         bundle_dir: Path, gemma_path: Path, tmp_path: Path) -> None:
     """A teacher server that admits a request only while nothing waits (``--max-wait 0.01``),
@@ -429,7 +460,8 @@ def test_with_a_local_teacher_audits_wait_for_live_requests_and_the_overflow_is_
     probability, the share times its survival of the random drops."""
     n = 12
     load = lambda: Cascade.load(bundle_dir, teacher=gemma_path, threads=2)  # noqa: E731
-    seen = audited_burst(load, EngineSettings(audit_queue=1), tmp_path / "labels.sqlite", n)
+    patient = EngineSettings(audit_queue=1, max_wait=600)  # every request admitted, on a loaded machine too
+    seen = audited_burst(load, patient, tmp_path / "labels.sqlite", n)
     audited = seen['cascade_audits_total{outcome="audited"}']
     dropped = seen['cascade_audits_dropped_total{reason="queue_full"}']
     assert dropped >= 1 and seen['cascade_audits_total{outcome="dropped"}'] == dropped

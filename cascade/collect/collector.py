@@ -15,9 +15,11 @@ newcomer by rule: the items a slow store loses are then a random draw, and each 
 its inclusion probability (``share`` times its survival of the queue), which ``build`` is given
 to record with it. Collected traffic and census escalations certify as uniform draws, and a queue
 that dropped the newcomer would have lost the busy periods' items, the hard ones. A drop is counted
-as ``dropped`` and said in one log line until the queue takes items again; a store that refuses an
-item (another teacher answered: the upstream's model changed) stops the collection with one alarm
-line, since every later item would be refused alike. The answer to the client never waits for, or
+as ``dropped`` and said in one log line until the queue takes items again. A store that cannot be
+reached now (``StoreUnavailable``: a database restarting) is waited out, the item written again
+after each of ``cascade.backoff``'s pauses while the queue holds what comes meanwhile; a store that
+refuses an item (another teacher answered: the upstream's model changed) stops the collection with
+one alarm line, since every later item would be refused alike. The answer to the client never waits for, or
 fails with, any of it.
 """
 
@@ -27,11 +29,13 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
+from cascade.backoff import Backoff
 from cascade.deferral import DeferralQueue, Deferred
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, StoreUnavailable
 from cascade.hashing import seeded_unit
 
 log = logging.getLogger("cascade.collect")
@@ -93,6 +97,8 @@ class Collector(Generic[T]):
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._closing = False
+        self._drain_until = 0.0
+        self.backoff = Backoff()  # the store's outage, while one lasts
         self._dropping = False  # said once per run of drops
         self._thread = threading.Thread(target=self._write, name=f"cascade-{what}", daemon=True)
         self._thread.start()
@@ -131,9 +137,11 @@ class Collector(Generic[T]):
         SQLite lock another writer holds, a PostgreSQL server that stopped answering) never holds
         up a server's shutdown. What is left is counted as dropped, and said in one line."""
         with self._ready:
-            self._closing = True
-            self._ready.notify()
+            self._closing, self._drain_until = True, time.monotonic() + drain
+            self._ready.notify_all()
         self._thread.join(drain)
+        with self._ready:  # a write waiting out an outage gives up now
+            self._ready.notify_all()
         left = len(self._queue.clear())
         if left:
             with self._lock:
@@ -179,19 +187,51 @@ class Collector(Generic[T]):
 
     def _store(self, item: T) -> None:
         try:
-            self.sink.append(item)
+            self._append(item)
+        except StoreUnavailable:  # still unavailable as the collector stopped: dropped, as what waits
+            self._undo("dropped")
+            return
         except CascadeError as exc:
             self.stopped = str(exc)
             log.error("ALARM %s stopped: %s; the server goes on answering, and collects nothing "
                       "more until it is restarted with a store of this teacher", self.what, exc)
             self._undo("failed")
             return
-        except Exception as exc:  # a store that is down for a while: this item is lost, said once
+        except Exception as exc:  # an item the store cannot take (not an outage): lost, said
             log.warning("%s: item of request %s not stored (%s: %s)", self.what, item.request_id,
                         type(exc).__name__, exc)
             self._undo("failed")
             return
         self._count("collected")
+
+    def _append(self, item: T) -> None:
+        """Write ``item``, waiting out a store that is unavailable (``StoreUnavailable``: the write
+        is tried again, whole, until it is taken or the collector stops past its drain), so that an
+        outage loses nothing while the queue holds what comes meanwhile."""
+        while True:
+            try:
+                self.sink.append(item)
+            except StoreUnavailable as exc:
+                if self._give_up():
+                    raise
+                wait = self.backoff.failed()
+                if wait == self.backoff.first:
+                    log.warning("%s: the store is unavailable (%s); the items wait and are written when "
+                                "it answers again, tried every %g s at most", self.what, exc,
+                                self.backoff.longest)
+                with self._ready:
+                    self._ready.wait_for(self._give_up, wait)
+                continue
+            down = self.backoff.succeeded()
+            if down is not None:
+                log.warning("%s: the store answers again after %.1f s; %d items wait", self.what, down,
+                            len(self._queue))
+            return
+
+    def _give_up(self) -> bool:
+        """Whether a write to an unavailable store stops being retried: the collector is stopping and
+        its drain is spent."""
+        return self._closing and time.monotonic() >= self._drain_until
 
     def _undo(self, reason: str) -> None:
         with self._lock:

@@ -8,8 +8,9 @@ put back at the head of the queue, and every audit thread pauses for its Retry-A
 gave none) before taking the next one.
 
 The engine runs one more pool, of one thread, as the store's writer: it takes the audits whose
-answers are in hand and writes them, so that no worker waits for the store; stopping, it is given
-a few seconds to write what waits (``stop``'s ``drain``).
+answers are in hand and writes them, so that no worker waits for the store; a store that cannot
+be reached pauses it the same way (``cascade.backoff``'s pauses), with the audit put back; stopping,
+it is given a few seconds to write what waits (``stop``'s ``drain``).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ Busy = Callable[[Deferred[A]], "float | None"]
 
 class AuditPool(Generic[A]):
     """``in_flight`` threads running ``run`` on the audits of ``deferred``, paused while the
-    upstream asks to wait."""
+    upstream asks to wait (each pause said with ``why``; None: ``run`` says it)."""
 
-    def __init__(self, name: str, deferred: DeferralQueue[A], run: Busy[A], in_flight: int) -> None:
+    def __init__(self, name: str, deferred: DeferralQueue[A], run: Busy[A], in_flight: int,
+                 why: str | None = "the upstream asked to wait (429/503)") -> None:
         if in_flight < 1:
             raise ValueError(f"audits in flight must be at least 1; got {in_flight!r}")
-        self.deferred, self.run = deferred, run
+        self.deferred, self.run, self.why = deferred, run, why
         self._resume_at = 0.0
         self._stopping = False
         self._drain_until = 0.0
@@ -78,9 +80,9 @@ class AuditPool(Generic[A]):
         with self._ready:
             resume = time.monotonic() + wait
             if resume > self._resume_at:
-                if self._resume_at <= time.monotonic():
-                    log.warning("audits paused for %g s: the upstream asked to wait (429/503); the "
-                                "audits waiting are kept, and resume after", wait)
+                if self._resume_at <= time.monotonic() and self.why is not None:
+                    log.warning("audits paused for %g s: %s; the audits waiting are kept, and resume "
+                                "after", wait, self.why)
                 self._resume_at = resume
             self._ready.notify_all()
 

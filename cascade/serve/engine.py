@@ -56,11 +56,12 @@ from typing import Literal
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor, Known
+from cascade.backoff import Backoff
 from cascade.collect.collector import Collector, size_of
 from cascade.collect.escalation import EscalationRecord
 from cascade.cost.upstream import UpstreamLedger
 from cascade.deferral import DeferralQueue, Deferred
-from cascade.errors import CascadeError, QueueFullError, ServiceError, TeacherChangedError
+from cascade.errors import CascadeError, QueueFullError, ServiceError, StoreUnavailable, TeacherChangedError
 from cascade.questions import Question, State
 from cascade.readout.prompts import read_chars
 from cascade.routing.budget import Budget, Run
@@ -180,7 +181,8 @@ class Engine:
         # at least a batch: the teacher's answers to a whole batch are handed over at once
         self.writes: DeferralQueue[_Audit] = DeferralQueue(max(self.settings.audit_queue,
                                                                self.settings.max_batch))
-        self.writer = AuditPool("store", self.writes, self._write, 1)  # no worker waits for the store
+        self.writer = AuditPool("store", self.writes, self._write, 1, why=None)  # no worker waits for it
+        self.store_down = Backoff()  # the audit store's outage, while one lasts (/metrics)
         self.workers: list[TierWorker[Job, _Audit] | PoolWorker[Job, _Audit]] = [
             TierWorker(tier.name, self._serving(t), self._batch_of(t))
             for t, tier in enumerate(cascade.tiers[:-1])]
@@ -471,18 +473,27 @@ class Engine:
         if all(d is not audit for d in dropped):
             self.writer.wake()
 
-    def _write(self, deferred: Deferred[_Audit]) -> None:
+    def _write(self, deferred: Deferred[_Audit]) -> float | None:
         """On the store's thread: the record written (its inclusion: the share times its survival
-        of both queues), and the drift watch told."""
+        of both queues), and the drift watch told. The seconds to pause where the store cannot be
+        reached now (the audit is put back and written once it answers), else None."""
         assert self.auditor is not None
         audit = deferred.item
         try:
             record = self.auditor.audit(audit.item, audit.response, audit.bundle_ids,
                                         audit.survival * deferred.survival, audit.routed, audit.answers)
+        except StoreUnavailable as exc:
+            if self.store_down.since is None:
+                log.warning("the audit store is unavailable (%s): audits wait, kept in their queue, and "
+                            "are written when it answers again", exc)
+            return self.store_down.failed()
         except Exception:  # an audit never fails a request; it is logged and counted
             self._failed(audit)
-            return
+            return None
+        if (down := self.store_down.succeeded()) is not None:
+            log.warning("the audit store answers again after %.1f s", down)
         self._counted("audited" if record is not None else "unreadable", audit.known)
+        return None
 
     def _failed(self, audit: _Audit) -> None:
         log.exception("audit of request %s failed", audit.item.id)

@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cascade.answers import DecisionResponse
 from cascade.audit.watch import DriftWatch
+from cascade.backoff import down_for
 from cascade.cost.upstream import Ledger
 from cascade.serve.totals import DROP_REASONS, Totals
 
@@ -147,11 +148,14 @@ class ServerMetrics:
                           "the upstream calls cost (spent), and what forwarding every request whole would "
                           "have (forwarded); saved is forwarded - spent", ["kind", "unit"],
                           registry=self.registry)
+        self.store_down = Gauge("cascade_store_unavailable_seconds", "Seconds the store has not answered "
+                                "a writer (audits, escalations kept), whose writes wait to be retried; 0 "
+                                "while it answers", registry=self.registry)
         self.kept = Total("cascade_escalations_kept", "Escalated requests since the server started, by "
                           "what keeping the teacher's answers made of them: collected, not_chosen (outside "
                           "--escalation-share), full (--escalation-max reached), dropped (the write queue "
-                          "was full: too many items, or too many bytes, waiting), unreadable, failed (the "
-                          "store refused or was down)",
+                          "was full: too many items, or too many bytes, waiting; or the store was still "
+                          "down when the server stopped), unreadable, failed (the store refused it)",
                           ["outcome"], registry=self.registry)
         self._given = self._escalated = 0
         self._engines: list[Totals] = []  # of every engine that served, retired ones too
@@ -191,6 +195,7 @@ class ServerMetrics:
             self.swaps.set(watch.failures, "failed")
         for outcome, n in (escalations.counts.items() if escalations is not None else ()):
             self.kept.set(n, outcome)
+        self.store_down.set(down_for(engine.store_down, escalations.backoff if escalations else None))
 
     def _audits(self) -> dict[str, int]:
         """The audits of every engine served, by outcome."""

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cascade.backoff import down_for
 from cascade.collect.collector import Collector
 from cascade.collect.record import CollectedItem, collected_item
 from cascade.cost.upstream import UpstreamLedger
@@ -90,8 +91,12 @@ class _ProxyMetrics:
         self.collect = Total("cascade_collect", "Forwarded requests by what collection made of them: "
                              "collected, not_chosen (outside --collect-share), full (--collect-max reached), "
                              "dropped (the writer's queue was full: too many requests, or too many bytes, "
-                             "waiting for the store), unreadable, failed", ["outcome"],
+                             "waiting for the store; or the store was still down when the server "
+                             "stopped), unreadable, failed (the store refused it)", ["outcome"],
                              registry=self.registry)
+        self.store_down = Gauge("cascade_store_unavailable_seconds", "Seconds the store has not answered "
+                                "the collector, whose writes wait to be retried; 0 while it answers",
+                                registry=self.registry)
 
 
 def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) -> FastAPI:
@@ -231,3 +236,4 @@ def _scraped(metrics: _ProxyMetrics, ledger: UpstreamLedger, admission: Admissio
     if collector is not None:
         for outcome, n in collector.counts.items():
             metrics.collect.set(n, outcome)
+        metrics.store_down.set(down_for(collector.backoff))

@@ -12,6 +12,7 @@ teacher); ``collected`` reads the raw items for any other reader (a retrain).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -23,7 +24,15 @@ from pathlib import Path
 from cascade.collect.record import CollectedItem
 from cascade.questions import Question
 from cascade.serve.matching import content_key
-from distill.store import LabelStore, StoreLocation, StoreMismatchError, Teacher, store_exists, store_location
+from distill.store import (
+    LabelStore,
+    StoreLocation,
+    StoreMismatchError,
+    StoreUnavailableError,
+    Teacher,
+    store_exists,
+    store_location,
+)
 
 DEFAULT_MIN_COUNT = 50
 """Asked fewer times than this, a question gets no head: too few labels to learn or certify from."""
@@ -34,7 +43,8 @@ class StoreTraffic:
     opened at the first item, bound to the teacher that item's answer named (an existing store
     must hold that teacher's labels). An item from another teacher raises
     ``StoreMismatchError``: the collector then stops, since a store never mixes two teachers'
-    answers."""
+    answers. A store that cannot be reached now is let go, and the collector's retry opens it
+    again."""
 
     def __init__(self, path: StoreLocation | str) -> None:
         self.path = store_location(path)
@@ -51,7 +61,13 @@ class StoreTraffic:
                     f"the upstream now answers as {item.identity.describe()}, and the store {self.path} "
                     f"holds the answers of {self._store.teacher.model!r} ({self._store.teacher.identity}); "
                     "a store never mixes two teachers")
-            self._store.put_traffic(item)
+            try:
+                self._store.put_traffic(item)
+            except StoreUnavailableError:  # the connection may be gone: the next try opens anew
+                with contextlib.suppress(Exception):
+                    self._store.close()
+                self._store = None
+                raise
 
     def count(self) -> int:
         if not store_exists(self.path):

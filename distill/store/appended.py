@@ -28,7 +28,9 @@ class AppendedTable:
 
     def append(self, db: Backend, values: Sequence[Any], made: bool) -> None:
         """One row of ``values`` (in column order, the added ones last) as the next number;
-        ``made``: the table is known to exist already, with every column."""
+        ``made``: the table is known to exist already, with every column. A row a unique column
+        already holds is left as it is: a write retried after its commit's answer was lost (a
+        connection that ended as it committed) is stored once."""
         if not made:
             body = ",\n".join(f"    {column} {kind}" for column, kind in self.columns + self.added)
             db.execute(f"CREATE TABLE IF NOT EXISTS {self.name} (\n    seq BIGINT PRIMARY KEY,\n{body}\n)")
@@ -39,7 +41,7 @@ class AppendedTable:
         names = ", ".join(column for column, _ in self.columns + self.added)
         marks = ", ".join("?" for _ in self.columns + self.added)
         db.execute(f"INSERT INTO {self.name} (seq, {names}) SELECT COALESCE(MAX(seq), 0) + 1, {marks} "
-                   f"FROM {self.name}", tuple(values))
+                   f"FROM {self.name} WHERE TRUE ON CONFLICT DO NOTHING", tuple(values))
 
     def after(self, db: Backend, position: int, limit: int) -> list[tuple[Any, ...]]:
         """Up to ``limit`` rows past ``position``, in order, each (seq, *columns, *added; NULL for

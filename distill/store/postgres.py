@@ -18,7 +18,7 @@ from typing import Any
 
 from distill.store.backend import STORE_TABLES, Backend, foreign_tables
 from distill.store.location import StoreURL
-from distill.store.records import StoreError
+from distill.store.records import StoreError, StoreUnavailableError
 
 EXTRA = "pip install -e '.[postgres]'"
 CONNECT_TIMEOUT_S = 10
@@ -70,7 +70,7 @@ class PostgresBackend(Backend):
         try:
             self._conn = psycopg.connect(url.conninfo(), **options)
         except psycopg.Error as exc:
-            raise StoreError(_connect_failure(url, exc)) from None
+            raise _connect_failure(url, exc) from None
         self._owner = f"pg:{self._conn.info.backend_pid}:{uuid.uuid4().hex[:8]}"
         self._sql: dict[str, str] = {}
         if read_only:
@@ -152,8 +152,8 @@ class PostgresBackend(Backend):
             self._conn.close()
             raise
 
-    def _lost(self, exc: Exception) -> StoreError:
-        return StoreError(f"the PostgreSQL store {self.location} failed: "
+    def _lost(self, exc: Exception) -> StoreUnavailableError:
+        return StoreUnavailableError(f"the PostgreSQL store {self.location} failed: "
                           f"{self.location.scrub(_one_line(exc))}; what was committed is kept: run again "
                           "to resume")
 
@@ -161,20 +161,21 @@ class PostgresBackend(Backend):
         self._conn.close()
 
 
-def _connect_failure(url: StoreURL, exc: Exception) -> str:
-    """One line for a connection the server refused or never answered, with what to check."""
+def _connect_failure(url: StoreURL, exc: Exception) -> StoreError:
+    """One line for a connection the server refused or never answered, with what to check; only a
+    server that did not answer may answer later (``StoreUnavailableError``)."""
     text = url.scrub(_one_line(exc))
     if _REFUSED.search(text):
-        return (f"PostgreSQL refused the credentials for {url}: {_reason(text)}; check the user and "
-                "password in the URL (or PGPASSWORD, ~/.pgpass)")
+        return StoreError(f"PostgreSQL refused the credentials for {url}: {_reason(text)}; check the user "
+                          "and password in the URL (or PGPASSWORD, ~/.pgpass)")
     missing = _NO_DATABASE.search(text)
     if missing:
-        return (f"the PostgreSQL server has no database {missing.group(1)!r} for {url}: create it "
-                f"(createdb {missing.group(1)}) or fix the URL's path")
+        return StoreError(f"the PostgreSQL server has no database {missing.group(1)!r} for {url}: create it "
+                          f"(createdb {missing.group(1)}) or fix the URL's path")
     if "invalid" in text or "missing" in text:
-        return f"invalid store URL {url}: {_reason(text)}"
-    return (f"cannot reach the PostgreSQL store {url}: {_reason(text)}; check the host and port, and that "
-            "the server runs and accepts TCP connections")
+        return StoreError(f"invalid store URL {url}: {_reason(text)}")
+    return StoreUnavailableError(f"cannot reach the PostgreSQL store {url}: {_reason(text)}; check the host "
+                                 "and port, and that the server runs and accepts TCP connections")
 
 
 def _one_line(exc: Exception) -> str:

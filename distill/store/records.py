@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from cascade.checks import is_finite
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, StoreUnavailable
 from cascade.teachers.identity import EndpointIdentity
 
 SCHEMA_VERSION = 3
@@ -25,6 +25,10 @@ TEACHER_FIELDS = ("kind", "model", "model_sha256", "prompt_version", "identity")
 
 class StoreError(CascadeError, ValueError):
     """A label store cannot be opened or written, or labels given to it are invalid."""
+
+
+class StoreUnavailableError(StoreError, StoreUnavailable):
+    """The store cannot be reached now (``cascade.errors.StoreUnavailable``): try again later."""
 
 
 class StoreMismatchError(StoreError):

@@ -23,8 +23,10 @@ from typing import Any
 
 from cascade.private import private_file
 from distill.store.backend import Backend, foreign_tables
-from distill.store.records import SCHEMA_VERSION, StoreError
+from distill.store.records import SCHEMA_VERSION, StoreError, StoreUnavailableError
 
+BUSY_WAIT = 30.0
+"""Seconds a write waits for another writer's lock before the store counts as unavailable."""
 _TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS labels (
@@ -62,7 +64,7 @@ class SqliteBackend(Backend):
         try:
             if not read_only:
                 private_file(self.location)
-            self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0,
+            self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_WAIT,
                                          check_same_thread=not any_thread)
         except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"cannot open label store {path}: {exc}") from exc
@@ -85,7 +87,7 @@ class SqliteBackend(Backend):
         if not durable:
             self._conn.execute("PRAGMA synchronous=NORMAL")
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
+            self._begin()
             try:
                 yield
             except BaseException:
@@ -95,6 +97,17 @@ class SqliteBackend(Backend):
         finally:
             if not durable:
                 self._conn.execute("PRAGMA synchronous=FULL")
+
+    def _begin(self) -> None:
+        """Take the write lock; another writer holding it past the 30 s wait leaves the store
+        unavailable for now, not broken (the writer retries)."""
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            raise StoreUnavailableError(f"the label store {self.location} stayed locked by another writer "
+                                        f"for {BUSY_WAIT:g} s ({exc})") from None
 
     def serialise(self) -> None:
         """Nothing to do: BEGIN IMMEDIATE already admits one writer at a time."""
