@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
+import threading
 from contextlib import redirect_stdout
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import pgserver
 import pytest
 from corpora import HEADED, TEACHER, copy_bundle, corpus_items
+from servers import until
 
 from cascade.audit.record import AuditRecord
 from cascade.bundle.manifest import Bundle
@@ -26,6 +33,7 @@ from distill.loop.promote import promotions_log
 from distill.loop.watch import VERSION, LoopPaths, LoopState, Pending, loop_lock
 from distill.store import LabelStore
 
+pytest_plugins = ("pgfixtures",)  # halting_postgres
 TARGET = 0.85
 START = 1_800_000_000.0
 EVERY = 100
@@ -187,3 +195,38 @@ def test_a_second_loop_on_the_same_path_is_refused_with_one_line(
     assert len(err) == 1 and err[0].startswith("LoopBusyError: another `cascade loop` (pid ")
     assert f"holds {LoopPaths(link).lock}" in err[0]
     assert not LoopPaths(link).log.exists() and not LoopPaths(link).state.exists()
+
+
+def test_a_loop_rides_out_its_postgresql_store_restarting(
+        trained_bundle: Bundle, labelled: tuple[Path, Path], embedding_cache: Path, tmp_path: Path,
+        halting_postgres: pgserver.Server) -> None:
+    """`cascade loop` is a daemon: its store's PostgreSQL server halting (for real) is said in one
+    line, without the password, and looked at again at the next poll; once it is back the loop
+    counts again, still running. (Before, the first poll that met the outage ended the loop.)"""
+    copy_bundle(trained_bundle, tmp_path / "support-v1")
+    link, url = tmp_path / "support", halting_postgres.url
+    link.symlink_to("support-v1", target_is_directory=True)
+    with LabelStore(url, TEACHER) as writer:
+        for n, item in enumerate(corpus_items()[:40]):
+            writer.put_audit(audit("audit:r1", item, n))
+    command = [sys.executable, "-m", "distill.cli", "loop", "--bundle", str(link), "--store", url, "--corpus",
+               str(labelled[0]), "--every", str(EVERY), "--poll", "0.2", "--target-agreement", str(TARGET),
+               "--teacher-items", "0", "--cache-dir", str(embedding_cache)]
+    lines: list[str] = []
+    counted = lambda since: any("new teacher labels" in line for line in lines[since:])  # noqa: E731
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=os.environ | {"PYTHONUNBUFFERED": "1"}) as process:
+        assert process.stdout is not None
+        threading.Thread(target=lambda: lines.extend(process.stdout or ()), daemon=True).start()
+        try:
+            until(lambda: counted(0), "the loop counting the store's labels", 300)
+            halting_postgres.halt()
+            until(lambda: any("the store is unavailable" in line for line in lines), "the outage said")
+            halting_postgres.resume()
+            back = len(lines)
+            until(lambda: counted(back), "the loop counting again once the store is back")
+            assert process.poll() is None
+        finally:
+            process.terminate()
+    password = urlsplit(url).password
+    assert password and not any(password in line for line in lines)

@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from cascade.atomic import write_atomically
 from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, StoreUnavailable
 from cascade.serve.swap import resolve
 from distill.loop.promote import promote, promotions_log
 from distill.loop.retrain import retrain_bundle
@@ -172,17 +172,17 @@ class Loop:
     def _save(self) -> None:
         write_atomically(self.paths.state, self.state.model_dump_json(indent=2) + "\n")
 
-    def recover(self) -> Decision | None:
-        """Settle a candidate a killed loop left in the making: the gate's decision where it
-        logged one, else the folder removed unfinished (never promoted)."""
+    def recover(self, why: str = "the loop was stopped") -> Decision | None:
+        """Settle a candidate a killed loop (or a store outage: ``why``) left in the making: the
+        gate's decision where it logged one, else the folder removed unfinished (never promoted)."""
         pending = self.state.pending
         if pending is None:
             return None
         decided = self._decided(Path(pending.candidate))
         if decided is None and not self._serves(Path(pending.candidate)):
             _remove_unfinished(Path(pending.candidate))
-            decision = self._decision(pending, "discarded", "the loop was stopped while making this "
-                                      "candidate; it was removed unfinished and is made again when due")
+            decision = self._decision(pending, "discarded", f"{why} while making this candidate; it was "
+                                      "removed unfinished and is made again when due")
             self.state.pending = None
         else:
             promoted = decided is None or bool(decided.get("promoted"))
@@ -224,6 +224,8 @@ class Loop:
                            teacher_items=s.teacher_items)
             record = promote(self.paths.serving, candidate, store, run=s.run, encoder=s.encoder,
                              log=promotions_log(self.paths.serving))
+        except StoreUnavailable:  # not a decision: the attempt is settled and made again when it answers
+            raise
         except CascadeError as exc:
             return self._decision(pending, "failed", f"{type(exc).__name__}: {exc}")
         return self._decision(pending, "promoted" if record.promoted else "kept aside", record.reason)
@@ -280,11 +282,23 @@ def watch(serving: Path, store: StoreLocation | str, every: int, settings: Retra
         loop = Loop(serving, store, every, settings, say)
         decisions = [d for d in [loop.recover()] if d is not None]
         while True:
-            decision = loop.step()
+            decision = _step(loop, poll, once)
             decisions += [decision] if decision is not None else []
             if once:
                 return decisions
             time.sleep(poll)
+
+
+def _step(loop: Loop, poll: float, once: bool) -> Decision | None:
+    """One step; a store that cannot be reached now (a PostgreSQL server restarting) is said and
+    tried again at the next poll, an attempt it cut short settled as a killed loop's would be."""
+    try:
+        return loop.step()
+    except StoreUnavailable as exc:
+        if once:
+            raise
+        loop.say(f"the store is unavailable ({exc}); looking again in {poll:g} s")
+        return loop.recover("the store became unavailable")
 
 
 def _remove_unfinished(candidate: Path) -> None:
