@@ -44,11 +44,16 @@ def versions(trained_bundle: Bundle, gemma_path: Path, tmp_path_factory: pytest.
     """Two calibrations of one bundle, in folders side by side (as promotions leave them)."""
     root = tmp_path_factory.mktemp("promoted")
     first = serving_bundle(trained_bundle, root / "v1", gemma_path)
-    bundle = Bundle.load(first)
+    return first, recalibrated(first, root / "v2", 2)
+
+
+def recalibrated(source: Path, to: Path, day: int) -> Path:
+    """A copy of ``source`` whose calibration is another version (made on December ``day``)."""
+    bundle = Bundle.load(source)
     data = bundle.manifest.model_dump(mode="json")
-    data["calibration"]["calibrated_at"] = "2026-12-02T00:00:00Z"
-    Bundle(type(bundle.manifest).model_validate(data), first).save(root / "v2")
-    return first, root / "v2"
+    data["calibration"]["calibrated_at"] = f"2026-12-{day:02d}T00:00:00Z"
+    Bundle(type(bundle.manifest).model_validate(data), source).save(to)
+    return to
 
 
 def point(link: Path, target: Path) -> None:
@@ -217,8 +222,11 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
         versions: tuple[Path, Path], gemma_path: Path, tmp_path: Path) -> None:
     """A server lives through many promotions: each retired bundle's models, workers, audit
     threads and store connection are let go (the audit hook is the command's own), so that after
-    ten swaps one cascade lives and the store is held as after the first."""
+    ten swaps one cascade lives and the store is held as after the first; and ``/metrics`` keeps
+    the per-version series of the serving bundle and the three it replaced last, not of all six
+    versions it served."""
     first, second = versions
+    every = [first, second, *(recalibrated(first, first.parent / f"v{day}", day) for day in range(3, 7))]
     link, store = first.parent / "current-for-leaks", tmp_path / "audits.sqlite"
     point(link, first)
     loaded: list[weakref.ref[Cascade]] = []
@@ -235,7 +243,7 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
                                            engine=EngineSettings(max_wait=600.0)))
         with serving(app) as base, httpx.Client(timeout=120) as http:
             for swap in range(10):
-                target = (second, first)[swap % 2]
+                target = every[(swap + 1) % len(every)]
                 point(link, target)
                 until(lambda t=target: app.state.loaded.serving.version.directory == t.resolve(), "the swap")
                 assert http.post(f"{base}/v1/systemone", json=body).status_code == 200
@@ -245,6 +253,10 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
                       "the retired bundle's engine stopped")
                 gc.collect()
                 held.append((sum(ref() is not None for ref in loaded), *_held(store)))
+            scraped = http.get(f"{base}/metrics").text.splitlines()
     assert len(loaded) == 11 and [live for live, _, _ in held] == [1] * 10
+    shown = [line for line in scraped if line.startswith("cascade_bundle_info{")]
+    assert len(shown) == 4 and sum(line.endswith(" 1.0") for line in shown) == 1
+    assert len([line for line in scraped if line.startswith("cascade_version_requests_total{")]) == 4
     # the first swap's measure may come before SQLite opened its -wal file; from the second on
     assert all(h[1:] == held[1][1:] for h in held[1:]) and held[1][2] > 0

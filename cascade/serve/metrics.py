@@ -13,10 +13,13 @@ the server started: a swap keeps the server's metrics, and the engines' totals a
 retired engine's included (its last audits still count), from the first scrape that found it
 serving (so a bundle swapped out again before any scrape saw it is not counted). What is a state
 rather than a total stays a gauge (the queues, the drift alarm's items, its bound, the certificate).
+The series per bundle version are kept for the serving bundle and the few it replaced last
+(``RETIRED_SERIES``), so that a server promoted every hour does not grow its scrape for ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +41,10 @@ if TYPE_CHECKING:
     from cascade.serve.swap import BundleWatch, Version
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+RETIRED_SERIES = 3
+"""Replaced bundle versions whose series (``cascade_bundle_info`` at 0,
+``cascade_version_requests_total``) stay in the scrape: enough to see a swap and the requests the
+last bundles answered; each promotion would otherwise add two series for as long as the server runs."""
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -159,6 +166,7 @@ class ServerMetrics:
                           ["outcome"], registry=self.registry)
         self._given = self._escalated = 0
         self._engines: list[Totals] = []  # of every engine that served, retired ones too
+        self._versions: list[tuple[str, str, str]] = []  # whose series are shown, the serving one last
 
     def serving(self, engine: Engine, version: Version | None, replaced: Cascade | None = None) -> None:
         """A bundle's engine now serves new requests (in place of ``replaced``); its totals count
@@ -171,6 +179,20 @@ class ServerMetrics:
         if replaced is not None:
             self.bundle.labels(replaced.manifest.name, replaced.calibration_version,
                                replaced.manifest_sha256).set(0)
+        self._shown((cascade.manifest.name, cascade.calibration_version, sha))
+
+    def _shown(self, labels: tuple[str, str, str]) -> None:
+        """Keep the per-version series of the serving bundle and the ``RETIRED_SERIES`` last
+        replaced; older ones are removed (a bundle swapped back in gets them again)."""
+        if labels in self._versions:
+            self._versions.remove(labels)
+        self._versions.append(labels)
+        for name, calibration, sha in self._versions[:-RETIRED_SERIES - 1]:
+            with contextlib.suppress(KeyError):
+                self.bundle.remove(name, calibration, sha)
+            with contextlib.suppress(KeyError):
+                self.by_version.remove(name, calibration)
+        del self._versions[:-RETIRED_SERIES - 1]
 
     def scraped(self, engine: Engine, ledger: Ledger, watch: BundleWatch | None,
                 escalations: Collector[EscalationRecord] | None = None) -> None:
