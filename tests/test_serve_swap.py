@@ -11,7 +11,6 @@ a row leave one cascade alive, and no more store descriptors or threads than one
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
 import subprocess
@@ -221,8 +220,10 @@ def _held(store: Path) -> tuple[Counter[str], int]:
 def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
         versions: tuple[Path, Path], gemma_path: Path, tmp_path: Path) -> None:
     """A server lives through many promotions: each retired bundle's models, workers, audit
-    threads and store connection are let go (the audit hook is the command's own), so that after
-    ten swaps one cascade lives and the store is held as after the first; and ``/metrics`` keeps
+    threads and store connection are let go (the audit hook is the command's own), and collected by
+    the server itself once its engine stops (``cascade.serve.memory``: before, retired bundles
+    lived on in reference cycles until the collector happened to run), so that after each of ten
+    swaps one cascade lives and the store is held as after the first; and ``/metrics`` keeps
     the per-version series of the serving bundle and the three it replaced last, not of all six
     versions it served."""
     first, second = versions
@@ -251,7 +252,6 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
                       in http.get(f"{base}/metrics").text, "its audit written")
                 until(lambda: not any(t.name.startswith("cascade-retire") for t in threading.enumerate()),
                       "the retired bundle's engine stopped")
-                gc.collect()
                 held.append((sum(ref() is not None for ref in loaded), *_held(store)))
             scraped = http.get(f"{base}/metrics").text.splitlines()
     assert len(loaded) == 11 and [live for live, _, _ in held] == [1] * 10

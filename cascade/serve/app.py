@@ -45,6 +45,7 @@ from cascade.errors import CascadeError, InputTooLongError, RequestError, Servic
 from cascade.questions import DecisionRequest, load_json
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
+from cascade.serve import memory
 from cascade.serve.auth import BOTH_KEYS, check_caller, check_metrics, docs_routes
 from cascade.serve.edge import (
     DEFAULT_RECEIVE_TIMEOUT,
@@ -181,9 +182,10 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
                              "calibration_version": new.engine.cascade.calibration_version}))
         # the requests it took finish on it (none is refused), on a thread of its own, so that the
         # swap counts as taken now and the watch can take the next one meanwhile
-        retiring = threading.Thread(target=old.engine.retire, name="cascade-retire", daemon=True)
+        retiring = threading.Thread(target=memory.retire, args=([old.engine],), name="cascade-retire",
+                                    daemon=True)
         retiring.start()
-        loaded.retiring.append(retiring)
+        loaded.retiring = [*(t for t in loaded.retiring if t.is_alive()), retiring]
 
     def close() -> None:
         if loaded.watch is not None:
