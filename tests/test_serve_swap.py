@@ -11,6 +11,7 @@ a row leave one cascade alive, and no more store descriptors or threads than one
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pgserver
 import pytest
 from corpora import QUESTIONS_JSON, corpus_items
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +35,7 @@ from cascade.serve.app import BundleSource, ServeConfig, create_app
 from cascade.serve.engine import EngineSettings
 from distill.loop.auditing import StoreAudits, auditor_for
 
+pytest_plugins = ("pgfixtures",)  # halting_postgres
 STATE = corpus_items()[5].text
 CLIENTS, MOST = 4, 2500  # each client stops after MOST requests at the latest
 
@@ -260,3 +263,32 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
     assert len([line for line in scraped if line.startswith("cascade_version_requests_total{")]) == 4
     # the first swap's measure may come before SQLite opened its -wal file; from the second on
     assert all(h[1:] == held[1][1:] for h in held[1:]) and held[1][2] > 0
+
+
+def test_a_promotion_made_while_the_audit_store_is_down_is_taken_once_it_is_back(
+        versions: tuple[Path, Path], gemma_path: Path, halting_postgres: pgserver.Server,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The new bundle's drift watch must read the audits before it serves, and the store's
+    PostgreSQL server is halted (for real) as the promotion lands: the old bundle keeps serving,
+    the new one is not marked failed, and it is taken once the store answers. (Before, it was
+    marked failed and never tried again until the next promotion.)"""
+    first, second = versions
+    link = first.parent / "current-while-down"
+    point(link, first)
+    load = lambda directory: Cascade.load(directory, teacher=gemma_path, threads=1)  # noqa: E731
+    caplog.set_level(logging.WARNING, logger="cascade")
+    body = {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}}
+    with StoreAudits(halting_postgres.url, 1.0, "s", "alarm") as audits:
+        app = create_app(None, ServeConfig(bundle=BundleSource(link, load, interval=0.05), audit=audits))
+        with serving(app) as base, httpx.Client(timeout=120) as http:
+            halting_postgres.halt()
+            try:
+                point(link, second)
+                until(lambda: "waits for its audit store" in caplog.text, "the promotion waiting")
+                assert http.post(f"{base}/v1/systemone", json=body).status_code == 200
+                assert app.state.loaded.serving.version.directory == first.resolve()
+            finally:
+                halting_postgres.resume()
+            until(lambda: app.state.loaded.serving.version.directory == second.resolve(), "the swap", 300)
+            watch = app.state.loaded.watch
+            assert (watch.swaps, watch.failures) == (1, 0)

@@ -14,24 +14,31 @@ When it resolves to another folder, or the folder's ``manifest.json`` has anothe
 bundle recalibrated in place), the new bundle is loaded beside the one serving, then swapped in:
 new requests go to it, requests in flight finish on the old one, and none is refused. A bundle
 that fails to load is logged once and the old one keeps serving; it is tried again once ``PATH``
-changes again.
+changes again. One whose audit store cannot be reached now (a PostgreSQL server restarting: its
+drift watch must read the audits before it serves) has not failed: it is tried again at later
+looks, spaced by ``cascade.backoff``'s pauses up to ``STORE_WAIT``, until the store answers.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cascade.errors import CascadeError
+from cascade.backoff import Backoff
+from cascade.errors import CascadeError, StoreUnavailable
 from cascade.hashing import file_sha256
 
 log = logging.getLogger("cascade.serve")
 MANIFEST = "manifest.json"
 DEFAULT_INTERVAL = 2.0
 """Seconds between two looks at ``--bundle``: a promotion serves within this plus one load."""
+STORE_WAIT = 60.0
+"""Longest pause between two loads of a bundle waiting for its audit store (each load reads the
+models again, so the pauses grow)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,8 @@ class BundleWatch:
         self.path, self.current, self.swap, self.interval = Path(path), current, swap, interval
         self.failed: Version | None = None
         self.swaps = self.failures = 0
+        self._store_down = Backoff(max(interval, 1.0), STORE_WAIT)
+        self._retry_at = 0.0  # while a bundle waits for its audit store
         self._unreadable = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -108,14 +117,30 @@ class BundleWatch:
             self._unreadable = True
             return False
         self._unreadable = False
-        if version in (self.current, self.failed):
+        if version in (self.current, self.failed) or time.monotonic() < self._retry_at:
             return False
         try:
             self.swap(version)
+        except StoreUnavailable as exc:
+            self._waits(version, exc)
+            return False
         except Exception as exc:
             self.failed, self.failures = version, self.failures + 1
             log.error("bundle watch: the bundle at %s did not load (%s: %s); still serving %s",
                       version.directory, type(exc).__name__, exc, self.current.directory)
             return False
         self.current, self.failed, self.swaps = version, None, self.swaps + 1
+        self._store_down.succeeded()
+        self._retry_at = 0.0
         return True
+
+    def _waits(self, version: Version, exc: StoreUnavailable) -> None:
+        """``version`` could not start for want of its audit store: said once, tried again later."""
+        first = self._store_down.since is None
+        wait = self._store_down.failed()
+        self._retry_at = time.monotonic() + wait
+        if first:
+            when = (f"in {wait:g} s, then at pauses growing to {STORE_WAIT:g} s" if self.interval > 0
+                    else "at the next SIGHUP")
+            log.warning("bundle watch: the bundle at %s waits for its audit store (%s); still serving %s; "
+                        "tried again %s", version.directory, exc, self.current.directory, when)
