@@ -226,7 +226,8 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
     threads and store connection are let go (the audit hook is the command's own), and collected by
     the server itself once its engine stops (``cascade.serve.memory``: before, retired bundles
     lived on in reference cycles until the collector happened to run), so that after each of ten
-    swaps one cascade lives and the store is held as after the first; and ``/metrics`` keeps
+    swaps one cascade lives and the store is held as after the first; the server's metrics keep
+    the totals of the engines alive and one sum of those let go; and ``/metrics`` keeps
     the per-version series of the serving bundle and the three it replaced last, not of all six
     versions it served."""
     first, second = versions
@@ -257,7 +258,10 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
                       "the retired bundle's engine stopped")
                 held.append((sum(ref() is not None for ref in loaded), *_held(store)))
             scraped = http.get(f"{base}/metrics").text.splitlines()
+            tracked = len(app.state.loaded.metrics._engines)  # the rest folded into one total
     assert len(loaded) == 11 and [live for live, _, _ in held] == [1] * 10
+    assert tracked == 2  # the serving engine, and the one its swap retired (alive at that swap)
+    assert 'cascade_audits_total{outcome="audited"} 10.0' in scraped  # none lost in the folding
     shown = [line for line in scraped if line.startswith("cascade_bundle_info{")]
     assert len(shown) == 4 and sum(line.endswith(" 1.0") for line in shown) == 1
     assert len([line for line in scraped if line.startswith("cascade_version_requests_total{")]) == 4

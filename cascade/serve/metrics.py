@@ -20,6 +20,8 @@ The series per bundle version are kept for the serving bundle and the few it rep
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -165,13 +167,15 @@ class ServerMetrics:
                           "down when the server stopped), unreadable, failed (the store refused it)",
                           ["outcome"], registry=self.registry)
         self._given = self._escalated = 0
-        self._engines: list[Totals] = []  # of every engine that served, retired ones too
+        self._retired = Totals()  # of the engines retired and let go, folded at each swap
+        self._engines: list[tuple[weakref.ref[Engine], Totals]] = []  # of the engines alive
+        self._totals: list[Totals] = []  # both: what a scrape adds up (replaced whole, never changed)
         self._versions: list[tuple[str, str, str]] = []  # whose series are shown, the serving one last
 
     def serving(self, engine: Engine, version: Version | None, replaced: Cascade | None = None) -> None:
         """A bundle's engine now serves new requests (in place of ``replaced``); its totals count
         from now on, and on after it retires."""
-        self._engines.append(engine.totals)
+        self._fold((weakref.ref(engine), engine.totals))
         cascade = engine.cascade
         self.top_tier = cascade.tiers[-1].name
         sha = version.manifest_sha256 if version is not None else cascade.manifest_sha256
@@ -180,6 +184,14 @@ class ServerMetrics:
             self.bundle.labels(replaced.manifest.name, replaced.calibration_version,
                                replaced.manifest_sha256).set(0)
         self._shown((cascade.manifest.name, cascade.calibration_version, sha))
+
+    def _fold(self, serving: tuple[weakref.ref[Engine], Totals]) -> None:
+        """Fold the totals of the engines let go since (their counts no longer change) into one,
+        so that a server keeps one object per engine alive, not one per engine it ever ran."""
+        gone = [totals for ref, totals in self._engines if ref() is None]
+        self._retired = functools.reduce(Totals.plus, gone, self._retired)
+        self._engines = [(ref, totals) for ref, totals in self._engines if ref() is not None] + [serving]
+        self._totals = [self._retired, *(totals for _, totals in self._engines)]
 
     def _shown(self, labels: tuple[str, str, str]) -> None:
         """Keep the per-version series of the serving bundle and the ``RETIRED_SERIES`` last
@@ -203,7 +215,7 @@ class ServerMetrics:
         self.watched(self._audits(), auditor.watch if auditor is not None else None)
         self.sampled(auditor.sampler.share if auditor is not None else 0.0)
         self.void.set(float(engine.voided is not None))
-        self.abandoned.set(sum(totals.abandoned for totals in self._engines))
+        self.abandoned.set(sum(totals.abandoned for totals in self._totals))
         self.admitted.set(engine.admission.inside)
         for name, value in (("requests", ledger.requests), ("asked_questions", ledger.asked),
                             ("calls", ledger.calls), ("sent_questions", ledger.sent),
@@ -222,14 +234,14 @@ class ServerMetrics:
     def _audits(self) -> dict[str, int]:
         """The audits of every engine served, by outcome."""
         added: dict[str, int] = {}
-        for totals in self._engines:
+        for totals in self._totals:
             for outcome, n in list(totals.audits.items()):
                 added[outcome] = added.get(outcome, 0) + n
         return added
 
     def sampled(self, asked: float) -> None:
         """The audit sample's share asked for and realised, and what it was drawn from."""
-        engines = self._engines
+        engines = self._totals
         eligible = sum(totals.eligible for totals in engines)
         audited = sum(totals.audits["audited"] for totals in engines)
         self.audit_asked.set(asked)

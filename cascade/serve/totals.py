@@ -3,7 +3,7 @@ adding up an engine a swap retired (its last audits still running) without keepi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DROP_REASONS = ("queue_full", "store_behind", "stopped")
 
@@ -34,3 +34,15 @@ class Totals:
     def drop(self, reason: str, n: int = 1) -> None:
         self.audits["dropped"] += n
         self.dropped[reason] += n
+
+    def plus(self, other: Totals) -> Totals:
+        """A new total of both (a retired engine's folded into those before it)."""
+        return replace(self, audits=_added(self.audits, other.audits),
+                       dropped=_added(self.dropped, other.dropped), routed=_added(self.routed, other.routed),
+                       eligible=self.eligible + other.eligible, chosen=self.chosen + other.chosen,
+                       paused=self.paused + other.paused, abandoned=self.abandoned + other.abandoned,
+                       answered_above=self.answered_above + other.answered_above)
+
+
+def _added(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in a.keys() | b.keys()}
