@@ -214,8 +214,9 @@ class Collector(Generic[T]):
             except StoreUnavailable as exc:
                 if self._give_up():
                     raise
+                first = self.backoff.since is None
                 wait = self.backoff.failed()
-                if wait == self.backoff.first:
+                if first:
                     log.warning("%s: the store is unavailable (%s); the items wait and are written when "
                                 "it answers again, tried every %g s at most", self.what, exc,
                                 self.backoff.longest)
