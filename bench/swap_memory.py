@@ -37,7 +37,8 @@ def resident_mb() -> float:
 
 
 def recalibrated(source: Path, to: Path, day: int) -> Path:
-    """A copy of ``source`` whose calibration is another version."""
+    """A copy of ``source`` whose calibration is another version (made on December ``day``), as
+    promotions leave them; tests/test_serve_swap.py makes its versions with it too."""
     from cascade.bundle.manifest import Bundle
 
     bundle = Bundle.load(source)

@@ -29,6 +29,7 @@ from corpora import QUESTIONS_JSON, corpus_items
 from prometheus_client.parser import text_string_to_metric_families
 from servers import KEPT, free_port, serving, serving_bundle, until
 
+from bench.swap_memory import recalibrated
 from cascade.bundle.manifest import Bundle
 from cascade.routing.router import Cascade
 from cascade.serve.app import BundleSource, ServeConfig, create_app
@@ -47,15 +48,6 @@ def versions(trained_bundle: Bundle, gemma_path: Path, tmp_path_factory: pytest.
     root = tmp_path_factory.mktemp("promoted")
     first = serving_bundle(trained_bundle, root / "v1", gemma_path)
     return first, recalibrated(first, root / "v2", 2)
-
-
-def recalibrated(source: Path, to: Path, day: int) -> Path:
-    """A copy of ``source`` whose calibration is another version (made on December ``day``)."""
-    bundle = Bundle.load(source)
-    data = bundle.manifest.model_dump(mode="json")
-    data["calibration"]["calibrated_at"] = f"2026-12-{day:02d}T00:00:00Z"
-    Bundle(type(bundle.manifest).model_validate(data), source).save(to)
-    return to
 
 
 def point(link: Path, target: Path) -> None:
