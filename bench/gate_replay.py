@@ -10,24 +10,26 @@ least the target, chosen on the whole population) is the truth the gate should f
 
 Pairs (serving, candidate), by their training sets: the candidate trained on more items (better),
 on as many other items (about equal), or on fewer (worse); each pair's population gap is printed.
-Each run draws ``--certifying`` + ``--evaluation`` items from the population without replacement,
-certifies both bundles on the certifying ones at half the first attempt's delta, and applies
-``gate.compare`` to all of them, as ``distill.loop.promote`` does (``--evaluation 0``: the gate as
-it was, on the certifying items alone), by both rules on the same draw: the library's ("band":
-plug-in shares averaged over ``gate.band``) and the one before it ("plug-in": at the target
-alone). A promoted certificate fails where the cascade at its threshold agrees with the teacher on
-less than the target of the whole population (the items it keeps disagreeing, those it sends up
-answered by the teacher); the population share served after the gate is what the certified
-threshold of the bundle serving then keeps of the population.
+Each run draws ``--certifying`` + ``--evaluation`` items from the population without replacement
+and applies three gates to the same draw. The library's ("band", as ``distill.loop.promote`` runs
+it): both bundles certified on all the drawn items at half the first attempt's delta, and
+``gate.compare`` over ``gate.band``'s targets on the same items. The one before it ("band,
+certifying part"): certified on the certifying items alone, the rule weighing all. The one before
+that ("plug-in, certifying part"): the same at the target alone. ``--evaluation 0``: every gate
+on the certifying items alone. A promoted certificate fails where the cascade at its threshold
+agrees with the teacher on less than the target of the whole population (the items it keeps
+disagreeing, those it sends up answered by the teacher); the population share served after the
+gate is what the certified threshold of the bundle serving then keeps of the population.
 
 ``--chain``: two gates in a row on one growing holdout, as ``cascade loop`` runs them. Bundles A, B
 and C (CHAINS); gate 1 weighs B against A on the first draw; gate 2 weighs C against whichever
 serves then, on the same items and ``--fresh`` new ones of each part (the audits that arrived
-between). Gate 2's attempt is counted as ``distill.loop.promote`` counts it, restarting at a
-promotion ("reset": attempt 1 after a promotion, 2 after a refusal), or never restarting
-("global": always 2, every gate on the holdout budgeted together). Reported: how often the
-certificate serving after gate 2 fails, and how often either of the two served after the gates
-does: a promotion chose its bundle on items the next gate certifies on again.
+between); each gate certifies on every item it weighs, as the library does. Gate 2's attempt is
+counted as ``distill.loop.promote`` counts it, restarting at a promotion ("reset": attempt 1 after
+a promotion, 2 after a refusal), or never restarting ("global": always 2, every gate on the holdout
+budgeted together). Reported: how often the certificate serving after gate 2 fails, and how often
+either of the two served after the gates does: a promotion chose its bundle on items the next gate
+certifies on again.
 
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500 --evaluation 0
@@ -103,8 +105,10 @@ class Gated:
     thresholds: tuple[float | None, float | None]
 
 
-RULES = ("band", "plug-in")
-"""The library's rule (plug-in shares over ``gate.band``) and the one before it (at the target)."""
+RULES = ("band", "band, certifying part", "plug-in, certifying part")
+"""The library's rule (plug-in shares over ``gate.band``, both bundles certified on every item
+weighed), the one before it (certified on the certifying part alone) and the one before that (at
+the target alone)."""
 
 
 def gate(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: np.ndarray, weighed: np.ndarray,
@@ -129,7 +133,8 @@ def one_run(rng: np.random.Generator, pair: tuple[Bundle, Bundle], certifying: i
     drawn = rng.choice(len(pair[0].score), certifying + evaluation, replace=False)
     out = {}
     for rule in RULES:
-        one = gate(rng, pair, drawn[:certifying], drawn, 1, resamples, rule)
+        certified_on = drawn[:certifying] if rule.endswith("certifying part") else drawn
+        one = gate(rng, pair, certified_on, drawn, 1, resamples, rule.split(",")[0])
         chosen = pair[int(one.promoted)]
         threshold = one.thresholds[int(one.promoted)]
         out[rule] = (one.promoted, chosen.fails(threshold),
@@ -143,15 +148,14 @@ def chain_run(rng: np.random.Generator, bundles: tuple[Bundle, Bundle, Bundle], 
     served certificate fails)."""
     a, b, c = bundles
     drawn = rng.choice(len(a.score), certifying + evaluation + 2 * fresh, replace=False)
-    first, new = drawn[:certifying + evaluation], drawn[certifying + evaluation:]
-    one = gate(rng, (a, b), first[:certifying], first, 1, resamples)
+    first = drawn[:certifying + evaluation]
+    one = gate(rng, (a, b), first, first, 1, resamples)
     serving, threshold = (b, one.thresholds[1]) if one.promoted else (a, one.thresholds[0])
     fails_one = serving.fails(threshold)
-    certifying_two = np.concatenate([first[:certifying], new[:fresh]])
     out = {}
     for scheme in ("reset", "global"):
         attempt = 1 if scheme == "reset" and one.promoted else 2
-        two = gate(rng, (serving, c), certifying_two, np.concatenate([first, new]), attempt, resamples)
+        two = gate(rng, (serving, c), drawn, drawn, attempt, resamples)
         fails_two = c.fails(two.thresholds[1]) if two.promoted else fails_one
         out[scheme] = (two.promoted, fails_two, fails_one or fails_two)
     return out

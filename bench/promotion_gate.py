@@ -17,11 +17,12 @@ rules; for the bundle serving after each gate it checks the certified threshold 
 population curve (fails: agreement under the target) and records the population share that
 threshold keeps (served: 1 - threshold), the share users get. The certificates are the library's
 (``maths.threshold_for_agreement``), the rules the gate's. With ``--evaluation K``, each run draws
-K more items, an evaluation part that certifies nothing, and the rules marked "+ evaluation" weigh
-all n + K items, as ``distill.loop.promote`` weighs a retrained bundle's evaluation part beside its
-certifying items, with the certificates on the n items; "coverage" (``served_more``: measured,
-not the library's) promotes where the candidate's certificate keeps more of the K items than the
-serving bundle's.
+K more items, an evaluation part, and the rules marked "+ evaluation" weigh all n + K items with
+the certificates on the n items (as ``distill.loop.promote`` did before 2026-12-07); "band, all
+certify" is the library's gate now: both bundles certified on all n + K items (neither trained on
+either part), the band read up to what that certificate asks, the rule weighing the same items;
+"coverage" (``served_more``: measured, not the library's) promotes where the candidate's
+certificate keeps more of the K items than the serving bundle's.
 
     .venv/bin/python -m bench.promotion_gate --runs 1000
     .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 300 1000 --evaluation 1000
@@ -106,7 +107,22 @@ def one_run(rng: np.random.Generator, n: int, curves: tuple[Curve, Curve], args:
     if args.evaluation:
         evaluation = [(s[n:], t) for (s, _), t in zip(everything, new, strict=True)]
         out["coverage"] = after(curves, served_more(evaluation), new, args.target)
+        out["band, all certify"] = certified_on_all(rng, everything, curves, args, resamples)
     return out
+
+
+def certified_on_all(rng: np.random.Generator, everything: list[tuple[np.ndarray, np.ndarray]],
+                     curves: tuple[Curve, Curve], args: argparse.Namespace, resamples: int) -> Outcome:
+    """The library's gate: both bundles certified at the half level on all n + K items (the
+    certifying and the evaluation part, neither of which either bundle trained on), the band read
+    up to what that certificate asks of them, and the rule weighing the same items."""
+    level = certificate_delta(args.delta, 1)
+    thresholds = [threshold_for_agreement(s, c, args.target, level).threshold for s, c in everything]
+    items = np.arange(len(everything[0][0]))
+    serving, candidate = ([Question(items, s, c)] for s, c in everything)
+    promoted = compare(serving, candidate, len(items), band(args.target, len(items), level),
+                       resamples=resamples, seed=int(rng.integers(2 ** 31))).promotes
+    return after(curves, promoted, thresholds, args.target)
 
 
 def served_more(bundles: list[tuple[np.ndarray, float | None]], alpha: float = ALPHA) -> bool:

@@ -165,13 +165,15 @@ def test_a_candidate_that_keeps_clearly_more_is_promoted_with_the_gates_threshol
     assert 0 < gate.lower_bound <= gate.difference
     assert gate.items == len(retrained.lineage["certified_on"]) and set(gate.shares) == set(HEADED)
     evaluated = set(retrained.lineage["evaluated_on"]) - set(weak.split_ids()["train"])
-    assert gate.evaluated == len(evaluated) > 0, "the rule also weighs the evaluation part"
+    assert gate.evaluated == len(evaluated) > 0, "the evaluation part is weighed too"
+    assert gate.certified_on == "held-out"
     assert decision.reason.startswith(f"promoted: on the same {gate.items} certifying and {gate.evaluated} "
                                       "evaluation held-out items")
     level = certificate_delta(gate.delta, 1)
     assert gate.delta == retrained.bundle.manifest.calibration.delta and gate.certificate_delta == level
     promoted = Bundle.load(candidate).manifest.calibration  # served with the gate's thresholds
-    assert promoted.delta == level and promoted.items == gate.items and promoted.asked_delta == gate.delta
+    assert promoted.delta == level and promoted.asked_delta == gate.delta
+    assert promoted.items == gate.items + gate.evaluated, "certified on both held-out parts"
     assert {facts.delta for row in promoted.questions.values() for facts in row.values()} == {level}
     assert decision.candidate.calibration_version == Bundle.load(candidate).manifest.calibration.version()
     assert decision.candidate.calibration_version != retrained.bundle.manifest.calibration.version()
@@ -243,7 +245,7 @@ def test_a_serving_bundle_that_keeps_nothing_serves_the_gates_certificate_when_k
     assert (tmp_path / pointer.read_text(encoding="utf-8").strip()).resolve() == named
 
 
-def test_a_candidate_from_before_evaluation_ids_were_recorded_is_weighed_on_its_certifying_items(
+def test_a_candidate_from_before_evaluation_ids_were_recorded_is_gated_on_its_certifying_items(
         retrained: RetrainResult, weak: Bundle, served: Path, encoder: Encoder, embedding_cache: Path,
         tmp_path: Path) -> None:
     candidate = copied(retrained.bundle, tmp_path / "candidate")
@@ -256,8 +258,9 @@ def test_a_candidate_from_before_evaluation_ids_were_recorded_is_weighed_on_its_
     with LabelStore.open_existing(served) as store:
         newer = promote(copied(weak, tmp_path / "weak2"), copied(retrained.bundle, tmp_path / "candidate2"),
                         store, run=run(embedding_cache), encoder=encoder, log=tmp_path / "p2.jsonl").gate
-    assert older.evaluated == 0 < newer.evaluated
-    assert older.items == newer.items and older.candidate_share == newer.candidate_share  # same certificates
+    assert older.evaluated == 0 < newer.evaluated and older.items == newer.items
+    assert older.band is not None and newer.band is not None
+    assert older.band[-1] > newer.band[-1], "certified on more items, the band's top asks less of them"
     assert older.candidate_plugin != newer.candidate_plugin, "the rule's shares are over more items"
 
 
@@ -277,6 +280,9 @@ def test_a_candidate_that_certifies_less_is_kept_aside_with_the_reason(
     assert not decision["promoted"] and decision["reason"].startswith("kept aside:")
     assert decision["gate"]["rule"] == RULE and decision["gate"]["lower_bound"] < 0
     assert decision["gate"]["candidate_plugin"] < decision["gate"]["serving_plugin"]
+    gate = decision["gate"]
+    certified = f"certified on the {gate['items']} certifying and {gate['evaluated']} evaluation held-out"
+    assert certified in printed and gate["certified_on"] == "held-out"
     kept = json.loads((candidate / "promotion.json").read_text(encoding="utf-8"))
     assert kept["reason"] == decision["reason"]
     assert Bundle.load(serving.directory).manifest.name == trained_bundle.manifest.name  # untouched

@@ -22,16 +22,16 @@ KEPT_ASIDE = 1
 DESCRIPTION = """\
 Weigh a bundle made by `cascade retrain` (--candidate) against the serving one (--bundle) on the
 same evidence: the held-out items that certified the candidate and the uniform draws of its
-evaluation part, less any the serving bundle trained on. The rule: on all of them, the share of
+evaluation part, less any the serving bundle trained on: neither trained on them. Both are
+certified afresh on all of them, at half the delta this attempt may spend (the k-th attempt since
+the last promotion, counted from the log, spends delta x 6/(pi^2 k^2)), so the certificate of the
+one serving after the gate holds whichever is chosen. The rule: on the same items, the share of
 answers each bundle's cheap tiers keep with agreement at least a target (the plug-in share,
 averaged over the questions and over five targets from the candidate's up to the one its
-certificate effectively asks of the certifying items, about 0.99 on 800 of them at 0.98, since
-served thresholds sit there) is compared paired, item by item; the candidate replaces the
-serving bundle only if the 80% paired bootstrap lower bound on how much more it keeps is above 0
-(a tie never promotes). Both are certified afresh on the certifying items alone, at half the delta this
-attempt may spend (the k-th attempt since the last promotion, counted from the log, spends
-delta x 6/(pi^2 k^2)), so the certificate of the one serving after the gate holds whichever was
-chosen; a promoted candidate is served with those thresholds, its
+certificate effectively asks of these items, about 0.987 on 1,600 of them at 0.98, since served
+thresholds sit there) is compared paired, item by item; the candidate replaces the serving
+bundle only if the 80% paired bootstrap lower bound on how much more it keeps is above 0 (a tie
+never promotes). A promoted candidate is served with the thresholds the gate certified, its
 manifest's delta the level they were certified at. Kept aside, a serving bundle whose
 thresholds keep nothing (it certified nothing yet) is served with the ones the gate certified
 for it instead, from a copy beside the candidate (CANDIDATE.serving). Promoted, it is copied over
@@ -60,7 +60,7 @@ def _cmd_promote(args: argparse.Namespace) -> int:
           f"{gate.serving_plugin:.1%}, "
           f"candidate {gate.candidate_plugin:.1%}, difference {gate.difference:+.1%}, lower bound "
           f"{gate.lower_bound:+.1%} (promotes only above 0)")
-    print(f"certified on the {gate.items} certifying items at delta {gate.certificate_delta:.4g} each "
+    print(f"certified on the {gate.certified()} held-out items at delta {gate.certificate_delta:.4g} each "
           f"(delta {gate.delta} x 6/(pi^2 {gate.attempt}^2) / 2):")
     rows = [("question", "serving keeps", "candidate keeps")]
     rows += [(qid, f"{share['serving']:.1%}", f"{share['candidate']:.1%}")
