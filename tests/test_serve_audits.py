@@ -279,7 +279,10 @@ def burst(base: str, n: int, clients: int = 8, questions: tuple[str, ...] = (KEP
     def one(k: int) -> int:
         body = {"state": f"{texts[k % len(texts)]} (case {k})",
                 "questions": {qid: QUESTIONS_JSON[qid] for qid in questions}}
-        return httpx.post(f"{base}/v1/systemone", json=body, timeout=120).status_code
+        reply = httpx.post(f"{base}/v1/systemone", json=body, timeout=120)
+        if reply.status_code != 200:  # printed: pytest shows it beside a failed assertion
+            print(f"request {k}: {reply.status_code} {reply.text[:300]}")
+        return reply.status_code
     with ThreadPoolExecutor(clients) as pool:
         return list(pool.map(one, range(n)))
 
