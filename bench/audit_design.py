@@ -6,13 +6,20 @@ bench/promotion_gate.py), with a set so that the population share kept at the ta
 ``--population-share``: keeping s >= t agrees on 1 - a (1 - t)^3 / 3 of the population and keeps
 1 - t. The serving cascade escalates s < e (e: the escalation share), and with
 ``--escalation-share 1`` every escalation carries the teacher's answer. Each run routes
-N = calls / ``--audit-share`` items, so both designs make ``calls`` teacher calls in expectation:
+N = calls / ``--audit-share`` items, and the local ones are audited with probability
+p = q / (1 - e) (q = ``--audit-share``), so both designs make ``calls`` teacher calls in
+expectation. The server audits an item the teacher answered on every question with no teacher
+call (``cascade.audit.auditor``: it records the answers the request already got), so at the same
+calls its uniform audits draw every routed item with probability p too, on the same draws:
 
-- ``uniform`` (what ships): each item audited with probability q = ``--audit-share``; the
-  certificate is ``maths.threshold_for_agreement`` on the audited items alone.
+- ``uniform`` (what ships): each item audited with probability p, escalated ones at no call; the
+  certificate is ``maths.threshold_for_agreement`` on the audited items alone. With
+  ``--charge-escalated``, as this bench first measured it: audited with probability q, each audit a
+  call, so that it audits p / q times fewer local items than the designs beside it at the
+  same calls (which the server does not).
 - ``uniform over N``: the same audits, certified as ``union`` below certifies its local stratum
-  (the disagreements counted over all N routed items, r(t) <= CP_upper(d(t), N, delta) / q):
-  so that the table tells what the estimator gains from what the design gains.
+  (the disagreements counted over all N routed items, r(t) <= CP_upper(d(t), N, delta) / its
+  audit share): so that the table tells what the estimator gains from what the design gains.
 - ``local only``: each locally answered item (s >= e) audited with probability
   p = q / (1 - e); the escalated ones are all labelled already. Two certificates of a threshold t,
   scanned strict to lax (fixed-sequence, as Learn then Test), each certifying where its upper
@@ -109,12 +116,13 @@ def stratified(score: np.ndarray, wrong: np.ndarray, escalated: np.ndarray, audi
             "union": first_failure(union, thresholds, alpha)}
 
 
-def over_routed(score: np.ndarray, wrong: np.ndarray, n: int, args: Any) -> float | None:
+def over_routed(score: np.ndarray, wrong: np.ndarray, n: int, share: float, args: Any) -> float | None:
     """Uniform audits certified as the union design certifies its local stratum: each of the n
-    routed items is an audited disagreement kept at t with probability q r(t), so
-    r(t) <= CP_upper(d(t), n, delta) / q. It does not condition on how many were audited."""
+    routed items is an audited disagreement kept at t with probability q r(t) (q: the uniform
+    audit share), so r(t) <= CP_upper(d(t), n, delta) / q. It does not condition on how many
+    were audited."""
     order = np.argsort(-score, kind="stable")
-    bound = cp_upper(np.cumsum(wrong[order]), n, args.delta) / args.audit_share
+    bound = cp_upper(np.cumsum(wrong[order]), n, args.delta) / share
     return first_failure(bound, score[order], 1 - args.target)
 
 
@@ -124,12 +132,13 @@ def one_run(rng: np.random.Generator, calls: int, args: Any) -> dict[str, float 
     score = rng.random(n)
     wrong = rng.random(n) < args.a * (1 - score) ** 2
     draw = rng.random(n)
-    uniform = draw < args.audit_share
+    rate = min(1.0, args.audit_share / (1 - args.serving))
+    share = args.audit_share if args.charge_escalated else rate
+    uniform = draw < share
     out = {"uniform": threshold_for_agreement(score[uniform], ~wrong[uniform], args.target,
                                               args.delta).threshold,
-           "uniform over N": over_routed(score[uniform], wrong[uniform], n, args)}
+           "uniform over N": over_routed(score[uniform], wrong[uniform], n, share, args)}
     escalated = score < args.serving
-    rate = min(1.0, args.audit_share / (1 - args.serving))
     local = ~escalated & (draw < rate)
     out.update(stratified(score, wrong, escalated, local, rate, args))
     if args.exact:
@@ -160,6 +169,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, nargs="+", default=list(CALLS))
     parser.add_argument("--escalated", type=float, nargs="+", default=list(ESCALATED))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--charge-escalated", action="store_true",
+                        help="audit uniformly at --audit-share, an escalated item's audit counted as a "
+                        "teacher call (the comparison as first measured; the server makes none)")
     parser.add_argument("--exact", action="store_true",
                         help="add the exact multinomial test of distill.calibration.traffic (0.3-4 s "
                         "a run: use with fewer runs)")

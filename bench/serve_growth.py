@@ -68,6 +68,7 @@ from bench.common import (
     texts_by_id,
 )
 from bench.serve_upstream import cli, metrics, serve_command
+from cascade.private import private_file
 
 WORK = CACHE_DIR / "serve_growth"
 TIMEOUT = 60.0
@@ -138,6 +139,7 @@ def fresh_run(work: Path, made: Seed) -> tuple[Path, Path]:
     run = work / "runs" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     run.mkdir(parents=True)
     shutil.copytree(made.bundle, run / "seed")
+    private_file(run / "labels.sqlite")  # it holds the replay's text, as a served store would
     with sqlite3.connect(made.store) as source, sqlite3.connect(run / "labels.sqlite") as copy:
         source.backup(copy)  # the write-ahead log's pages too, which a file copy would miss
     (run / "serving").write_text("seed\n")
