@@ -118,9 +118,9 @@ def stratified(score: np.ndarray, wrong: np.ndarray, escalated: np.ndarray, audi
 
 def over_routed(score: np.ndarray, wrong: np.ndarray, n: int, share: float, args: Any) -> float | None:
     """Uniform audits certified as the union design certifies its local stratum: each of the n
-    routed items is an audited disagreement kept at t with probability q r(t) (q: the uniform
-    audit share), so r(t) <= CP_upper(d(t), n, delta) / q. It does not condition on how many
-    were audited."""
+    routed items is an audited disagreement kept at t with probability q r(t) (q: ``share``, the
+    uniform audit share), so r(t) <= CP_upper(d(t), n, delta) / q. It does not condition on how
+    many were audited."""
     order = np.argsort(-score, kind="stable")
     bound = cp_upper(np.cumsum(wrong[order]), n, args.delta) / share
     return first_failure(bound, score[order], 1 - args.target)
