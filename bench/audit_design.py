@@ -162,7 +162,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.98)
     parser.add_argument("--delta", type=float, default=0.05)
     parser.add_argument("--audit-share", type=float, default=0.05,
-                        help="q: the uniform design's audit share; N = calls / q items are routed")
+                        help="q: N = calls / q items are routed, and each design audits the local ones "
+                        "at q / (1 - e); the uniform design audits every item at q / (1 - e) (at q "
+                        "with --charge-escalated)")
     parser.add_argument("--population-share", type=float, default=0.6,
                         help="the share the population keeps at the target (the best any "
                         "certificate can approach)")
