@@ -350,6 +350,7 @@ def report(r: dict[str, Any], seed_items: int, finetune: bool) -> tuple[str, str
             promoted_rows.append((before, name))
         elif g and g.get("refreshed"):  # kept aside, and the serving bundle took the gate's thresholds
             serving = Path(g["refreshed"]).name
+            promoted_rows.append((before, serving))
         labels = d["seen"]
         rows.append([f"{d['attempt']}", str(s["answered"] + s["refused"]),
                      f"{labels.get('audits', 0)} / {labels.get('escalations', 0)} ({census(d['candidate'])})",
@@ -387,7 +388,8 @@ def gate_cell(g: dict[str, Any]) -> str:
 
 
 def goals(r: dict[str, Any], promoted: list[tuple[str, str]], finetune: bool) -> str:
-    """One line against issue 41's goals, each met or missed with its numbers."""
+    """One line against issue 41's goals, each met or missed with its numbers; ``promoted``: every
+    swap, a refresh (the serving bundle taking its gate's thresholds) counted as a promotion is."""
     h = r["held_out"]
     falls = [(h[a]["kept"] - h[b]["kept"]) * 100 for a, b in promoted]
     worst_fall = max(falls, default=0.0)
@@ -395,7 +397,8 @@ def goals(r: dict[str, Any], promoted: list[tuple[str, str]], finetune: bool) ->
     floor = 0.80 if finetune else 0.75
     agreements = [h[b]["agreement_kept"] for _, b in promoted if h[b]["kept"] > 0]
     parts = [
-        f"promotions: {len(promoted)}",
+        f"promotions: {sum(not b.endswith('.serving') for _, b in promoted)}, "
+        f"refreshes: {sum(b.endswith('.serving') for _, b in promoted)}",
         f"held-out share falls at most 2 points at a promotion: {'met' if worst_fall <= 2 else 'MISSED'} "
         f"({'largest fall' if worst_fall > 0 else 'none fell; smallest rise'} {abs(worst_fall):.1f} points)"
         if promoted else "no promotion to judge a fall on",

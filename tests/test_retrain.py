@@ -245,6 +245,42 @@ def test_a_serving_bundle_that_keeps_nothing_serves_the_gates_certificate_when_k
     assert (tmp_path / pointer.read_text(encoding="utf-8").strip()).resolve() == named
 
 
+@pytest.mark.parametrize(("cut", "by_a_gate", "refresh"), [
+    (0.999, True, "keeps-more"),  # a gate's thresholds that keep fewer: the gate's fresh ones serve
+    (0.999, False, None),  # as few, but calibrate's: they spent all of delta, so they stay
+    (0.0, True, None),  # a gate's that keep more: they stay
+])
+def test_a_serving_bundle_certified_by_a_gate_serves_the_gates_certificate_where_it_keeps_more(
+        retrained: RetrainResult, served: Path, encoder: Encoder, embedding_cache: Path, tmp_path: Path,
+        cut: float, by_a_gate: bool, refresh: str | None) -> None:
+    serving = copied(retrained.bundle, tmp_path / "serving")  # the same heads: a tie, kept aside
+    manifest = retrained.bundle.manifest
+    asked = manifest.calibration.delta
+    moved = {qid: {tier: None if t is None else cut for tier, t in row.items()}
+             for qid, row in manifest.thresholds.items()}
+    calibration = manifest.calibration.model_copy(update={"asked_delta": asked if by_a_gate else None})
+    Bundle(manifest.model_copy(update={"thresholds": moved, "calibration": calibration}), serving).save()
+    candidate = copied(retrained.bundle, tmp_path / "candidate")
+    pointer = tmp_path / "current"
+    pointer.write_text("serving\n", encoding="utf-8")
+    with LabelStore.open_existing(served) as store:
+        decision = promote(pointer, candidate, store, run=run(embedding_cache), encoder=encoder)
+    gate = decision.gate
+    assert not decision.promoted and gate.lower_bound == 0 and gate.serving_share > 0
+    assert gate.serving_before is not None
+    assert (gate.serving_before < gate.serving_share) == (cut > 0.5)  # what the old thresholds keep
+    assert decision.refresh == refresh
+    named = (tmp_path / pointer.read_text(encoding="utf-8").strip()).resolve()
+    if refresh is None:
+        assert decision.refreshed is None and named == serving.resolve()
+        return
+    assert decision.refreshed == str(tmp_path / "candidate.serving") == str(named)
+    assert f"keep {gate.serving_before:.1%} of these items" in decision.reason
+    refreshed = Bundle.load(named).manifest
+    assert refreshed.calibration.delta == gate.certificate_delta == certificate_delta(asked, 1)
+    assert refreshed.calibration.asked_delta == asked and refreshed.thresholds != moved
+
+
 def test_a_candidate_from_before_evaluation_ids_were_recorded_is_gated_on_its_certifying_items(
         retrained: RetrainResult, weak: Bundle, served: Path, encoder: Encoder, embedding_cache: Path,
         tmp_path: Path) -> None:

@@ -16,12 +16,16 @@ the certifying part alone did at 1,000 items of each, 11-19 at 300 (docs/benchma
 the paired bootstrap lower bound on how much more it keeps (plug-in shares, averaged over the
 questions and over a band of targets from the user's up to the one the certificate effectively
 asks of these items: ``gate.band``) is above 0; a tie never passes.
-Refused, it stays where it is with the reason in ``promotion.json``; where the serving bundle's
-thresholds keep nothing (a young cascade that certified nothing yet), it then serves the thresholds
-the gate certified for it instead (``refreshed``): a copy of it beside the candidate
-(``CANDIDATE.serving``), swapped in as a promotion is. Taking them only in place of thresholds that
-keep nothing is what keeps that valid: no-threshold certifies nothing that could fail, so the
-certificate served is the gate's, which holds whichever way the rule went. Passed, its calibration is
+Refused, it stays where it is with the reason in ``promotion.json``; the serving bundle then serves
+the thresholds the gate certified for it instead (``refreshed``: a copy of it beside the candidate,
+``CANDIDATE.serving``, swapped in as a promotion is) where its own keep nothing (a young cascade that
+certified nothing yet: nothing there could fail), or where its own were certified by a gate and keep
+fewer of these items (``refresh``: ``kept-nothing`` or ``keeps-more``). The second is valid by a
+union bound, not by the choice: every certificate a bundle serves from its promotion to the next is
+its promotion's (at most 0.30 delta, ``gate.attempt_delta(delta, 1) / 2``) or one a gate against it
+certified (at most delta/2 over all attempts), so all of them hold together with probability at least
+1 - 0.81 delta, whichever one is served. A bundle certified by ``cascade calibrate`` spent all of delta
+on its own certificate, so that is never replaced while it keeps anything. Passed, its calibration is
 replaced by the one the gate certified (the manifest's ``delta`` is then that level, and its
 ``asked_delta`` the delta asked for, which the next retrain asks for again) and it is
 swapped in as ``cascade serve --bundle PATH`` follows one (``cascade.serve.swap``): where PATH is a
@@ -49,6 +53,7 @@ from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import CascadeError
 from cascade.hashing import file_sha256
 from cascade.serve.swap import resolve
+from cascade.thresholds import CERTIFIED_SCORE
 from distill.calibration.manifest import updated_manifest
 from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
@@ -95,7 +100,9 @@ class Gate(BaseModel):
     and averaged). ``rule``: the choosing rule; ``serving_plugin`` and ``candidate_plugin`` the
     plug-in shares it compares (averaged over the questions and the ``band`` of targets),
     ``difference`` theirs and ``lower_bound`` its one-sided ``1 - alpha`` paired bootstrap bound
-    over ``resamples``; promoted only where it is above 0."""
+    over ``resamples``; promoted only where it is above 0. ``serving_before``: the share the serving
+    bundle's own thresholds (those it served until this gate) keep of the same items, averaged as
+    ``serving_share`` is."""
 
     target: float
     delta: float
@@ -117,6 +124,7 @@ class Gate(BaseModel):
     lower_bound: float | None = None
     band: tuple[float, ...] | None = None
     certified_on: Literal["certifying", "held-out"] = "certifying"
+    serving_before: float | None = None
 
     def weighed(self) -> str:
         """How many held-out items the rule weighed, of which parts."""
@@ -127,6 +135,11 @@ class Gate(BaseModel):
     def certified(self) -> str:
         """How many held-out items both certificates rest on, of which parts."""
         return self.weighed() if self.certified_on == "held-out" else f"{self.items} certifying"
+
+
+Refresh = Literal["kept-nothing", "keeps-more"]
+"""Why a kept-aside gate's serving bundle took the thresholds the gate certified for it: its own kept
+nothing, or they were a gate's and kept fewer of the items weighed."""
 
 
 class Promotion(BaseModel):
@@ -140,6 +153,7 @@ class Promotion(BaseModel):
     reason: str
     previous: str | None = None
     refreshed: str | None = None
+    refresh: Refresh | None = None
 
 
 def promotions_log(serving: Path) -> Path:
@@ -181,21 +195,23 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
                for name, bundle in {"serving": serving, "candidate": candidate}.items()}
     scores = {name: result.item_scores for name, result in results.items()}
     comparison = _compare(results, scores, weighed, band(target, len(weighed), level))
-    gate = _gate(results, comparison, delta, attempt, len(held), excluded, len(evaluated))
+    gate = _gate(results, comparison, delta, attempt, len(held), excluded, len(evaluated),
+                 _served_before(serving, results["serving"]))
     if comparison.promotes:  # served with the thresholds the gate certified, at its level
         manifest = updated_manifest(candidate.manifest, results["candidate"])
         manifest.calibration.asked_delta = delta  # what the next retrain asks for again
         Bundle(manifest, candidate.directory, candidate.heads).save()
         candidate = Bundle.load(candidate_dir)
-    refreshed = None if comparison.promotes else _refreshed(serving, results["serving"], delta,
-                                                            Path(candidate_dir))
+    refresh = None if comparison.promotes else _refresh(serving, results["serving"], gate)
+    refreshed = None if refresh is None else _refreshed(serving, results["serving"], delta,
+                                                        Path(candidate_dir))
     swapped = comparison.promotes or refreshed is not None
     replaced = _replaced_at(Path(serving_path), serving_dir)
     record = Promotion(at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        promoted=comparison.promotes, serving=BundleVersion.of(serving),
                        candidate=BundleVersion.of(candidate), gate=gate,
-                       reason=_reason(gate, comparison.promotes, refreshed),
-                       refreshed=None if refreshed is None else str(refreshed),
+                       reason=_reason(gate, comparison.promotes, refreshed, refresh),
+                       refreshed=None if refreshed is None else str(refreshed), refresh=refresh,
                        previous=str(replaced) if swapped else None)
     if record.promoted:
         _swap(Path(serving_path), serving_dir, Path(candidate_dir))
@@ -204,20 +220,50 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
                                                            encoding="utf-8")
     with log.open("a", encoding="utf-8") as handle:
         handle.write(record.model_dump_json() + "\n")
-    if refreshed is not None:  # logged first: a swap cut short leaves the old thresholds, which keep nothing
+    if refreshed is not None:  # logged first: a swap cut short leaves the old thresholds, valid still
         _swap(Path(serving_path), serving_dir, refreshed)
     return record
 
 
-def _refreshed(serving: Bundle, result: CalibrationResult, delta: float, candidate_dir: Path) -> Path | None:
-    """Where the serving bundle's thresholds keep nothing and the gate's certificate of it keeps
-    something, a copy of it with those (``CANDIDATE.serving``), to serve; else None. Only then: a
-    certificate taken in place of another because it keeps more would be chosen on the items it
-    rests on."""
-    keeps_nothing = all(t is None for row in serving.manifest.thresholds.values() for t in row.values())
-    if not keeps_nothing or not any(fit.threshold is not None and fit.tier not in result.dropped()
-                                    for fit in result.calibrations):
+def _refresh(serving: Bundle, result: CalibrationResult, gate: Gate) -> Refresh | None:
+    """Whether the serving bundle, kept serving, takes the thresholds this gate certified for it
+    (they must keep something): where its own keep nothing, or where a gate certified its own (a
+    promotion's or an earlier refresh's, with ``asked_delta`` this gate's delta, at the same target)
+    and they keep fewer of the items weighed. Never in place of a certificate that spent all of
+    delta on its own (``cascade calibrate``'s): the union bound in the module's docstring needs the
+    certificate replaced to be a gate's."""
+    if not any(fit.threshold is not None and fit.tier not in result.dropped() for fit in result.calibrations):
         return None
+    if all(t is None for row in serving.manifest.thresholds.values() for t in row.values()):
+        return "kept-nothing"
+    section = serving.manifest.calibration
+    gate_made = section.asked_delta == gate.delta and section.target == gate.target
+    before = gate.serving_before
+    if gate_made and before is not None and gate.serving_share > before:
+        return "keeps-more"
+    return None
+
+
+def _served_before(serving: Bundle, result: CalibrationResult) -> dict[str, float] | None:
+    """Per question, the share the serving bundle's own thresholds keep of the items the gate
+    scored it on (kept where any cheap tier's raw score clears its threshold, as the router keeps
+    it); None where its thresholds are not on the score the gate's are (an older bundle)."""
+    if serving.manifest.threshold_on != CERTIFIED_SCORE:
+        return None
+    shares = {}
+    for qid, scored in result.item_scores.items():
+        row = serving.manifest.thresholds.get(qid, {})
+        ids = set().union(*scored.values())
+        cuts = {tier: cut for tier, cut in row.items() if cut is not None}
+        kept = {item for tier, scores in scored.items() if tier in cuts
+                for item, (score, _) in scores.items() if score >= cuts[tier]}
+        shares[qid] = len(kept) / len(ids) if ids else 0.0
+    return shares
+
+
+def _refreshed(serving: Bundle, result: CalibrationResult, delta: float, candidate_dir: Path) -> Path:
+    """A copy of the serving bundle with the thresholds the gate certified for it
+    (``CANDIDATE.serving``), to serve."""
     target = candidate_dir.with_name(f"{candidate_dir.name}.serving")
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(serving.directory, target)
@@ -317,11 +363,12 @@ def _question(result: CalibrationResult, scored: dict[str, dict[str, tuple[float
 
 
 def _gate(results: dict[str, CalibrationResult], comparison: Comparison, delta: float, attempt: int,
-          items: int, excluded: int, evaluated: int) -> Gate:
+          items: int, excluded: int, evaluated: int, before: dict[str, float] | None) -> Gate:
     shares = {qid: {name: 1.0 - result.cascades[qid].answered_by.get(result.teacher_tier, 1.0)
                     if qid in result.cascades else 0.0 for name, result in results.items()}
               for qid in sorted(set().union(*(result.cascades for result in results.values())))}
     mean = {name: sum(row[name] for row in shares.values()) / max(len(shares), 1) for name in results}
+    served = None if before is None else sum(before.get(qid, 0.0) for qid in shares) / max(len(shares), 1)
     ours = results["candidate"]
     return Gate(target=ours.target, delta=delta, certificate=ours.certificate, items=items, excluded=excluded,
                 evaluated=evaluated,
@@ -329,10 +376,11 @@ def _gate(results: dict[str, CalibrationResult], comparison: Comparison, delta: 
                 attempt=attempt, certificate_delta=ours.delta, alpha=comparison.alpha,
                 resamples=comparison.resamples, serving_plugin=comparison.serving_share,
                 candidate_plugin=comparison.candidate_share, difference=comparison.difference,
-                lower_bound=comparison.lower_bound, band=comparison.targets, certified_on="held-out")
+                lower_bound=comparison.lower_bound, band=comparison.targets, certified_on="held-out",
+                serving_before=served)
 
 
-def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None) -> str:
+def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None, refresh: Refresh | None = None) -> str:
     figures = (f"on the same {gate.weighed()} held-out items at target {gate.target}, the candidate's cheap "
                f"tiers keep {gate.candidate_plugin:.1%} of answers {_at(gate)} and the serving bundle's "
                f"{gate.serving_plugin:.1%} (difference {gate.difference:+.1%}, {1 - (gate.alpha or 0):.0%} "
@@ -345,8 +393,13 @@ def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None) -> str:
             "is above 0")
     if refreshed is None:
         return kept
-    return (f"{kept}. The serving bundle's thresholds kept nothing, so it now serves the ones this gate "
-            f"certified for it ({gate.serving_share:.1%} kept), from {refreshed}")
+    if refresh == "kept-nothing":
+        return (f"{kept}. The serving bundle's thresholds kept nothing, so it now serves the ones this gate "
+                f"certified for it ({gate.serving_share:.1%} kept), from {refreshed}")
+    return (f"{kept}. The serving bundle's thresholds, a gate's, keep {gate.serving_before:.1%} of these "
+            f"items, so it now serves the ones this gate certified for it ({gate.serving_share:.1%} kept), "
+            f"from {refreshed}: all the certificates it serves until the next promotion hold together "
+            "with probability at least 1 - 0.81 delta")
 
 
 def _at(gate: Gate) -> str:
