@@ -31,11 +31,20 @@ budgeted together). Reported: how often the certificate serving after gate 2 fai
 either of the two served after the gates does: a promotion chose its bundle on items the next gate
 certifies on again.
 
+``--chain --refresh``: the same chains, with A serving a certificate a gate made (at half the first
+attempt's delta, on items of its own drawn apart, as its promotion would have), and each gate that
+keeps the candidate aside then refreshing the bundle kept serving as ``distill.loop.promote`` does:
+the gate's certificate of it replaces its own where it keeps more of the items the gate weighed
+("keeps more"), against serving its own on ("never"). Reported: how often any certificate served
+along the chain fails (A's own, after gate 1, after gate 2), and the population share served after
+each gate.
+
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500 --evaluation 0
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 500 --certifying 300 --evaluation 300
     PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 1000 --chain --certifying 400 \
         --evaluation 400 --fresh 25
+    PYTHONPATH=. .venv/bin/python -m bench.gate_replay --runs 1000 --chain --refresh
 """
 
 from __future__ import annotations
@@ -161,6 +170,70 @@ def chain_run(rng: np.random.Generator, bundles: tuple[Bundle, Bundle, Bundle], 
     return out
 
 
+Served = tuple[Bundle, float | None]
+"""A bundle and the threshold it serves."""
+
+
+def refresh_run(rng: np.random.Generator, bundles: tuple[Bundle, Bundle, Bundle], parts: tuple[int, int, int],
+                fresh: int, resamples: int) -> dict[str, tuple[bool, float, float]]:
+    """Per refresh rule ("never", "keeps more"): (any certificate served along the chain fails, the
+    population share served after gate 1, after gate 2). ``parts``: the items A's own certificate
+    rests on, and gate 1's certifying and evaluation items."""
+    a, b, c = bundles
+    own_size, size = parts[0], parts[1] + parts[2]
+    drawn = rng.choice(len(a.score), own_size + size + 2 * fresh, replace=False)
+    own, first, both = drawn[:own_size], drawn[own_size:own_size + size], drawn[own_size:]
+    old = threshold_for_agreement(a.score[own], a.correct[own], TARGET, certificate_delta(DELTA, 1)).threshold
+    one = gate(rng, (a, b), first, first, 1, resamples)
+    kept_serving = b if one.promoted else a  # whichever refresh rule: the same bundle, the same gate 2
+    two = gate(rng, (kept_serving, c), both, both, 1 if one.promoted else 2, resamples)
+    out = {}
+    for rule in ("never", "keeps more"):
+        after_one = (b, one.thresholds[1]) if one.promoted else kept((a, old), one.thresholds[0], first, rule)
+        after_two = (c, two.thresholds[1]) if two.promoted else kept(after_one, two.thresholds[0], both, rule)
+        served = [(a, old), after_one, after_two]
+        out[rule] = (any(bundle.fails(t) for bundle, t in served), share(after_one), share(after_two))
+    return out
+
+
+def kept(serving: Served, fresh: float | None, weighed: np.ndarray, rule: str) -> Served:
+    """The bundle kept serving after a gate: its own threshold, or under "keeps more" the gate's
+    certificate of it where that keeps more of the items weighed."""
+    bundle, own = serving
+    if rule == "keeps more" and fresh is not None and \
+            (own is None or np.mean(bundle.score[weighed] >= fresh) > np.mean(bundle.score[weighed] >= own)):
+        return bundle, fresh
+    return serving
+
+
+def share(served: Served) -> float:
+    """The population share a served threshold keeps."""
+    bundle, threshold = served
+    return 0.0 if threshold is None else float(np.mean(bundle.score >= threshold))
+
+
+def refreshes(args: argparse.Namespace, items: Items, pool: np.ndarray, population: np.ndarray) -> None:
+    """The table of ``--chain --refresh``."""
+    rng = np.random.default_rng(args.seed + 3)
+    rows = []
+    for name, spans in CHAINS.items():
+        bundles = tuple(Bundle(items, pool[start:end], population) for start, end in spans)
+        parts = (args.own or args.certifying + args.evaluation, args.certifying, args.evaluation)
+        runs = [refresh_run(rng, bundles, parts, args.fresh, args.resamples)  # type: ignore[arg-type]
+                for _ in range(args.runs)]
+        for rule in ("never", "keeps more"):
+            fails, one, two = (np.mean([run[rule][k] for run in runs]) for k in range(3))
+            rows.append([name, " / ".join(f"{b.share:.1%}" for b in bundles), rule, f"{fails:.1%}",
+                         f"{one:.1%}", f"{two:.1%}"])
+        print(f"{name}: done", flush=True)
+    print(f"AG News, {len(population)} population items, target {TARGET}, delta {DELTA}, A certified on "
+          f"{parts[0]} items of its own, gate 1 on {args.certifying} certifying + {args.evaluation} "
+          f"evaluation items, gate 2 on those and {args.fresh} new of each, {args.runs} runs, "
+          f"{args.resamples} resamples")
+    print(markdown(["chain", "population share kept (A / B / C)", "refresh", "any served certificate fails",
+                    "population share served after gate 1", "after gate 2"], rows))
+
+
 def chains(args: argparse.Namespace, items: Items, pool: np.ndarray, population: np.ndarray) -> None:
     """The table of ``--chain``."""
     rng = np.random.default_rng(args.seed + 2)
@@ -192,6 +265,10 @@ def main() -> None:
                         help="bootstrap resamples per gate (the library's default is 1,000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chain", action="store_true", help="two gates in a row on one holdout (CHAINS)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="with --chain: the refresh of a gate-made certificate, against none")
+    parser.add_argument("--own", type=int, default=0,
+                        help="with --refresh: items A's own certificate rests on (0: as many as gate 1's)")
     parser.add_argument("--fresh", type=int, default=25,
                         help="with --chain: new certifying and evaluation items each before gate 2")
     args = parser.parse_args()
@@ -199,7 +276,7 @@ def main() -> None:
     order = np.random.default_rng(args.seed).permutation(len(items.ids))
     pool, population = order[:args.pool], order[args.pool:]
     if args.chain:
-        chains(args, items, pool, population)
+        (refreshes if args.refresh else chains)(args, items, pool, population)
         return
     rng = np.random.default_rng(args.seed + 1)
     rows = []

@@ -26,6 +26,13 @@ certificate keeps more of the K items than the serving bundle's.
 
     .venv/bin/python -m bench.promotion_gate --runs 1000
     .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 300 1000 --evaluation 1000
+    .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 1000 --evaluation 1000 --own 600
+
+``--own N``: the serving bundle serves a certificate a gate made on N items of its own; only the
+library's gate is run, and where it keeps the candidate aside the serving bundle keeps its own
+("never") or takes the gate's certificate of it where that keeps more of the items weighed ("keeps
+more", ``distill.loop.promote``'s refresh). Reported: how often either certificate served (its own,
+the one after the gate) fails, and the population share served after the gate.
 """
 
 from __future__ import annotations
@@ -113,16 +120,67 @@ def one_run(rng: np.random.Generator, n: int, curves: tuple[Curve, Curve], args:
 
 def certified_on_all(rng: np.random.Generator, everything: list[tuple[np.ndarray, np.ndarray]],
                      curves: tuple[Curve, Curve], args: argparse.Namespace, resamples: int) -> Outcome:
+    """The library's gate (``library_gate``) as one outcome."""
+    promoted, thresholds = library_gate(rng, everything, args, resamples)
+    return after(curves, promoted, thresholds, args.target)
+
+
+def library_gate(rng: np.random.Generator, everything: list[tuple[np.ndarray, np.ndarray]],
+                 args: argparse.Namespace, resamples: int) -> tuple[bool, list[float | None]]:
     """The library's gate: both bundles certified at the half level on all n + K items (the
     certifying and the evaluation part, neither of which either bundle trained on), the band read
-    up to what that certificate asks of them, and the rule weighing the same items."""
+    up to what that certificate asks of them, and the rule weighing the same items. Whether it
+    promotes, and both certified thresholds."""
     level = certificate_delta(args.delta, 1)
     thresholds = [threshold_for_agreement(s, c, args.target, level).threshold for s, c in everything]
     items = np.arange(len(everything[0][0]))
     serving, candidate = ([Question(items, s, c)] for s, c in everything)
     promoted = compare(serving, candidate, len(items), band(args.target, len(items), level),
                        resamples=resamples, seed=int(rng.integers(2 ** 31))).promotes
-    return after(curves, promoted, thresholds, args.target)
+    return promoted, thresholds
+
+
+def refresh_run(rng: np.random.Generator, n: int, curves: tuple[Curve, Curve], args: argparse.Namespace
+                ) -> dict[str, tuple[bool, bool, float]]:
+    """The library's gate with the serving bundle serving a gate's certificate on ``args.own`` items
+    of its own (at the half level of a first attempt); per refresh rule ("never": it keeps its own
+    when the candidate is kept aside; "keeps more": it takes the gate's certificate of it where that
+    keeps more of the items weighed, ``distill.loop.promote``'s rule): promoted, whether either
+    certificate served (its own before, the one after) fails, the population share served after."""
+    own_s, own_c = draw(rng, args.own, curves, args.rho)[0]
+    own = threshold_for_agreement(own_s, own_c, args.target, certificate_delta(args.delta, 1)).threshold
+    everything = draw(rng, n + args.evaluation, curves, args.rho)
+    promoted, thresholds = library_gate(rng, everything, args, args.resamples)
+    weighed = everything[0][0]
+    fresh = thresholds[0]
+    more = fresh is not None and (own is None or np.mean(weighed >= fresh) > np.mean(weighed >= own))
+    out = {}
+    for rule, refreshes in (("never", False), ("keeps more", more)):
+        served = [own, thresholds[1]] if promoted else [fresh if refreshes else own, None]
+        outcome = after(curves, promoted, served, args.target)
+        before_fails = population_agreement(curves[0], own) < args.target
+        out[rule] = (promoted, outcome[1] or before_fails, outcome[2])
+    return out
+
+
+def refresh_table(rng: np.random.Generator, args: argparse.Namespace) -> None:
+    """The table of ``--own``: per scenario, how often a certificate served fails and the share."""
+    serving = curve(*SERVING, args.target)
+    print(f"the serving bundle certified on {args.own} items of its own at "
+          f"{certificate_delta(args.delta, 1):.4f}; cells: either certificate served fails (population "
+          "share served after the gate)")
+    print(f"| n + evaluation | refresh | {' | '.join(SCENARIOS)} |")
+    print("|---|---|" + "---|" * len(SCENARIOS))
+    for n in args.sizes:
+        cells: dict[str, list[str]] = {"never": [], "keeps more": []}
+        for share, exponent in SCENARIOS.values():
+            curves = (serving, curve(share, exponent, args.target))
+            runs = [refresh_run(rng, n, curves, args) for _ in range(args.runs)]
+            for rule, row in cells.items():
+                row.append(f"{np.mean([r[rule][1] for r in runs]):.1%} "
+                           f"({np.mean([r[rule][2] for r in runs]):.1%})")
+        for rule, row in cells.items():
+            print(f"| {n} + {args.evaluation} | {rule} | {' | '.join(row)} |", flush=True)
 
 
 def served_more(bundles: list[tuple[np.ndarray, float | None]], alpha: float = ALPHA) -> bool:
@@ -162,10 +220,17 @@ def main() -> None:
     parser.add_argument("--evaluation", type=int, default=0,
                         help="items of an evaluation part per run, weighed by the rules marked "
                         "'+ evaluation' beside the n certifying items (0: no such rows)")
+    parser.add_argument("--own", type=int, default=0,
+                        help="items the serving bundle's own (gate-made) certificate rests on: with it, "
+                        "only the library's gate, with and without the refresh of that certificate")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
+    if args.own:
+        refresh_table(rng, args)
+        print(f"({time.perf_counter() - started:.0f} s)")
+        return
     level = certificate_delta(args.delta, 1)
     print(f"target {args.target}, delta {args.delta}, serving share {SERVING[0]:.0%} on the population (k = "
           f"{SERVING[1]}), score correlation {args.rho}, {args.runs} runs per cell, {args.resamples} "

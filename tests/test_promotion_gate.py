@@ -102,6 +102,15 @@ def test_every_attempt_spends_its_share_of_delta_and_the_shares_sum_to_delta() -
         attempt_delta(0.05, 0)
 
 
+def test_every_certificate_a_bundle_serves_between_promotions_holds_together_within_081_delta() -> None:
+    # the union bound behind a refresh (distill.loop.promote): its promotion's certificate, at most
+    # half a first attempt's share, and every later gate's certificate of it, half of each attempt's
+    promoted = max(certificate_delta(0.05, k) for k in range(1, 10))
+    gates = sum(certificate_delta(0.05, k) for k in range(1, 100_000))
+    assert promoted == certificate_delta(0.05, 1) == pytest.approx(0.30 * 0.05, rel=0.02)
+    assert promoted + gates == pytest.approx(0.81 * 0.05, rel=0.01) and promoted + gates < 0.05
+
+
 def test_a_chain_is_ranked_by_when_its_path_first_keeps_an_item() -> None:
     one = np.asarray([[0.9, 0.1, 0.5]])
     rank, agrees = chain_ranks(one, np.asarray([[True, False, True]]))

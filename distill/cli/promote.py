@@ -32,9 +32,12 @@ certificate effectively asks of these items, about 0.987 on 1,600 of them at 0.9
 thresholds sit there) is compared paired, item by item; the candidate replaces the serving
 bundle only if the 80% paired bootstrap lower bound on how much more it keeps is above 0 (a tie
 never promotes). A promoted candidate is served with the thresholds the gate certified, its
-manifest's delta the level they were certified at. Kept aside, a serving bundle whose
-thresholds keep nothing (it certified nothing yet) is served with the ones the gate certified
-for it instead, from a copy beside the candidate (CANDIDATE.serving). Promoted, it is copied over
+manifest's delta the level they were certified at. Kept aside, the serving bundle is served
+with the thresholds the gate certified for it instead, from a copy beside the candidate
+(CANDIDATE.serving), where its own keep nothing (it certified nothing yet), or where its own were
+a gate's and keep fewer of the items weighed (every certificate a bundle serves between
+promotions then holds together with probability 1 - 0.81 delta; one `cascade calibrate` made is
+never replaced while it keeps anything). Promoted, it is copied over
 the serving folder in one swap (the replaced bundle kept as NAME.previous beside it), which a running `cascade
 serve` watching the folder picks up; kept aside, it stays where it is with the reason in its
 promotion.json. Every decision, promoted or not, is one line of NAME.promotions.jsonl beside the
@@ -69,6 +72,8 @@ def _cmd_promote(args: argparse.Namespace) -> int:
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     for row in rows:
         print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    if gate.serving_before is not None:
+        print(f"the serving bundle's own thresholds keep {gate.serving_before:.1%} of the same items")
     if gate.excluded:
         print(f"{gate.excluded} held-out items of the candidate trained the serving bundle: left out of both")
     print(record.reason)
