@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 from corpora import HEADED, QUESTIONS, TEACHER, corpus_items
 
-from cascade.audit.record import AuditRecord
+from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.bundle.manifest import Bundle
 from cascade.collect.escalation import EscalationRecord
 from cascade.encoder.onnx_encoder import Encoder
 from distill.cli import main
 from distill.demo.synthetic import SyntheticItem, generate
+from distill.loop.auditing import drift_alarms
 from distill.loop.evidence import EvidenceError, state_sha256
 from distill.loop.gate import RULE, certificate_delta
 from distill.loop.promote import PromoteError, latest_promotion, promote, promotions_log
@@ -279,6 +281,67 @@ def test_a_serving_bundle_certified_by_a_gate_serves_the_gates_certificate_where
     refreshed = Bundle.load(named).manifest
     assert refreshed.calibration.delta == gate.certificate_delta == certificate_delta(asked, 1)
     assert refreshed.calibration.asked_delta == asked and refreshed.thresholds != moved
+
+
+def drifted(item: SyntheticItem, version: str, n: int) -> AuditRecord:
+    """An audit of the serving calibration on which its every answer disagrees with the teacher."""
+    answers = {qid: SystemAnswer(answer=min(item.labels[qid], key=item.labels[qid].__getitem__),
+                                 tier="encoder") for qid in HEADED}
+    return record("audit:drift", item, 1000 + n).model_copy(update={"calibration_version": version,
+                                                                     "system": answers})
+
+
+def test_after_a_drift_alarm_the_gate_weighs_and_certifies_only_items_labelled_after_it(
+        retrained: RetrainResult, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
+        embedding_cache: Path, tmp_path: Path) -> None:
+    serving = copied(retrained.bundle, tmp_path / "serving")
+    manifest = retrained.bundle.manifest  # thresholds that keep nothing: kept aside, it is refreshed
+    bare = {qid: dict.fromkeys(row) for qid, row in manifest.thresholds.items()}
+    Bundle(manifest.model_copy(update={"thresholds": bare}), serving).save()
+    store_path = shutil.copy(served, tmp_path / "labels.sqlite")
+    items = generate(300, seed=11)
+    with LabelStore(store_path, TEACHER) as store:
+        for n, item in enumerate(items[:60]):
+            store.put_audit(drifted(item, manifest.calibration.version(), n))
+        alarms = drift_alarms(manifest, store.audits())
+    assert set(alarms) == set(HEADED)
+    with (LabelStore.open_existing(store_path) as store,  # nothing after it in the candidate's evidence
+          pytest.raises(PromoteError, match=f"drift alarm of {', '.join(sorted(HEADED))}")):
+        promote(serving, copied(retrained.bundle, tmp_path / "early"), store, run=run(embedding_cache),
+                encoder=encoder, log=tmp_path / "early.jsonl")
+    with LabelStore(store_path, TEACHER) as store:  # traffic after the alarm, audited and labelled
+        for n, item in enumerate(items[60:]):
+            store.put_audit(record("audit:late", item, 2000 + n))
+        labelled_at = store.labelled_at()
+    after = max(labelled_at[r.item_id] for r in alarms.values())
+    later = retrain(Bundle.load(serving), Path(store_path), tmp_path / "later", labelled[0], encoder,
+                    embedding_cache)
+    twin = copied(later.bundle, tmp_path / "twin")  # the candidate's heads under the alarmed calibration
+    Bundle(later.bundle.manifest.model_copy(update={"thresholds": bare, "calibration": manifest.calibration}),
+           twin).save()
+    for bundle, promoted in ((serving, True), (twin, False)):  # better, or a tie: refreshed
+        with LabelStore.open_existing(store_path) as store:
+            decision = promote(bundle, copied(later.bundle, tmp_path / f"later-{promoted}"), store,
+                               run=run(embedding_cache), encoder=encoder, log=tmp_path / f"{promoted}.jsonl")
+        gate, trained = decision.gate, set(Bundle.load(bundle).split_ids()["train"])
+        held = [i for part in ("certified_on", "evaluated_on") for i in later.lineage[part]
+                if i not in trained]
+        late = [i for i in held if labelled_at[i] > after]
+        assert 0 < gate.items + gate.evaluated == len(late) and gate.set_aside == len(held) - len(late) > 0
+        assert gate.evidence_after is not None
+        assert datetime.fromisoformat(gate.evidence_after).timestamp() == pytest.approx(after, abs=1e-5)
+        assert f"labelled after the drift alarm of {gate.evidence_after}" in decision.reason
+        assert decision.promoted == promoted and decision.refresh == (None if promoted else "kept-nothing")
+        swapped = Path(decision.refreshed or tmp_path / f"later-{promoted}")
+        assert Bundle.load(swapped).manifest.calibration.evidence_after == gate.evidence_after
+    # a bundle so certified keeps its gates to that start, though no alarm rose on it
+    swapped_manifest = Bundle.load(swapped).manifest
+    ahead = swapped_manifest.calibration.model_copy(update={"evidence_after": "2100-01-01T00:00:00+00:00"})
+    Bundle(swapped_manifest.model_copy(update={"calibration": ahead}), swapped).save()
+    with (LabelStore.open_existing(store_path) as store,
+          pytest.raises(PromoteError, match="rests on items labelled after an earlier drift alarm")):
+        promote(swapped, copied(retrained.bundle, tmp_path / "again"), store, run=run(embedding_cache),
+                encoder=encoder, log=tmp_path / "again.jsonl")
 
 
 def test_a_candidate_from_before_evaluation_ids_were_recorded_is_gated_on_its_certifying_items(

@@ -74,6 +74,8 @@ def test_two_labelling_runs_on_one_store_never_label_an_item_twice(place: Place)
     assert set().union(*labelled) == {f"item{i:04d}" for i in range(items)}
     with LabelStore.open_existing(location) as store:
         assert len(store) == items * len(QUESTIONS)
+        first = store.labelled_at()  # one time per item, on one clock: what a gate cuts at after an alarm
+    assert set(first) == set().union(*labelled) and all(isinstance(at, float) for at in first.values())
 
 
 def test_a_claim_keeps_other_writers_off_until_labelled_released_or_closed(place: Place) -> None:

@@ -128,7 +128,9 @@ class CalibrationSection(_Section):
     before issue 34: each tier its share). ``asked_delta``: where a promotion gate certified these
     thresholds, the delta it was asked for, of which ``delta`` is the share it spent here; a
     retrain of this bundle asks for ``asked_delta`` again, not the smaller share (None: ``delta``
-    is what was asked).
+    is what was asked). ``evidence_after``: where a drift alarm refuted a certificate before this
+    one, when it rose (ISO 8601, UTC): these thresholds rest only on items labelled after it, and a
+    gate against this bundle weighs only those (None: no alarm came before).
     """
 
     calibrated_at: str | None = None
@@ -155,6 +157,7 @@ class CalibrationSection(_Section):
     audits: AuditSpan | None = None
     certificate: Literal["joint", "split"] | None = None
     asked_delta: float | None = None
+    evidence_after: str | None = None
 
     def version(self) -> str:
         """When the thresholds were certified and a digest of the calibration that certified them:
@@ -162,7 +165,7 @@ class CalibrationSection(_Section):
         are left out where unset, so that a bundle calibrated before keeps its version."""
         if self.calibrated_at is None:
             return "uncalibrated"
-        added = ("source", "audits", "certificate", "asked_delta")
+        added = ("source", "audits", "certificate", "asked_delta", "evidence_after")
         unset = {name for name in added if getattr(self, name) is None}
         digest = hashlib.sha256(self.model_dump_json(exclude=unset).encode()).hexdigest()
         return f"{self.calibrated_at}+{digest[:12]}"

@@ -37,7 +37,12 @@ with the thresholds the gate certified for it instead, from a copy beside the ca
 (CANDIDATE.serving), where its own keep nothing (it certified nothing yet), or where its own were
 a gate's and keep fewer of the items weighed (every certificate a bundle serves between
 promotions then holds together with probability 1 - 0.81 delta; one `cascade calibrate` made is
-never replaced while it keeps anything). Promoted, it is copied over
+never replaced while it keeps anything). Where the store's audits show a drift alarm risen on
+the serving bundle's calibration (its certificate refuted on live traffic), only the held-out
+items labelled after the alarm are weighed and certify, the bundle swapped in keeps to them
+(calibration.evidence_after), and with none the gate refuses, waiting for more traffic: a
+promotion would otherwise lift the demotion on evidence of the traffic before the drift.
+Promoted, it is copied over
 the serving folder in one swap (the replaced bundle kept as NAME.previous beside it), which a running `cascade
 serve` watching the folder picks up; kept aside, it stays where it is with the reason in its
 promotion.json. Every decision, promoted or not, is one line of NAME.promotions.jsonl beside the
@@ -74,6 +79,9 @@ def _cmd_promote(args: argparse.Namespace) -> int:
         print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     if gate.serving_before is not None:
         print(f"the serving bundle's own thresholds keep {gate.serving_before:.1%} of the same items")
+    if gate.evidence_after:
+        print(f"weighed only items labelled after the drift alarm of {gate.evidence_after}: {gate.set_aside} "
+              "held-out items from before it set aside")
     if gate.excluded:
         print(f"{gate.excluded} held-out items of the candidate trained the serving bundle: left out of both")
     print(record.reason)

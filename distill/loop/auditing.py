@@ -19,7 +19,7 @@ from cascade.audit.alarms import AgreementMonitor
 from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord
 from cascade.audit.sample import AuditSampler
-from cascade.audit.watch import OnDrift
+from cascade.audit.watch import DriftWatch, OnDrift
 from cascade.bundle.manifest import Bundle, Manifest
 from cascade.routing.router import Cascade
 from distill.store import LabelStore, StoreError, StoreLocation, Teacher, is_url, store_exists, store_location
@@ -173,6 +173,16 @@ def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocati
                 agreements.append(monitor.agreement or 0.0)
         out.append(QuestionAudit(qid, monitor, lowers, agreements))
     return out
+
+
+def drift_alarms(manifest: Manifest, records: list[AuditRecord]) -> dict[str, AuditRecord]:
+    """Per question, the audit at which its drift alarm rose under this bundle's calibration, as
+    the server's watch raises it (``records`` in the store's order): none where no alarm rose."""
+    calibration = manifest.calibration
+    if calibration.target is None or calibration.delta is None:
+        return {}
+    watch = DriftWatch(manifest.questions, calibration.target, calibration.delta, calibration.version())
+    return {qid: record for record in records for qid in watch.observe(record)}
 
 
 def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:

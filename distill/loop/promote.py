@@ -34,6 +34,16 @@ stays in its own folder); where PATH is the bundle folder itself, the candidate 
 (the replaced bundle kept beside it as ``NAME.previous``). Either way one line goes to the
 promotions log beside PATH (``NAME.promotions.jsonl``): both bundles' versions, when, the rule and
 its figures (``latest_promotion`` reads the last promotion).
+
+A drift alarm is the one thing that outranks the held-out evidence. Where the store's audits show an
+alarm risen on the serving bundle's calibration (as the server's watch raises it), live traffic has
+refuted that certificate, and the items labelled before the alarm are of the traffic it failed on
+no longer: a certificate resting on them would lift the demotion on stale evidence (a promotion or
+a refresh is a new calibration version, and the watch starts afresh on it). So the gate then weighs
+and certifies both bundles only on the held-out items labelled after the alarm (``gate.evidence_after``,
+``gate.set_aside``), refuses where none are (the loop tries again after N more labels), and the
+bundle it swaps in keeps that start in its manifest (``calibration.evidence_after``), so the gates
+after it keep to it too.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ from distill.calibration.manifest import updated_manifest
 from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
+from distill.loop.auditing import drift_alarms
 from distill.loop.gate import RULE, Comparison, Question, band, certificate_delta, chain_ranks, compare
 from distill.loop.retrain import EVIDENCE_NAME, LINEAGE_NAME
 from distill.options import CorpusInput, RunOptions
@@ -102,7 +113,9 @@ class Gate(BaseModel):
     ``difference`` theirs and ``lower_bound`` its one-sided ``1 - alpha`` paired bootstrap bound
     over ``resamples``; promoted only where it is above 0. ``serving_before``: the share the serving
     bundle's own thresholds (those it served until this gate) keep of the same items, averaged as
-    ``serving_share`` is."""
+    ``serving_share`` is. ``evidence_after``: where a drift alarm refuted the serving bundle's
+    certificate (or one before it), only items labelled after it were weighed, and ``set_aside``
+    held-out items labelled before it were not."""
 
     target: float
     delta: float
@@ -125,6 +138,8 @@ class Gate(BaseModel):
     band: tuple[float, ...] | None = None
     certified_on: Literal["certifying", "held-out"] = "certifying"
     serving_before: float | None = None
+    evidence_after: str | None = None
+    set_aside: int = 0
 
     def weighed(self) -> str:
         """How many held-out items the rule weighed, of which parts."""
@@ -181,6 +196,8 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
         raise PromoteError(f"the candidate {candidate_dir} is the bundle serving already")
     serving, candidate = Bundle.load(serving_dir), Bundle.load(candidate_dir)
     held, evaluated, excluded = _evidence(serving, candidate)
+    after, alarmed = _evidence_after(serving, store)
+    held, evaluated, set_aside = _since(after, alarmed, held, evaluated, store)
     log = log or promotions_log(serving_path)
     target, delta = _level(candidate)
     attempt = _attempt(log, serving)
@@ -197,13 +214,15 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     comparison = _compare(results, scores, weighed, band(target, len(weighed), level))
     gate = _gate(results, comparison, delta, attempt, len(held), excluded, len(evaluated),
                  _served_before(serving, results["serving"]))
+    gate = gate.model_copy(update={"evidence_after": _iso(after), "set_aside": set_aside})
     if comparison.promotes:  # served with the thresholds the gate certified, at its level
         manifest = updated_manifest(candidate.manifest, results["candidate"])
         manifest.calibration.asked_delta = delta  # what the next retrain asks for again
+        manifest.calibration.evidence_after = gate.evidence_after
         Bundle(manifest, candidate.directory, candidate.heads).save()
         candidate = Bundle.load(candidate_dir)
     refresh = None if comparison.promotes else _refresh(serving, results["serving"], gate)
-    refreshed = None if refresh is None else _refreshed(serving, results["serving"], delta,
+    refreshed = None if refresh is None else _refreshed(serving, results["serving"], gate,
                                                         Path(candidate_dir))
     swapped = comparison.promotes or refreshed is not None
     replaced = _replaced_at(Path(serving_path), serving_dir)
@@ -261,16 +280,52 @@ def _served_before(serving: Bundle, result: CalibrationResult) -> dict[str, floa
     return shares
 
 
-def _refreshed(serving: Bundle, result: CalibrationResult, delta: float, candidate_dir: Path) -> Path:
+def _refreshed(serving: Bundle, result: CalibrationResult, gate: Gate, candidate_dir: Path) -> Path:
     """A copy of the serving bundle with the thresholds the gate certified for it
     (``CANDIDATE.serving``), to serve."""
     target = candidate_dir.with_name(f"{candidate_dir.name}.serving")
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(serving.directory, target)
     manifest = updated_manifest(serving.manifest, result)
-    manifest.calibration.asked_delta = delta
+    manifest.calibration.asked_delta = gate.delta
+    manifest.calibration.evidence_after = gate.evidence_after
     Bundle(manifest, target, serving.heads).save()
     return target
+
+
+def _evidence_after(serving: Bundle, store: LabelStore) -> tuple[float | None, list[str]]:
+    """When the evidence a gate may weigh begins, and the questions whose drift alarm set it: the
+    last alarm that rose on the serving bundle's calibration in the store's audits (live traffic
+    refuted its certificate there, so items labelled before it are of traffic that no longer
+    comes), or the start its own certificate already kept to (``evidence_after``); None: all."""
+    alarms = drift_alarms(serving.manifest, store.audits())
+    own = serving.manifest.calibration.evidence_after
+    starts = [datetime.fromisoformat(own).timestamp()] if own else []
+    if alarms:
+        labelled = store.labelled_at()
+        starts.append(max(labelled.get(record.item_id, record.at) for record in alarms.values()))
+    return (max(starts) if starts else None), sorted(alarms)
+
+
+def _since(after: float | None, alarmed: list[str], held: list[str], evaluated: list[str],
+           store: LabelStore) -> tuple[list[str], list[str], int]:
+    """The held-out items labelled after ``after`` (all where None), and how many were set aside."""
+    if after is None:
+        return held, evaluated, 0
+    labelled = store.labelled_at()
+    late = [[i for i in part if labelled.get(i, after) > after] for part in (held, evaluated)]
+    if not late[0]:
+        why = (f"the drift alarm of {', '.join(alarmed)} on the serving bundle's calibration refuted its "
+               "certificate on live traffic" if alarmed else "the serving bundle's certificate rests on "
+               "items labelled after an earlier drift alarm")
+        raise PromoteError(f"{why}, so only items labelled after {_iso(after)} may weigh and certify, and "
+                           f"none of the candidate's {len(held)} certifying items was: retrain again once "
+                           "traffic since then is labelled (`cascade loop` does, after N more labels)")
+    return late[0], late[1], len(held) + len(evaluated) - len(late[0]) - len(late[1])
+
+
+def _iso(at: float | None) -> str | None:
+    return None if at is None else datetime.fromtimestamp(at, timezone.utc).isoformat()
 
 
 def _attempt(log: Path, serving: Bundle) -> int:
@@ -387,6 +442,9 @@ def _reason(gate: Gate, promoted: bool, refreshed: Path | None = None, refresh: 
                f"paired lower bound {gate.lower_bound:+.1%}); certified at delta "
                f"{gate.certificate_delta:.4g} each (attempt {gate.attempt} against this bundle, of delta "
                f"{gate.delta}), they keep {gate.candidate_share:.1%} and {gate.serving_share:.1%}")
+    if gate.evidence_after:
+        figures += (f"; only items labelled after the drift alarm of {gate.evidence_after} were weighed "
+                    f"({gate.set_aside} held-out items from before it set aside)")
     if promoted:
         return f"promoted: {figures}"
     kept = (f"kept aside: {figures}; a candidate replaces the serving bundle only where the lower bound "

@@ -414,6 +414,12 @@ class LabelStore:
             yield Label(item_id=item, question_id=qid, probabilities=json.loads(text),
                         prompt_hash=phash, created_at=created)
 
+    def labelled_at(self) -> dict[str, float]:
+        """item_id -> when the store took its first label (the writer's clock, Unix seconds): on one
+        clock with the audits' labels, so a gate can keep what came after a drift alarm."""
+        sql = "SELECT item_id, MIN(created_at) FROM labels GROUP BY item_id"
+        return {item: float(at) for item, at in self._db.execute(sql)}
+
     def question_ids(self) -> list[str]:
         rows = self._db.execute("SELECT DISTINCT question_id FROM labels ORDER BY question_id")
         return [r[0] for r in rows]
