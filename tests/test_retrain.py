@@ -293,7 +293,7 @@ def drifted(item: SyntheticItem, version: str, n: int) -> AuditRecord:
 
 def test_after_a_drift_alarm_the_gate_weighs_and_certifies_only_items_labelled_after_it(
         retrained: RetrainResult, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
-        embedding_cache: Path, tmp_path: Path) -> None:
+        embedding_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     serving = copied(retrained.bundle, tmp_path / "serving")
     manifest = retrained.bundle.manifest  # thresholds that keep nothing: kept aside, it is refreshed
     bare = {qid: dict.fromkeys(row) for qid, row in manifest.thresholds.items()}
@@ -314,18 +314,23 @@ def test_after_a_drift_alarm_the_gate_weighs_and_certifies_only_items_labelled_a
             store.put_audit(record("audit:late", item, 2000 + n))
         labelled_at = store.labelled_at()
     after = max(labelled_at[r.item_id] for r in alarms.values())
-    later = retrain(Bundle.load(serving), Path(store_path), tmp_path / "later", labelled[0], encoder,
-                    embedding_cache)
-    twin = copied(later.bundle, tmp_path / "twin")  # the candidate's heads under the alarmed calibration
-    Bundle(later.bundle.manifest.model_copy(update={"thresholds": bare, "calibration": manifest.calibration}),
+    out = tmp_path / "later"
+    assert main(["retrain", "--bundle", str(serving), "--store", str(store_path),
+                 "--corpus", str(labelled[0]), "--out", str(out), "--target-agreement", str(TARGET),
+                 "--teacher-items", "0", "--cache-dir", str(embedding_cache)]) == 0
+    assert (f"a drift alarm rose on the serving bundle's calibration ({', '.join(sorted(HEADED))}): the "
+            "certificate above rests on items labelled before it too") in capsys.readouterr().out
+    later = Bundle.load(out)
+    lineage = json.loads((out / "lineage.json").read_text(encoding="utf-8"))
+    twin = copied(later, tmp_path / "twin")  # the candidate's heads under the alarmed calibration
+    Bundle(later.manifest.model_copy(update={"thresholds": bare, "calibration": manifest.calibration}),
            twin).save()
     for bundle, promoted in ((serving, True), (twin, False)):  # better, or a tie: refreshed
         with LabelStore.open_existing(store_path) as store:
-            decision = promote(bundle, copied(later.bundle, tmp_path / f"later-{promoted}"), store,
+            decision = promote(bundle, copied(later, tmp_path / f"later-{promoted}"), store,
                                run=run(embedding_cache), encoder=encoder, log=tmp_path / f"{promoted}.jsonl")
         gate, trained = decision.gate, set(Bundle.load(bundle).split_ids()["train"])
-        held = [i for part in ("certified_on", "evaluated_on") for i in later.lineage[part]
-                if i not in trained]
+        held = [i for part in ("certified_on", "evaluated_on") for i in lineage[part] if i not in trained]
         late = [i for i in held if labelled_at[i] > after]
         assert 0 < gate.items + gate.evaluated == len(late) and gate.set_aside == len(held) - len(late) > 0
         assert gate.evidence_after is not None
@@ -409,6 +414,7 @@ def test_the_command_retrains_through_a_link_and_says_what_comes_next(
     assert ("evidence: 450 labelled states (120 audit, 20 census escalation, 300 corpus, 10 escalation); "
             "40 repeats") in printed
     assert f"next: cascade promote --bundle {link} --candidate {out}" in printed
+    assert "drift alarm" not in printed
     lineage = json.loads((out / "lineage.json").read_text(encoding="utf-8"))
     assert lineage["calibrate_on"] == "traffic"
     certified_on = lineage["certified_on"]  # traffic: audits and census escalations, never the corpus

@@ -53,6 +53,7 @@ example:
 def _cmd_retrain(args: argparse.Namespace) -> int:
     from cascade.bundle.manifest import Bundle
     from cascade.serve.swap import resolve
+    from distill.loop.auditing import drift_alarms
     from distill.loop.retrain import retrain_bundle
     from distill.store import LabelStore
 
@@ -63,7 +64,12 @@ def _cmd_retrain(args: argparse.Namespace) -> int:
                                 delta=args.delta, calibrate_on=args.calibrate_on,
                                 certificate=args.certificate, run=run_options(args),
                                 teacher_items=args.teacher_items)
+        alarmed = sorted(drift_alarms(serving.manifest, store.audits()))
     _print(result, args)
+    if alarmed:
+        print(f"a drift alarm rose on the serving bundle's calibration ({', '.join(alarmed)}): the "
+              "certificate above rests on items labelled before it too; `cascade promote` weighs and "
+              "certifies both bundles only on the items labelled after it")
     return 0
 
 
