@@ -144,6 +144,8 @@ CHANGED = ("has sha256 [0-9a-f]{64}, but the manifest expects [0-9a-f]{64}: "
     (lambda d: edit_manifest(d, lambda m: m["tiers"][-1].update(excerpt="tail:512")),
      r"tiers\.1\.external\.excerpt: Value error, excerpt policy must look like 'head_tail:1024'"),
     (lambda d: (d / MANIFEST_NAME).unlink(), r"no bundle at .*: manifest.json not found"),
+    (lambda d: edit_manifest(d, lambda m: m["calibration"].update(evidence_after="2026-12-07T09:31:43")),
+     r"calibration\.evidence_after: Value error, must be an ISO 8601 time with its zone"),
 ])
 def test_damaged_bundles_are_refused(copy: Path, damage: Callable[[Path], None], message: str) -> None:
     damage(copy)

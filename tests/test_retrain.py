@@ -342,7 +342,7 @@ def test_after_a_drift_alarm_the_gate_weighs_and_certifies_only_items_labelled_a
     # a bundle so certified keeps its gates to that start, though no alarm rose on it
     swapped_manifest = Bundle.load(swapped).manifest
     ahead = swapped_manifest.calibration.model_copy(update={"evidence_after": "2100-01-01T00:00:00+00:00"})
-    Bundle(swapped_manifest.model_copy(update={"calibration": ahead}), swapped).save()
+    Bundle.load(Bundle(swapped_manifest.model_copy(update={"calibration": ahead}), swapped).save().directory)
     with (LabelStore.open_existing(store_path) as store,
           pytest.raises(PromoteError, match="rests on items labelled after an earlier drift alarm")):
         promote(swapped, copied(retrained.bundle, tmp_path / "again"), store, run=run(embedding_cache),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -34,8 +35,19 @@ def _positive(value: float) -> float:
     return value
 
 
+def _instant(value: str) -> str:
+    try:
+        zone = datetime.fromisoformat(value).tzinfo
+    except ValueError:
+        zone = None
+    if zone is None:
+        raise ValueError(f"must be an ISO 8601 time with its zone (2026-12-07T09:31:43+00:00); got {value!r}")
+    return value
+
+
 NonNegative = Annotated[float, AfterValidator(_non_negative)]
 Positive = Annotated[float, AfterValidator(_positive)]
+Instant = Annotated[str, AfterValidator(_instant)]
 
 
 class _Section(BaseModel):
@@ -157,7 +169,7 @@ class CalibrationSection(_Section):
     audits: AuditSpan | None = None
     certificate: Literal["joint", "split"] | None = None
     asked_delta: float | None = None
-    evidence_after: str | None = None
+    evidence_after: Instant | None = None
 
     def version(self) -> str:
         """When the thresholds were certified and a digest of the calibration that certified them:

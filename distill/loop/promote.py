@@ -35,15 +35,15 @@ stays in its own folder); where PATH is the bundle folder itself, the candidate 
 promotions log beside PATH (``NAME.promotions.jsonl``): both bundles' versions, when, the rule and
 its figures (``latest_promotion`` reads the last promotion).
 
-A drift alarm is the one thing that outranks the held-out evidence. Where the store's audits show an
-alarm risen on the serving bundle's calibration (as the server's watch raises it), live traffic has
-refuted that certificate, and the items labelled before the alarm are of the traffic it failed on
-no longer: a certificate resting on them would lift the demotion on stale evidence (a promotion or
-a refresh is a new calibration version, and the watch starts afresh on it). So the gate then weighs
-and certifies both bundles only on the held-out items labelled after the alarm (``gate.evidence_after``,
-``gate.set_aside``), refuses where none are (the loop tries again after N more labels), and the
-bundle it swaps in keeps that start in its manifest (``calibration.evidence_after``), so the gates
-after it keep to it too.
+A drift alarm outranks the held-out evidence. Where the store's audits show an alarm risen on the
+serving bundle's calibration (as the server's watch raises it), live traffic has refuted that
+certificate, and the items labelled before the alarm are mostly of the traffic before the drift,
+where it held: a certificate resting on them would lift the demotion on stale evidence (a
+promotion or a refresh is a new calibration version, and the watch starts afresh on it). So the
+gate then weighs and certifies both bundles only on the held-out items labelled after the alarm
+(``gate.evidence_after``, ``gate.set_aside``), refuses where none are (the loop tries again after N
+more labels), and the bundle it swaps in keeps that start in its manifest
+(``calibration.evidence_after``), so the gates after it keep to it too.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
         raise PromoteError(f"the candidate {candidate_dir} is the bundle serving already")
     serving, candidate = Bundle.load(serving_dir), Bundle.load(candidate_dir)
     held, evaluated, excluded = _evidence(serving, candidate)
-    after, alarmed = _evidence_after(serving, store)
-    held, evaluated, set_aside = _since(after, alarmed, held, evaluated, store)
+    after, alarmed, labelled = _evidence_after(serving, store)
+    held, evaluated, set_aside = _since(after, alarmed, held, evaluated, labelled)
     log = log or promotions_log(serving_path)
     target, delta = _level(candidate)
     attempt = _attempt(log, serving)
@@ -293,26 +293,26 @@ def _refreshed(serving: Bundle, result: CalibrationResult, gate: Gate, candidate
     return target
 
 
-def _evidence_after(serving: Bundle, store: LabelStore) -> tuple[float | None, list[str]]:
-    """When the evidence a gate may weigh begins, and the questions whose drift alarm set it: the
-    last alarm that rose on the serving bundle's calibration in the store's audits (live traffic
-    refuted its certificate there, so items labelled before it are of traffic that no longer
-    comes), or the start its own certificate already kept to (``evidence_after``); None: all."""
+def _evidence_after(serving: Bundle, store: LabelStore) -> tuple[float | None, list[str], dict[str, float]]:
+    """When the evidence a gate may weigh begins, the questions whose drift alarm set it, and when
+    each item was labelled: the last alarm that rose on the serving bundle's calibration in the
+    store's audits, or the start its own certificate already kept to (``evidence_after``); None
+    (and no times read): every item."""
     alarms = drift_alarms(serving.manifest, store.audits())
     own = serving.manifest.calibration.evidence_after
+    if not alarms and not own:
+        return None, [], {}
+    labelled = store.labelled_at()
     starts = [datetime.fromisoformat(own).timestamp()] if own else []
-    if alarms:
-        labelled = store.labelled_at()
-        starts.append(max(labelled.get(record.item_id, record.at) for record in alarms.values()))
-    return (max(starts) if starts else None), sorted(alarms)
+    starts += [labelled.get(record.item_id, record.at) for record in alarms.values()]
+    return max(starts), sorted(alarms), labelled
 
 
 def _since(after: float | None, alarmed: list[str], held: list[str], evaluated: list[str],
-           store: LabelStore) -> tuple[list[str], list[str], int]:
+           labelled: dict[str, float]) -> tuple[list[str], list[str], int]:
     """The held-out items labelled after ``after`` (all where None), and how many were set aside."""
     if after is None:
         return held, evaluated, 0
-    labelled = store.labelled_at()
     late = [[i for i in part if labelled.get(i, after) > after] for part in (held, evaluated)]
     if not late[0]:
         why = (f"the drift alarm of {', '.join(alarmed)} on the serving bundle's calibration refuted its "
