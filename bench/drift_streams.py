@@ -26,8 +26,14 @@ Streams are routed items drawn from the evaluation items, each audited with prob
   of streams whose alarm rose after the drift within ``--audited`` audited items, the audited and
   routed items it took, and the disagreements the system served after the drift until the alarm,
   with the gate and without it (the same streams, the same audit draws).
+- ``--restart-every N ...``: also the library's alarm started afresh every N audited items, as the
+  server's watch starts afresh on every new calibration version (a promotion, or a refresh of the
+  serving bundle's certificate by a gate that kept its candidate aside): how a loop that swaps
+  versions often delays or misses a drift, and what restarts do to false alarms.
 
     PYTHONPATH=. .venv/bin/python -m bench.drift_streams --splits 10 --streams 200
+    PYTHONPATH=. .venv/bin/python -m bench.drift_streams --splits 10 --streams 200 \
+        --shifted-streams 100 --restart-every 50 100 200 400
 """
 
 from __future__ import annotations
@@ -98,7 +104,22 @@ def alarms(args: argparse.Namespace) -> dict[str, Alarm]:
         "betting, plug-in stakes": betting(args.target, args.delta, "plug-in"),
         f"Clopper-Pearson, last {args.window}, every {args.every}": clopper_pearson(
             args.target, args.delta, args.every, args.window),
+        **{f"betting, ONS stakes, restarted every {every}": restarted(betting(args.target, args.delta), every)
+           for every in args.restart_every},
     }
+
+
+def restarted(alarm: Alarm, every: int) -> Alarm:
+    """``alarm`` started afresh every ``every`` audited items, as the server's watch starts afresh
+    on each new calibration version (a promotion, a refresh): the first alarm in any stretch."""
+    def run(outcomes: np.ndarray) -> int | None:
+        for start in range(0, len(outcomes), every):
+            at = alarm(outcomes[start:start + every])
+            if at is not None:
+                return start + at
+        return None
+
+    return run
 
 
 def no_shift(systems: list[System], args: argparse.Namespace) -> None:
@@ -214,6 +235,8 @@ def main() -> None:
     parser.add_argument("--delta", type=float, default=0.05)
     parser.add_argument("--window", type=int, default=500)
     parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--restart-every", type=int, nargs="*", default=[], metavar="N",
+                        help="also the betting alarm started afresh every N audited items (one row each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     items = load_items(Path(LABELS), task_named("ag_news"), EmbeddingCache(CACHE_DIR, Encoder()))
