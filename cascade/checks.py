@@ -30,5 +30,11 @@ def is_int(value: Any) -> TypeGuard[int]:
 
 
 def is_finite(value: Any) -> TypeGuard[float]:
-    """A real number that is neither infinite nor NaN."""
-    return is_real(value) and math.isfinite(value)
+    """A real number that is neither infinite nor NaN, and fits a float (an int of 400 digits
+    does not: math.isfinite would raise on it, so a check of untrusted input would fail as a bug)."""
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -10,6 +10,7 @@ are typed in ``cascade.answers``; the wire format in full: docs/wire-format.md.
 
 import json
 import math
+import re
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -338,8 +339,15 @@ def parse_request(data: str | bytes | Mapping[str, Any]) -> DecisionRequest:
         raise RequestError("\n".join(_problem(e) for e in error.errors())) from None
 
 
+MAX_INT_DIGITS = 4300
+"""Digits of a JSON integer: Python's own bound on converting text to int (longer is refused)."""
+
+
 def load_json(text: str | bytes | bytearray) -> Any:
-    """Parse JSON, refusing what ``json`` would let through silently: repeated keys and NaN."""
+    """Parse JSON, refusing what ``json`` would let through silently or fail on as a bug:
+    repeated keys, NaN and Infinity (also as a number too large for a float, ``1e999``), an
+    integer past ``MAX_INT_DIGITS`` digits, and text no UTF-8 can hold (a lone surrogate escape,
+    ``"\\ud800"``, which no tokenizer or prompt takes)."""
     repeated: dict[int, str] = {}
 
     def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -352,10 +360,25 @@ def load_json(text: str | bytes | bytearray) -> Any:
     def refuse_constant(name: str) -> Any:
         raise RequestError(f"request: invalid JSON: {name} is not a JSON value")
 
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise RequestError(f"request: invalid JSON: the number {number[:40]} is too large for a float")
+        return value
+
+    def whole(number: str) -> int:
+        if len(number.lstrip("-")) > MAX_INT_DIGITS:
+            raise RequestError(f"request: invalid JSON: an integer of {len(number.lstrip('-')):,} digits "
+                               f"(at most {MAX_INT_DIGITS:,})")
+        return int(number)
+
     try:
         if not isinstance(text, str):
             text = bytes(text).decode("utf-8")
-        data = json.loads(text, object_pairs_hook=pairs_hook, parse_constant=refuse_constant)
+        data = json.loads(text, object_pairs_hook=pairs_hook, parse_constant=refuse_constant,
+                          parse_float=finite, parse_int=whole)
+        if _SURROGATE_ESCAPE.search(text):
+            _refuse_surrogates(data, ())
         found = _find_repeated(data, (), repeated) if repeated else None
     except UnicodeDecodeError as error:
         raise RequestError(f"request: not UTF-8 ({error.reason} at byte {error.start})") from None
@@ -370,6 +393,29 @@ def load_json(text: str | bytes | bytearray) -> Any:
         option = "option " if criteria else ""
         raise RequestError(f"{_path(path)}: duplicate {option}key {key!r}")
     return data
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A surrogate written as an escape: only then can the parsed text hold a lone one."""
+
+
+def _refuse_surrogates(value: Any, path: tuple[str, ...]) -> None:
+    """Refuse, at its path, the first key or text that is not valid Unicode (a lone surrogate: a
+    pair of escapes parses to one character, which passes). Walked without recursion."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        texts = [*value.keys()] if isinstance(value, dict) else [value] if isinstance(value, str) else []
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"{_path(path)}: a key or text holds a lone surrogate escape (\\ud800 to "
+                                   "\\udfff without its pair): not valid Unicode; send the character itself, "
+                                   "or both halves of its pair") from None
+        if isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((item, (*path, str(key))) for key, item in items)
 
 
 def _find_repeated(value: Any, path: tuple[str, ...], repeated: dict[int, str]) -> Any:

@@ -76,6 +76,23 @@ def test_bytes_that_are_not_utf8():
     refused(b'{"state": "\xff"}', r"^request: not UTF-8")
 
 
+@pytest.mark.parametrize("number", ["1e999", "-1e999", "1" * 4301])
+def test_numbers_past_a_float_or_pythons_int_bound_are_refused(number):
+    refused('{"state": {"n": ' + number + '}, "questions": {"q": {}}}', r"^request: invalid JSON: ")
+
+
+@pytest.mark.parametrize("text, path", [('"\\ud800 hi"', "state"), ('{"\\udfff": 1}', "state"),
+                                        ('{"a": ["x", "\\udc00"]}', r"state\.a\.1")])
+def test_a_lone_surrogate_escape_is_refused_at_its_path(text, path):
+    body = '{"state": ' + text + ', "questions": {"q": {}}}'
+    refused(body, rf"^{path}: a key or text holds a lone surrogate")
+
+
+def test_a_surrogate_pair_is_one_character():
+    text = '{"state": "\\ud83d\\ude00", "questions": {"q": ' + json.dumps(NOUL) + "}}"
+    assert parse_request(text).state == "\U0001f600"
+
+
 @pytest.mark.parametrize("text, kind", [("[1, 2]", "array"), ('"hi"', "text"), ("3", "number")])
 def test_top_level_must_be_an_object(text, kind):
     refused(text, rf"^request: must be a JSON object with 'state' and 'questions'; got {kind}$")

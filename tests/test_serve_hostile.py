@@ -231,6 +231,110 @@ def test_idle_connections_past_the_limit_get_503_until_their_deadline_frees_the_
             conn.close()
 
 
+def raw_post(url: str, body: str, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/systemone", content=body.encode(), timeout=120,
+                      headers={"Content-Type": "application/json"}, **kwargs)
+
+
+def count(url: str, code: int) -> float:
+    """``cascade_requests_total`` for one status code, from /metrics (0 before the first)."""
+    prefix = f'cascade_requests_total{{code="{code}"}} '
+    return sum(float(line.removeprefix(prefix)) for line in httpx.get(f"{url}/metrics").text.splitlines()
+               if line.startswith(prefix))
+
+
+KQ = '{"u":' + json.dumps(QUESTIONS_JSON[KEPT]) + "}"
+SURROGATE = "\\ud800"
+"""A lone surrogate, as a JSON escape (valid JSON, not valid Unicode)."""
+
+
+def doc(state: str, questions: str = KQ, tail: str = "") -> str:
+    """A request body written by hand: JSON text ``json.dumps`` would not write."""
+    return '{"state":' + state + ',"questions":' + questions + tail + "}"
+
+
+@pytest.mark.parametrize(("body", "where"), [
+    (doc('"x"', tail=',"n":' + "1" * 4301), "an integer of 4,301 digits"),
+    (doc('{"a":1e999}'), "the number 1e999 is too large for a float"),
+    (doc('"x"', tail=',"x_budget":{"ms_per_call":1' + "0" * 400 + "}"),
+     "budget.ms_per_call: must be a finite number"),
+    (doc(f'"{SURROGATE} hi"'), "state: a key or text holds a lone surrogate"),
+    (doc(f'{{"{SURROGATE}":"a"}}'), "state: a key or text holds a lone surrogate"),
+    (doc('"hi"', f'{{"u":{{"type":"noul","instructions":"Is it {SURROGATE}?"}}}}'),
+     "questions.u.instructions: a key or text"),
+    (doc('"hi"', '{"u":{"type":"choice","instructions":"Which?","criteria":{"' + SURROGATE
+         + '":"a","b":"c"}}}'),
+     "questions.u.criteria: a key or text"),
+    (doc('"hi"', '{"' + SURROGATE + '":' + json.dumps(QUESTIONS_JSON[KEPT]) + "}"),
+     "questions: a key or text"),
+])
+def test_numbers_and_text_no_float_or_utf8_holds_are_a_422_not_a_bug(url: str, body: str, where: str) -> None:
+    """Each of these was a 500 (a traceback "this is a bug"): Python's 4,300-digit bound on int,
+    an int past a float in a budget, a lone surrogate escape that tokenizers cannot encode."""
+    bugs = count(url, 500)
+    reply = raw_post(url, body)
+    assert reply.status_code == 422, reply.text[:300]
+    assert reply.json()["error"]["code"] == "invalid_request" and where in reply.json()["error"]["message"]
+    assert count(url, 500) == bugs
+
+
+@pytest.mark.parametrize("field", ["instructions", "criteria"])
+def test_a_question_nested_past_the_depth_limit_is_refused_before_it_is_read(url: str, field: str) -> None:
+    question = {"type": "noul", "instructions": nested(300)} if field == "instructions" else \
+        {"type": "choice", "instructions": "Which?", "criteria": {"a": nested(300), "b": None}}
+    message = refused(post(url, {"state": STATE, "questions": {"q": question}}), 422, "state_depth")
+    assert message.startswith(f"questions.q.{field}: more than 32 levels of nesting")
+
+
+def test_choice_keys_count_toward_the_question_characters_as_their_texts_do(url: str) -> None:
+    """A prompt reads each key beside its text, so a long key is as much to read as a long text."""
+    long = [f"option {i:02d} " + "z" * 90 for i in range(45)]  # 45 x 100 characters > 4,000
+    as_keys = {"type": "choice", "instructions": "Which?", "criteria": dict.fromkeys(long)}
+    as_texts = {"type": "choice", "instructions": "Which?",
+                "criteria": {f"k{i}": text for i, text in enumerate(long)}}
+    for question in (as_keys, as_texts):
+        refused(post(url, {"state": STATE, "questions": {"q": question}}), 413, "question_chars")
+
+
+def test_health_answers_head_and_a_trailing_slash_is_not_redirected(url: str) -> None:
+    head = httpx.head(f"{url}/health", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+    slash = httpx.post(f"{url}/v1/systemone/", json={}, headers={"Host": "evil.example"}, timeout=10)
+    assert slash.status_code == 404 and "location" not in slash.headers  # no open redirect
+
+
+def test_a_client_that_hangs_up_mid_body_is_counted_gone_not_logged_as_a_bug(
+        url: str, caplog: pytest.LogCaptureFixture) -> None:
+    gone, bugs = count(url, 499), count(url, 500)
+    host, port = url.removeprefix("http://").split(":")
+    with caplog.at_level("ERROR"), socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"state\": \"hal")
+        time.sleep(0.2)
+    until = time.monotonic() + 10
+    while count(url, 499) == gone and time.monotonic() < until:
+        time.sleep(0.05)
+    assert count(url, 499) == gone + 1 and count(url, 500) == bugs
+    assert not [r for r in caplog.records if "is a bug" in r.getMessage()]
+
+
+def test_a_bug_is_counted_and_logged_as_every_answer_is(url: str, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A failure that cannot be caused for real any more: a bug, put in for this test."""
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug put in for this test")
+
+    monkeypatch.setattr("cascade.serve.app._submit", broken)
+    bugs = count(url, 500)
+    with caplog.at_level("INFO"):
+        reply = post(url, {"state": STATE, "questions": {KEPT: QUESTIONS_JSON[KEPT]}})
+    assert reply.status_code == 500 and reply.json()["error"]["code"] == "internal_error"
+    assert "a bug put in" not in reply.text  # the exception's words stay in the log
+    assert count(url, 500) == bugs + 1
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.getMessage().startswith("{")]
+    assert any(line.get("status") == 500 and line.get("error") == "internal_error" for line in lines)
+
+
 def test_no_refused_request_reaches_the_store_and_an_answered_one_does(url: str, kept: ListSink) -> None:
     """Runs after the attacks above (pytest keeps file order): none left an escalation."""
     assert kept.items == []
@@ -240,3 +344,9 @@ def test_no_refused_request_reaches_the_store_and_an_answered_one_does(url: str,
     while not kept.items and time.monotonic() < until:
         time.sleep(0.05)
     assert len(kept.items) == 1
+
+
+def test_a_surrogate_pair_is_one_character_and_passes(url: str) -> None:
+    """After the store check above: it is answered, so it may be kept."""
+    reply = raw_post(url, doc('"smile \\ud83d\\ude00"'))
+    assert reply.status_code == 200 and set(reply.json()["answers"]) == {"u"}

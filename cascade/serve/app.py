@@ -46,7 +46,7 @@ from cascade.questions import DecisionRequest, load_json
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.serve import memory
-from cascade.serve.auth import BOTH_KEYS, check_caller, check_metrics, docs_routes
+from cascade.serve.auth import BOTH_KEYS, app_options, check_caller, check_metrics
 from cascade.serve.edge import (
     DEFAULT_RECEIVE_TIMEOUT,
     add_wire,
@@ -205,7 +205,7 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
     lifespan = lifespan_of(close, load_cascade, failed)
     app = FastAPI(title="cascade serve", version="1", lifespan=lifespan,
                   description="A tiered cascade behind the System One decision API.",
-                  **docs_routes(config.docs))
+                  **app_options(config.docs))
     app.state.loaded = loaded
     _routes(app, loaded, config)
     add_wire(app)
@@ -219,8 +219,8 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
             raise still_loading("the models are")
         return loaded.serving
 
-    @app.get("/health", include_in_schema=False)
-    @app.get("/healthz", include_in_schema=False)
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/healthz", methods=["GET", "HEAD"], include_in_schema=False)
     async def healthy() -> Response:
         return health(loaded.serving is not None, loaded.failure)
 
@@ -254,6 +254,11 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
             if loaded.metrics is not None:
                 loaded.metrics.requests.labels(str(problem.status)).inc()
             _log(request, problem.status, started, getattr(problem, "code", type(problem).__name__))
+            raise
+        except Exception:  # a bug: answered 500 by the wire's handler, counted and logged here too
+            if loaded.metrics is not None:
+                loaded.metrics.requests.labels("500").inc()
+            _log(request, 500, started, "internal_error")
             raise
         metrics = loaded.metrics
         assert metrics is not None

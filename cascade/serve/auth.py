@@ -22,10 +22,13 @@ BOTH_KEYS = ("forwarded auth and an API key would both check the caller's one Au
              "$CASCADE_API_KEY); give one of them")
 
 
-def docs_routes(docs: bool) -> dict[str, Any]:
-    """FastAPI's arguments for its documentation routes (/docs, /redoc, /openapi.json): off
-    unless ``docs``."""
-    return {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+def app_options(docs: bool) -> dict[str, Any]:
+    """FastAPI's arguments every app here takes: the documentation routes (/docs, /redoc,
+    /openapi.json) off unless ``docs``, and no redirect of a path with a trailing slash
+    (Starlette's default answers 307 to the client's own Host header, before any key is
+    checked: an open redirect; such a path is a 404 here)."""
+    off = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    return {"redirect_slashes": False, **off}
 
 
 def authorize(request: Request, key: str | None, what: str = "API key") -> None:

@@ -15,9 +15,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cascade.errors import CascadeError, ServiceError
+from cascade.serve.gone import ClientGone
 from cascade.serve.transport import HttpProblem, error_body, problems, read_body, request_id, slow_body
 
 log = logging.getLogger("cascade.serve")
@@ -83,6 +85,8 @@ async def request_body(request: Request, limit: int, timeout: float = DEFAULT_RE
         return await asyncio.wait_for(read_body(request.stream(), encoding, limit), timeout)
     except asyncio.TimeoutError:
         raise slow_body(timeout) from None
+    except ClientDisconnect:  # hung up mid-body, or framed it so the server closed it: not a bug
+        raise ClientGone from None
 
 
 def add_wire(app: FastAPI) -> None:

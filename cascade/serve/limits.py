@@ -7,11 +7,11 @@ prompt is built or any model runs:
 | limit | default | what it bounds | refused with |
 |---|---|---|---|
 | ``state_chars`` | 100,000 | the state as a prompt reads it (text, or JSON indented by 2) | 413 |
-| ``state_depth`` | 32 | how deeply a JSON state nests | 422 |
+| ``state_depth`` | 32 | how deeply a JSON state, or a question's JSON instructions or criteria, nests | 422 |
 | ``questions`` | 64 | questions in one request | 413 |
 | ``options`` | 255 | options (or levels) of one question | 422 |
 | ``options_total`` | 1,024 | options summed over the request's questions | 413 |
-| ``question_chars`` | 100,000 | the questions' instructions and option texts, summed | 413 |
+| ``question_chars`` | 100,000 | the questions' instructions, option texts and choice keys, summed | 413 |
 
 The defaults sit far above what the published SDKs send in normal use (a few questions of a few
 options about an email or a JSON record) and far below what would hold a worker for long: a
@@ -29,17 +29,17 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cascade.questions import MAX_OPTIONS, DecisionRequest, Question, load_json, parse_request
+from cascade.questions import MAX_OPTIONS, ChoiceQuestion, DecisionRequest, Question, load_json, parse_request
 from cascade.readout.prompts import state_size
 from cascade.serve.transport import HttpProblem, Problem
 
 _WHAT = {
     "state_chars": "characters of the state as a prompt reads it (text, or JSON indented by 2)",
-    "state_depth": "levels of nesting in a JSON state",
+    "state_depth": "levels of nesting in a JSON state (or a question's JSON instructions or criteria)",
     "questions": "questions in one request",
     "options": "options (or levels) of one question",
     "options_total": "options summed over the request's questions",
-    "question_chars": "characters of the questions' instructions and option texts, summed",
+    "question_chars": "characters of the questions' instructions, option texts and choice keys, summed",
 }
 
 
@@ -82,6 +82,8 @@ class RequestLimits:
                 raise over(422, f"questions.{qid}.criteria", "options", n, self.options)
             total += n
             chars += len(question.instructions_text()) + sum(len(t or "") for t in question.option_texts())
+            if isinstance(question, ChoiceQuestion):  # a prompt reads each key beside its text
+                chars += sum(len(key) for key in question.option_keys())
         if total > self.options_total:
             raise over(413, "questions", "options_total", total, self.options_total)
         if chars > self.question_chars:
@@ -116,9 +118,21 @@ def bounded_request(data: Any, limits: RequestLimits) -> DecisionRequest:
     questions = data.get("questions") if isinstance(data, dict) else None
     if isinstance(questions, dict) and len(questions) > limits.questions:
         raise over(413, "questions", "questions", len(questions), limits.questions)
+    if isinstance(questions, dict):
+        _check_question_depth(questions, limits.state_depth)
     request = parse_request(data)
     limits.check(request)
     return request
+
+
+def _check_question_depth(questions: Mapping[str, Any], limit: int) -> None:
+    """Refuse a question whose JSON instructions or criteria nest past ``limit``, before they are
+    validated (a question is JSON too: copied, rendered and logged like the state)."""
+    for qid, question in questions.items():
+        for field in ("instructions", "criteria"):
+            value = question.get(field) if isinstance(question, dict) else None
+            if isinstance(value, dict | list) and state_size(value, limit).depth > limit:
+                raise over(422, f"questions.{qid}.{field}", "state_depth", f"more than {limit}", limit)
 
 
 def read_request(body: bytes, limits: RequestLimits) -> DecisionRequest:

@@ -39,7 +39,7 @@ from cascade.cost.upstream import UpstreamLedger
 from cascade.errors import CascadeError, RequestError
 from cascade.questions import load_json, parse_request
 from cascade.readout.prompts import read_chars
-from cascade.serve.auth import BOTH_KEYS, check_caller, check_metrics, docs_routes
+from cascade.serve.auth import BOTH_KEYS, app_options, check_caller, check_metrics
 from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT, add_wire, lifespan_of, request_body, unprocessable
 from cascade.serve.engine import DEFAULT_MAX_WAIT
 from cascade.serve.gone import unless_gone
@@ -118,10 +118,10 @@ def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) 
 
     app = FastAPI(title="cascade serve (pass-through)", version="1", lifespan=lifespan_of(close),
                   description=f"A pass-through to the System One server at {settings.shown}.",
-                  **docs_routes(config.docs))
+                  **app_options(config.docs))
 
-    @app.get("/health", include_in_schema=False)
-    @app.get("/healthz", include_in_schema=False)
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/healthz", methods=["GET", "HEAD"], include_in_schema=False)
     async def health() -> Response:
         return JSONResponse({"status": "ok", "waiting": admission.inside})
 

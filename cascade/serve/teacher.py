@@ -28,7 +28,7 @@ from cascade.errors import InputTooLongError, RequestError
 from cascade.questions import DecisionRequest
 from cascade.readout.prompts import read_chars
 from cascade.readout.scorer import Scorer
-from cascade.serve.auth import authorize, docs_routes
+from cascade.serve.auth import app_options, authorize
 from cascade.serve.edge import (
     DEFAULT_RECEIVE_TIMEOUT,
     add_wire,
@@ -93,7 +93,7 @@ def create_teacher_app(load: Callable[[], Scorer], config: TeacherConfig | None 
     lifespan = lifespan_of(close, load_scorer, failed)
     app = FastAPI(title="cascade serve (teacher)", version="1", lifespan=lifespan,
                   description="A GGUF's logit readout behind the System One decision API.",
-                  **docs_routes(config.docs))
+                  **app_options(config.docs))
     _routes(app, loaded, config)
     add_wire(app)
     return app
@@ -105,8 +105,8 @@ def _routes(app: FastAPI, loaded: _Loaded, config: TeacherConfig) -> None:
             raise still_loading("the teacher model is")
         return loaded.scorer
 
-    @app.get("/health", include_in_schema=False)
-    @app.get("/healthz", include_in_schema=False)
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/healthz", methods=["GET", "HEAD"], include_in_schema=False)
     async def healthy() -> Response:
         return health(loaded.scorer is not None, loaded.failure, waiting=loaded.admission.inside)
 

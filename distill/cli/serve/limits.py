@@ -17,13 +17,14 @@ if TYPE_CHECKING:
 _LIMITS = {  # field of RequestLimits: (default, help)
     "state_chars": (100_000, "characters of the state as a prompt reads it: text, or JSON indented by 2 "
                     "(nested JSON grows, so it is measured as rendered) (default 100000): 413 above"),
-    "state_depth": (32, "levels of nesting in a JSON state (default 32): 422 above"),
+    "state_depth": (32, "levels of nesting in a JSON state, or in a question's JSON instructions or "
+                    "criteria (default 32): 422 above"),
     "questions": (64, "questions in one request (default 64): 413 above"),
     "options": (MAX_OPTIONS, "options or levels of one question, at most the wire's 255 (default 255): "
                 "422 above"),
     "options_total": (1024, "options summed over a request's questions (default 1024): 413 above"),
-    "question_chars": (100_000, "characters of a request's instructions and option texts, summed "
-                       "(default 100000): 413 above"),
+    "question_chars": (100_000, "characters of a request's instructions, option texts and choice "
+                       "keys, summed (default 100000): 413 above"),
 }
 
 
