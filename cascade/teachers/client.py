@@ -62,7 +62,15 @@ from cascade.teachers.settings import UPSTREAM_EXTRA, UpstreamSettings
 COMPRESS_FROM = 1024
 """Bodies shorter than this go uncompressed: the bytes saved would not pay for the work."""
 _RETRIED = (502, 503, 504, 429)
+MAX_RETRY_AFTER = 300.0
+"""Seconds of the longest ``Retry-After`` taken from an upstream: a longer one (``inf``, or
+``1e300``, which would pause a key for good) is taken as this."""
+MAX_REPLY_BYTES = 32 * 1024 * 1024
+"""Bytes of the largest answer read from an upstream (after inflating): a System One answer is a
+few KB per question, and an upstream must not hold this server's memory (502 past it)."""
 _FALLBACK = {"zstd": "gzip", "gzip": "identity"}
+_REREAD = ("content-encoding", "content-length")
+"""Headers of an answer that no longer describe its body once it is read and inflated."""
 log = logging.getLogger("cascade.upstream")
 _WARNED: set[str] = set()  # the URLs whose keys in the clear were warned of, once per process
 _WARNED_LOCK = threading.Lock()
@@ -159,8 +167,8 @@ class UpstreamClient:
         timeout = httpx.Timeout(connect=self.settings.connect_timeout, read=self.settings.read_timeout,
                                 write=self.settings.deadline, pool=self.settings.deadline)
         try:
-            response = self._http.get(url, headers={"Authorization": authorization} if authorization else {},
-                                      timeout=timeout)
+            response = self._read("GET", url, call, timeout,
+                                  headers={"Authorization": authorization} if authorization else {})
         except httpx.TimeoutException as exc:
             raise self._timed_out(exc, call) from None
         except httpx.TransportError as exc:
@@ -255,6 +263,8 @@ class UpstreamClient:
                 return reply
 
     def _send(self, call: _Call) -> httpx.Response:
+        """One try, its answer read whole within the call's deadline: the read timeout bounds each
+        wait for bytes, so an upstream that drips its body would outlast it otherwise."""
         left = max(0.001, call.left())
         timeout = httpx.Timeout(connect=min(self.settings.connect_timeout, left),
                                 read=min(self.settings.read_timeout, left), write=left, pool=left)
@@ -266,7 +276,30 @@ class UpstreamClient:
         if call.encoding != "identity":
             headers["Content-Encoding"] = call.encoding
         content = _compressed(call.payload, call.encoding)
-        return self._http.post(self.settings.url, content=content, headers=headers, timeout=timeout)
+        return self._read("POST", self.settings.url, call, timeout, content=content, headers=headers)
+
+    def _read(self, method: str, url: str, call: _Call, timeout: httpx.Timeout,
+              **request: Any) -> httpx.Response:
+        """One request, its answer read whole (``_body``) and returned as an answer in hand."""
+        with self._http.stream(method, url, timeout=timeout, **request) as response:
+            body = self._body(response, call)
+        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _REREAD]
+        return httpx.Response(response.status_code, headers=kept, content=body, request=response.request)
+
+    def _body(self, response: httpx.Response, call: _Call) -> bytes:
+        """The answer's body, inflated, as it comes: past the call's deadline a read timeout (504),
+        past ``MAX_REPLY_BYTES`` a 502."""
+        chunks, size = [], 0
+        for chunk in response.iter_bytes():
+            size += len(chunk)
+            if size > MAX_REPLY_BYTES:
+                mib, status = MAX_REPLY_BYTES // 2 ** 20, response.status_code
+                raise UpstreamAnswerError(f"the upstream {self.settings.shown} answered {status} with a "
+                                          f"body over {mib} MiB; check what it serves at this URL")
+            if call.left() <= 0:
+                raise httpx.ReadTimeout("the answer's body outlasted the call's deadline")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _outcome(self, response: httpx.Response, call: _Call) -> UpstreamReply | None:
         """The reply of a 2xx; None to send again; else the error to pass on, raised."""
@@ -348,18 +381,18 @@ class UpstreamClient:
 
 
 def retry_after(value: str | None) -> float | None:
-    """Seconds a ``Retry-After`` header asks for: a number of seconds or an HTTP date."""
+    """Seconds a ``Retry-After`` header asks for, a number of seconds or an HTTP date, at most
+    ``MAX_RETRY_AFTER``; None where it says nothing readable (NaN too)."""
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return None if math.isnan(seconds) else min(MAX_RETRY_AFTER, max(0.0, seconds))
 
 
 def _whole(seconds: float | None) -> int:
@@ -369,7 +402,7 @@ def _whole(seconds: float | None) -> int:
 def _json(response: httpx.Response, url: str) -> Any:
     try:
         return json.loads(response.content)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past what a parser can read
         raise UpstreamAnswerError(f"the upstream {url} answered {response.status_code} with a body that "
                                   f"is not JSON: {response.content[:80]!r}") from None
 

@@ -39,7 +39,8 @@ it; answers carry the System One fields clients type, and the cascade's own unde
 content, not id) are answered by the teacher alone, marked covered=false.
 
 Also: GET /v1/models, GET /health and /healthz (503 while the models load), GET /metrics
-(Prometheus); /docs, /redoc and /openapi.json only with --docs. With an API key (--api-key or
+(Prometheus; serving a bundle or a pass-through: the teacher served alone has none yet); /docs,
+/redoc and /openapi.json only with --docs. With an API key (--api-key or
 ${API_KEY_VARIABLE}) /v1/models, /v1/systemone and /metrics need "Authorization: Bearer KEY"
 (/metrics takes --metrics-key or ${METRICS_KEY_VARIABLE} instead, where given); /health is open.
 A --host other than loopback (127.0.0.1, ::1, localhost) is refused unless a key is checked

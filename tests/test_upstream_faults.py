@@ -1,0 +1,118 @@
+"""The upstream client against an upstream that misbehaves in ways no real server here can be
+made to: a ``Retry-After`` of ``inf``, a body dripped a byte at a time, an answer nested 200,000
+deep, an answer of 33 MiB. A small HTTP server on loopback plays each (the only fake upstream in
+the tests: the third-party servers of ``tests/servers.py`` and their fault lists have none of
+these). Each call ends in an error a server passes on with its status, never a bug, and a key
+paused by one answer is paused for a bounded time."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cascade.errors import UpstreamAnswerError, UpstreamFailed, UpstreamRateLimited, UpstreamTimeout
+from cascade.teachers.client import MAX_REPLY_BYTES, MAX_RETRY_AFTER, UpstreamClient, retry_after
+from cascade.teachers.settings import UpstreamSettings
+
+ANSWER = json.dumps({"model": "m", "answers": {"q": {"type": "noul", "noul": 0.5}}}).encode()
+Behaviour = Callable[[BaseHTTPRequestHandler], None]
+
+
+@pytest.fixture
+def upstream() -> Iterator[Callable[[Behaviour], str]]:
+    """A loopback server that answers every POST as the test says; yields a setter of how."""
+    served: list[Behaviour] = []
+
+    class Misbehaving(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            served[-1](self)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def behave(how: Behaviour) -> str:
+        served.append(how)
+        return f"http://127.0.0.1:{server.server_address[1]}/v1/systemone"
+
+    try:
+        yield behave
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def answer(status: int, body: bytes, **headers: str) -> Behaviour:
+    def reply(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(status)
+        for name, value in {"Content-Type": "application/json", **headers}.items():
+            handler.send_header(name, value)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+    return reply
+
+
+def ask(url: str, **settings: float) -> None:
+    client = UpstreamClient(UpstreamSettings(url=url, **settings))  # type: ignore[arg-type]
+    try:
+        client.post({"state": "x", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}})
+    finally:
+        client.close()
+
+
+def test_retry_after_is_bounded_and_never_infinite() -> None:
+    assert retry_after("inf") == retry_after("1e300") == MAX_RETRY_AFTER
+    assert retry_after("nan") is None and retry_after("-5") == 0.0 and retry_after("7") == 7.0
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_an_infinite_retry_after_is_passed_on_bounded_and_pauses_the_key_for_a_bounded_time(
+        upstream: Callable[[Behaviour], str], status: int) -> None:
+    """It was an OverflowError on every later call: a pass-through down until restarted."""
+    url = upstream(answer(status, b'{"error": "busy"}', **{"Retry-After": "inf"}))
+    client = UpstreamClient(UpstreamSettings(url=url, deadline=2.0))
+    body = {"state": "x", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}
+    try:
+        for _ in range(2):  # the second call meets the first one's pause (a 429) or asks again (503)
+            with pytest.raises(UpstreamRateLimited if status == 429 else UpstreamFailed) as caught:
+                client.post(body)
+            assert caught.value.retry_after == MAX_RETRY_AFTER
+    finally:
+        client.close()
+
+
+def test_a_body_dripped_past_the_deadline_ends_at_the_deadline(upstream: Callable[[Behaviour], str]) -> None:
+    """It ran for as long as the drip (the read timeout bounds each wait, not the whole read)."""
+    def drip(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(ANSWER)))
+        handler.end_headers()
+        for byte in ANSWER:
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+            time.sleep(0.2)
+
+    with pytest.raises(UpstreamTimeout):  # without the deadline: the whole answer, after 10 s or more
+        ask(upstream(drip), deadline=1.5, read_timeout=1.0)
+
+
+def test_an_answer_nested_past_any_parser_is_a_502_not_a_bug(upstream: Callable[[Behaviour], str]) -> None:
+    with pytest.raises(UpstreamAnswerError, match="not JSON"):
+        ask(upstream(answer(200, b"[" * 200_000 + b"]" * 200_000)))
+
+
+def test_an_answer_past_the_size_bound_is_a_502_read_no_further(upstream: Callable[[Behaviour], str]) -> None:
+    with pytest.raises(UpstreamAnswerError, match="with a body over 32 MiB"):
+        ask(upstream(answer(200, ANSWER + b" " * MAX_REPLY_BYTES)))
