@@ -7,6 +7,7 @@ paused by one answer is paused for a bounded time."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 import time
@@ -14,8 +15,15 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import zstandard
 
-from cascade.errors import UpstreamAnswerError, UpstreamFailed, UpstreamRateLimited, UpstreamTimeout
+from cascade.errors import (
+    UpstreamAnswerError,
+    UpstreamFailed,
+    UpstreamRateLimited,
+    UpstreamRefused,
+    UpstreamTimeout,
+)
 from cascade.teachers.client import MAX_REPLY_BYTES, MAX_RETRY_AFTER, UpstreamClient, retry_after
 from cascade.teachers.settings import UpstreamSettings
 
@@ -30,7 +38,7 @@ def upstream() -> Iterator[Callable[[Behaviour], str]]:
 
     class Misbehaving(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             served[-1](self)
 
         def log_message(self, *_: object) -> None:
@@ -116,3 +124,45 @@ def test_an_answer_nested_past_any_parser_is_a_502_not_a_bug(upstream: Callable[
 def test_an_answer_past_the_size_bound_is_a_502_read_no_further(upstream: Callable[[Behaviour], str]) -> None:
     with pytest.raises(UpstreamAnswerError, match="with a body over 32 MiB"):
         ask(upstream(answer(200, ANSWER + b" " * MAX_REPLY_BYTES)))
+
+
+def judging(encodings: list[str | None], takes_compressed: bool) -> Behaviour:
+    """An upstream that refuses (400) a body that says "bad", and one compressed where it does
+    not take compression; ``encodings`` records what each request came in."""
+    def reply(handler: BaseHTTPRequestHandler) -> None:
+        encoding = handler.headers.get("Content-Encoding")
+        encodings.append(encoding)
+        body = getattr(handler, "body", b"")
+        body = gzip.decompress(body) if encoding == "gzip" else \
+            zstandard.ZstdDecompressor().decompressobj().decompress(body) if encoding == "zstd" else body
+        refused = b'"bad' in body or (encoding is not None and not takes_compressed)
+        answer(400 if refused else 200, b'{"error": "no"}' if refused else ANSWER)(handler)
+    return reply
+
+
+def request(word: str) -> dict[str, object]:
+    return {"state": f"{word} " + "a long state " * 100, "model": word,
+            "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}
+
+
+@pytest.mark.parametrize(("takes_compressed", "seen"), [
+    (True, ["zstd", "zstd", "zstd"]),  # settled on zstd: a bad body is refused once, zstd kept
+    (False, ["zstd", "gzip", None, "zstd", "gzip", None, None]),  # a bad body says nothing of zstd
+])
+def test_a_refused_body_turns_compression_off_only_where_the_plain_body_is_taken(
+        upstream: Callable[[Behaviour], str], takes_compressed: bool, seen: list[str | None]) -> None:
+    """One request the upstream refused for its own content turned compression off for good."""
+    encodings: list[str | None] = []
+    client = UpstreamClient(UpstreamSettings(url=upstream(judging(encodings, takes_compressed)),
+                                             compress="auto"))
+    try:
+        words = ["good", "bad", "good"] if takes_compressed else ["bad", "good", "good"]
+        for word in words:
+            if word == "bad":
+                with pytest.raises(UpstreamRefused):
+                    client.post(request(word))
+            else:
+                client.post(request(word))
+    finally:
+        client.close()
+    assert encodings == seen

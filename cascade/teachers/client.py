@@ -24,8 +24,9 @@ The key is the caller's ``Authorization`` with ``forward_auth``, else the cascad
 warning (a line on the ``cascade.upstream`` log, once per URL): it crosses the network in the
 clear. ``vouch`` checks a caller's key for a route that sends nothing upstream (the upstream's
 ``/v1/models`` is asked). Bodies go gzip or zstd compressed where asked; "auto" tries zstd
-(gzip without the zstandard package) and falls back to gzip, then to none, at the first 415 (or
-a 400/422 that the same body uncompressed does not get), and remembers what the upstream takes.
+(gzip without the zstandard package) and falls back to gzip, then to none, at the first 415 (or,
+until the upstream took a compressed body, a 400/422 that the same body uncompressed does not
+get), and remembers what the upstream takes.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class _Call:
     ends: float
     headers: dict[str, str]
     encoding: str = "identity"
+    declined: str | None = None  # the encoding this call fell back from (auto), to restore
     tries: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -116,6 +118,7 @@ class UpstreamClient:
         self.pauses = Pauses(clock)
         self._slots = threading.BoundedSemaphore(settings.max_in_flight)
         self._encoding: str = settings.compress
+        self._taken = False  # whether the upstream answered a body in ``_encoding`` (auto: settled)
         if settings.compress == "auto":
             self._encoding = "zstd" if importlib.util.find_spec("zstandard") is not None else "gzip"
         parts = urlsplit(settings.url)
@@ -305,6 +308,7 @@ class UpstreamClient:
         """The reply of a 2xx; None to send again; else the error to pass on, raised."""
         status, url = response.status_code, self.settings.shown
         if 200 <= status < 300:
+            self._taken = self._taken or call.encoding != "identity"
             self.accepted.accept(call.authorization)
             self.rejected.clear(call.authorization)
             return UpstreamReply(_json(response, url), dict(response.headers),
@@ -327,6 +331,8 @@ class UpstreamClient:
             return None
         if status in (401, 403):
             self._refused(call.authorization, response)
+        if call.declined is not None and status in (400, 422):  # plain got it too: the body's fault
+            self._encoding = call.declined
         if 400 <= status < 500:
             raise UpstreamRefused(f"the upstream {url} refused the request: {status} {_snippet(response)}",
                                   status=status, body=response.content,
@@ -337,11 +343,15 @@ class UpstreamClient:
         raise UpstreamFailed(f"the upstream {url} answered {status} {_snippet(response)}{where}")
 
     def _declined_encoding(self, response: httpx.Response, call: _Call) -> bool:
-        """Whether the upstream does not take the compressed body: a 415, or (``auto`` only) a
-        400/422 that the same body uncompressed does not get. Falls back one encoding if so."""
+        """Whether the upstream does not take the compressed body: a 415, or (``auto``, before it
+        took a compressed body) a 400/422, which may be the body's own fault: the encodings
+        after it are tried, and where the plain body gets a 400/422 too, the encoding is restored
+        (``_outcome``). Falls back one encoding if so."""
         status = response.status_code
-        if status != 415 and not (self.settings.compress == "auto" and status in (400, 422)):
+        guess = self.settings.compress == "auto" and status in (400, 422) and not self._taken
+        if status != 415 and not guess:
             return False
+        call.declined = call.declined or (call.encoding if guess else None)
         self._encoding = _FALLBACK.get(call.encoding, "identity")
         call.tries -= 1  # a resend in another encoding is not a retry
         return True
