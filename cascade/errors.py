@@ -31,6 +31,8 @@ A ``ServiceError``'s message is what a server answers with: it is redacted as it
 URL's password, every ``password=`` pair: ``cascade.private``), whoever wrote it.
 """
 
+from collections.abc import Mapping
+
 from cascade.private import redact_text
 
 
@@ -76,22 +78,27 @@ class TemperatureError(CascadeError, ValueError):
 class ServiceError(CascadeError):
     """A call that failed in a way its client can act on: ``status`` is the HTTP status a server
     answers it with, ``retry_after`` (whole seconds) when waiting would help, ``body`` and
-    ``content_type`` an upstream's own error body where it is passed back unchanged. The message
-    is kept without secrets (``cascade.private.redact_text``)."""
+    ``content_type`` an upstream's own error body where it is passed back unchanged, and
+    ``passed`` the headers of that answer passed back with it (its ``x-`` ones, its request id
+    among them, and its ``RateLimit`` ones). The message is kept without secrets
+    (``cascade.private.redact_text``)."""
 
     status = 502
 
     def __init__(self, message: str, retry_after: int | None = None, status: int | None = None,
-                 body: bytes | None = None, content_type: str | None = None) -> None:
+                 body: bytes | None = None, content_type: str | None = None,
+                 passed: Mapping[str, str] | None = None) -> None:
         super().__init__(redact_text(message))
         self.retry_after = retry_after
         self.status = status if status is not None else type(self).status
         self.body, self.content_type = body, content_type
+        self.passed = dict(passed or {})
 
     @property
     def headers(self) -> dict[str, str]:
-        """The headers its answer carries: ``Retry-After`` where waiting helps."""
-        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        """The headers its answer carries: those passed on, and ``Retry-After`` where waiting helps."""
+        wait = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        return {**self.passed, **wait}
 
 
 class QueueFullError(ServiceError):

@@ -166,3 +166,16 @@ def test_a_refused_body_turns_compression_off_only_where_the_plain_body_is_taken
     finally:
         client.close()
     assert encodings == seen
+
+
+@pytest.mark.parametrize("status", [400, 429])
+def test_a_refusal_carries_the_upstreams_request_id_and_rate_limit_headers(
+        upstream: Callable[[Behaviour], str], status: int) -> None:
+    """A 2xx's were passed on by a pass-through, a refusal's dropped: where a client needs them."""
+    extra = {"X-Request-Id": "up-123", "RateLimit-Remaining": "0", "RateLimit-Reset": "30"}
+    url = upstream(answer(status, b'{"error": "no"}', **{"Retry-After": "30", **extra}))
+    with pytest.raises(UpstreamRefused if status == 400 else UpstreamRateLimited) as caught:
+        ask(url, deadline=1.0)
+    headers = {name.lower(): value for name, value in caught.value.headers.items()}
+    assert {name.lower(): value for name, value in extra.items()}.items() <= headers.items()
+    assert headers["retry-after"] == "30"

@@ -320,7 +320,7 @@ class UpstreamClient:
             self.pauses.pause(call.authorization, wait if wait is not None else 1.0)
             self._backoff_or_raise(call, wait, UpstreamRateLimited(
                 f"the upstream {url} is rate-limiting this key (429); retry after "
-                f"{_whole(wait)} s", retry_after=_whole(wait)))
+                f"{_whole(wait)} s", retry_after=_whole(wait), passed=_passed(response)))
             return None
         if status in _RETRIED:
             passed = 503 if status == 503 and wait is not None else 502
@@ -337,7 +337,8 @@ class UpstreamClient:
             raise UpstreamRefused(f"the upstream {url} refused the request: {status} {_snippet(response)}",
                                   status=status, body=response.content,
                                   content_type=response.headers.get("content-type"),
-                                  retry_after=_whole(wait) if wait is not None else None)
+                                  retry_after=_whole(wait) if wait is not None else None,
+                                  passed=_passed(response))
         where = f" (redirected to {response.headers.get('location')}; give that URL)" if 300 <= status < 400 \
             else ""
         raise UpstreamFailed(f"the upstream {url} answered {status} {_snippet(response)}{where}")
@@ -415,6 +416,12 @@ def _json(response: httpx.Response, url: str) -> Any:
     except (ValueError, RecursionError):  # RecursionError: nested past what a parser can read
         raise UpstreamAnswerError(f"the upstream {url} answered {response.status_code} with a body that "
                                   f"is not JSON: {response.content[:80]!r}") from None
+
+
+def _passed(response: httpx.Response) -> dict[str, str]:
+    """The headers of an upstream's refusal a server passes back with it: its ``x-`` ones (its
+    request id) and ``RateLimit`` ones, as a pass-through passes a 2xx's."""
+    return {name: value for name, value in response.headers.items() if name.startswith(("x-", "ratelimit"))}
 
 
 def _snippet(response: httpx.Response) -> str:
