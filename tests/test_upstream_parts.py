@@ -228,3 +228,20 @@ def test_an_endpoint_teacher_goes_from_a_store_into_a_bundle_and_back_out_as_exp
     assert TeacherInfo(**gguf).model_dump() == Teacher(**gguf).model_dump() == gguf
     with pytest.raises(ValueError, match="kind 'endpoint', and only one, has an identity"):
         Teacher(kind="external", model="x", identity=stored.identity)
+
+
+def test_a_url_password_beside_a_key_is_refused_in_one_line_without_the_password(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx sends a URL's user and password as Basic auth in place of an Authorization header:
+    the key would never go."""
+    from cascade.errors import CascadeError
+    from cascade.teachers.settings import UpstreamSettings
+
+    url = "http://bob:s3cret@127.0.0.1:9/v1/systemone"
+    monkeypatch.setenv("UPSTREAM_KEY_TEST", "k")
+    for settings in ({"key": KeySource(env="UPSTREAM_KEY_TEST")}, {"forward_auth": True}):
+        with pytest.raises(CascadeError, match="carries a user and password") as caught:
+            UpstreamSettings(url=url, **settings)  # type: ignore[arg-type]
+        assert "s3cret" not in str(caught.value)
+    monkeypatch.delenv("UPSTREAM_KEY_TEST")
+    assert UpstreamSettings(url=url, key=KeySource(env="UPSTREAM_KEY_TEST")).shown.count("s3cret") == 0

@@ -58,12 +58,26 @@ class UpstreamSettings:
             raise CascadeError(f"the upstream URL {self.shown} cannot be read (its host or port); write "
                                "it as http(s)://HOST:PORT/v1/systemone, with any @, / or : of a user "
                                "or password percent-encoded") from None
+        if self._userinfo() and self._keyed():
+            raise CascadeError(f"the upstream URL {self.shown} carries a user and password, which would go "
+                               "as Basic auth in place of the key (httpx sends the URL's): give the key "
+                               "alone, or the URL's password alone")
         if min(self.connect_timeout, self.read_timeout, self.deadline) <= 0:
             raise CascadeError(f"upstream timeouts and deadline must be > 0 seconds; got connect "
                                f"{self.connect_timeout}, read {self.read_timeout}, deadline {self.deadline}")
         if self.max_in_flight < 1 or self.retries < 0:
             raise CascadeError(f"max_in_flight must be >= 1 and retries >= 0; got {self.max_in_flight}, "
                                f"{self.retries}")
+
+
+    def _userinfo(self) -> bool:
+        parts = urlsplit(self.url)
+        return bool(parts.username or parts.password)
+
+    def _keyed(self) -> bool:
+        """Whether an Authorization of this cascade's or its callers' goes with each call."""
+        key = self.key
+        return self.forward_auth or (key is not None and (key.file is not None or bool(key.read())))
 
 
 def is_url(teacher: object) -> bool:
