@@ -125,6 +125,10 @@ class UpstreamClient:
         self._in_clear = parts.scheme == "http" and not is_loopback(parts.hostname)
         if settings.forward_auth or (settings.key is not None and self._in_clear and settings.key.read()):
             self._warn_in_clear()
+        if settings.credentials_clash():
+            log.warning("WARNING: the upstream URL %s carries a user and password, which go as Basic auth "
+                        "in place of the key: the key is not sent; give the key alone, or the URL's "
+                        "password alone", settings.shown)
         limits = httpx.Limits(max_connections=settings.max_in_flight,
                               max_keepalive_connections=settings.max_in_flight)
         self._http = httpx.Client(limits=limits, follow_redirects=False,

@@ -58,10 +58,6 @@ class UpstreamSettings:
             raise CascadeError(f"the upstream URL {self.shown} cannot be read (its host or port); write "
                                "it as http(s)://HOST:PORT/v1/systemone, with any @, / or : of a user "
                                "or password percent-encoded") from None
-        if self._userinfo() and self._keyed():
-            raise CascadeError(f"the upstream URL {self.shown} carries a user and password, which would go "
-                               "as Basic auth in place of the key (httpx sends the URL's): give the key "
-                               "alone, or the URL's password alone")
         if min(self.connect_timeout, self.read_timeout, self.deadline) <= 0:
             raise CascadeError(f"upstream timeouts and deadline must be > 0 seconds; got connect "
                                f"{self.connect_timeout}, read {self.read_timeout}, deadline {self.deadline}")
@@ -70,14 +66,12 @@ class UpstreamSettings:
                                f"{self.retries}")
 
 
-    def _userinfo(self) -> bool:
-        parts = urlsplit(self.url)
-        return bool(parts.username or parts.password)
-
-    def _keyed(self) -> bool:
-        """Whether an Authorization of this cascade's or its callers' goes with each call."""
-        key = self.key
-        return self.forward_auth or (key is not None and (key.file is not None or bool(key.read())))
+    def credentials_clash(self) -> bool:
+        """Whether the URL carries a user or password beside a key (or forwarded auth): httpx sends
+        the URL's as Basic auth in place of the Authorization header, so the key never goes."""
+        parts, key = urlsplit(self.url), self.key
+        keyed = self.forward_auth or (key is not None and (key.file is not None or bool(key.read())))
+        return bool(parts.username or parts.password) and keyed
 
 
 def is_url(teacher: object) -> bool:
