@@ -28,6 +28,16 @@ certificate keeps more of the K items than the serving bundle's.
     .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 300 1000 --evaluation 1000
     .venv/bin/python -m bench.promotion_gate --runs 1000 --sizes 1000 --evaluation 1000 --own 600
 
+``--drift F --after N ...``: a drift that multiplies both bundles' disagreements at every score by F
+(``distill.loop.promote`` after a drift alarm). Each run draws n items of the traffic before and N
+of the traffic after, and runs the library's gate on all of them ("every held-out item", the gate
+before) and on the N alone ("after the alarm", the gate now). Reported, against the curves after
+the drift: promoted, how often the certificate then served fails (a refused candidate leaves the
+question demoted: nothing kept, nothing fails), and the share it keeps.
+
+    .venv/bin/python -m bench.promotion_gate --runs 300 --sizes 1600 --drift 1.5 2.5 \
+        --after 150 400 1000
+
 ``--own N``: the serving bundle serves a certificate a gate made on N items of its own; only the
 library's gate is run, and where it keeps the candidate aside the serving bundle keeps its own
 ("never") or takes the gate's certificate of it where that keeps more of the items weighed ("keeps
@@ -183,6 +193,44 @@ def refresh_table(rng: np.random.Generator, args: argparse.Namespace) -> None:
             print(f"| {n} + {args.evaluation} | {rule} | {' | '.join(row)} |", flush=True)
 
 
+def drift_run(rng: np.random.Generator, n: int, after_n: int, curves: tuple[Curve, Curve],
+              drifted: tuple[Curve, Curve], args: argparse.Namespace) -> dict[str, Outcome]:
+    """The library's gate on n items before a drift and ``after_n`` after, weighing all or only the
+    ones after; each outcome judged on the curves after the drift (refused: nothing served)."""
+    before, later = draw(rng, n, curves, args.rho), draw(rng, after_n, drifted, args.rho)
+    every = [(np.concatenate([b[0], a[0]]), np.concatenate([b[1], a[1]])) for b, a in zip(before, later,
+                                                                                        strict=True)]
+    out = {}
+    for name, weighed in (("every held-out item", every), ("after the alarm", later)):
+        promoted, thresholds = library_gate(rng, weighed, args, args.resamples)
+        out[name] = after(drifted, promoted, thresholds, args.target) if promoted else (False, False, 0.0)
+    return out
+
+
+def drift_table(rng: np.random.Generator, args: argparse.Namespace) -> None:
+    """The table of ``--drift``: per drift, scenario and size, promoted, fails and share served."""
+    serving = curve(*SERVING, args.target)
+    level = certificate_delta(args.delta, 1)
+    print(f"cells: promoted, the certificate served after the gate fails after the drift (population "
+          f"share it keeps after the drift); {args.runs} runs, certificates at {level:.4f}")
+    print(f"| drift | items: before + after | gate weighs | {' | '.join(SCENARIOS)} |")
+    print("|---|---|---|" + "---|" * len(SCENARIOS))
+    for factor in args.drift:
+        for n in args.sizes:
+            for after_n in args.after:
+                cells: dict[str, list[str]] = {"every held-out item": [], "after the alarm": []}
+                for share, exponent in SCENARIOS.values():
+                    curves = (serving, curve(share, exponent, args.target))
+                    drifted = ((curves[0][0] * factor, curves[0][1]), (curves[1][0] * factor, curves[1][1]))
+                    runs = [drift_run(rng, n, after_n, curves, drifted, args) for _ in range(args.runs)]
+                    for rule, row in cells.items():
+                        row.append(f"{np.mean([r[rule][0] for r in runs]):.1%}, "
+                                   f"{np.mean([r[rule][1] for r in runs]):.1%} "
+                                   f"({np.mean([r[rule][2] for r in runs]):.1%})")
+                for rule, row in cells.items():
+                    print(f"| x{factor:g} | {n} + {after_n} | {rule} | {' | '.join(row)} |", flush=True)
+
+
 def served_more(bundles: list[tuple[np.ndarray, float | None]], alpha: float = ALPHA) -> bool:
     """The rule measured beside the library's (not the library's): whether the candidate's
     certified threshold keeps more of the evaluation items than the serving bundle's, paired, by a
@@ -223,10 +271,19 @@ def main() -> None:
     parser.add_argument("--own", type=int, default=0,
                         help="items the serving bundle's own (gate-made) certificate rests on: with it, "
                         "only the library's gate, with and without the refresh of that certificate")
+    parser.add_argument("--drift", type=float, nargs="*", default=[], metavar="F",
+                        help="a drift multiplying both bundles' disagreements by F: the library's gate "
+                        "after a drift alarm, weighing every held-out item or only those after it")
+    parser.add_argument("--after", type=int, nargs="+", default=[150, 400, 1000], metavar="N",
+                        help="with --drift: held-out items after the alarm, one row each")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
+    if args.drift:
+        drift_table(rng, args)
+        print(f"({time.perf_counter() - started:.0f} s)")
+        return
     if args.own:
         refresh_table(rng, args)
         print(f"({time.perf_counter() - started:.0f} s)")
