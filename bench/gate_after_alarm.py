@@ -10,10 +10,11 @@ data, beside the gate before it, which weighed every held-out item.
 Bundles as in ``bench.gate_replay``: the library's head fitted to the committed 1.5B answers of a
 training set drawn from a pool, the serving bundle on pool items 0-1,000 and the candidate on
 0-2,000 (better before the drift). The traffic before the drift is the population (every item
-outside the pool); after it, one kind of the population's items only (SHIFTS: the gold topic the
-serving bundle agrees least on, or the items the teacher itself finds ambiguous). Each run draws
+outside the pool); after it, the items the teacher itself finds ambiguous, alone or as half of the
+traffic (SHIFTS; a certificate of the traffic before fails on both, so an alarm would rise; the
+topic the serving bundle agrees least on does not fail one at the gate's level). Each run draws
 ``--before`` held-out items of the traffic before and, per ``--after`` size, that many of the
-traffic after, and gates as the library does (both bundles certified at half the first attempt's
+traffic after (drawn as traffic comes: an item may come twice), and gates as the library does (both bundles certified at half the first attempt's
 delta, the rule over the band): on all of them ("every held-out item", the gate before) and on the
 items after alone ("after the alarm", the gate now). A refused candidate leaves the question
 demoted (teacher answers: nothing kept, nothing fails). Reported, on the traffic after the drift:
