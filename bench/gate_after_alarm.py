@@ -14,9 +14,10 @@ outside the pool); after it, the items the teacher itself finds ambiguous, alone
 traffic (SHIFTS; a certificate of the traffic before fails on both, so an alarm would rise; the
 topic the serving bundle agrees least on does not fail one at the gate's level). Each run draws
 ``--before`` held-out items of the traffic before and, per ``--after`` size, that many of the
-traffic after (drawn as traffic comes: an item may come twice), and gates as the library does (both bundles certified at half the first attempt's
-delta, the rule over the band): on all of them ("every held-out item", the gate before) and on the
-items after alone ("after the alarm", the gate now). A refused candidate leaves the question
+traffic after (drawn as traffic comes: an item may come twice), and gates as the library does
+(both bundles certified at half the first attempt's delta, the rule over the band): on all of them
+("every held-out item", the gate before) and on the items after alone ("after the alarm", the gate
+now). A refused candidate leaves the question
 demoted (teacher answers: nothing kept, nothing fails). Reported, on the traffic after the drift:
 how often the gate promotes, how often the certificate the question is then served under fails
 there (the cascade at its threshold agrees with the teacher on less than the target of the
