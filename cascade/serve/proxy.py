@@ -47,7 +47,7 @@ from cascade.serve.limits import RequestLimits, read_request
 from cascade.serve.metrics import CONTENT_TYPE, Total
 from cascade.serve.transport import DEFAULT_MAX_BODY, HttpProblem
 from cascade.teachers.admission import Admission, RateAdmission, work_of
-from cascade.teachers.client import UpstreamClient, UpstreamReply
+from cascade.teachers.client import UpstreamClient, UpstreamReply, passed_headers
 from cascade.teachers.wire import distributions, read_response
 
 _PASSED = ("content-type", "retry-after")
@@ -158,7 +158,7 @@ def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) 
             rid = request.state.request_id
             config.collector.offer(lambda kept: _item(rid, body, reply, settings.shown, kept),
                                    size=len(body) + len(reply.content))
-        return Response(reply.content, reply.status, _passed(reply.headers))
+        return Response(reply.content, reply.status, passed_headers(reply.headers, _PASSED))
 
     add_wire(app)
     return app
@@ -208,11 +208,6 @@ async def _forwarded(request: Request, body: bytes, work: float, authorization: 
 
 async def _in_pool(pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
     return await asyncio.wrap_future(pool.submit(fn, *args))
-
-
-def _passed(headers: dict[str, str]) -> dict[str, str]:
-    return {name: value for name, value in headers.items()
-            if name in _PASSED or name.startswith(("x-", "ratelimit"))}
 
 
 def _item(request_id: str, body: bytes, reply: UpstreamReply, url: str, inclusion: float) -> CollectedItem:

@@ -40,6 +40,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -324,7 +325,7 @@ class UpstreamClient:
             self.pauses.pause(call.authorization, wait if wait is not None else 1.0)
             self._backoff_or_raise(call, wait, UpstreamRateLimited(
                 f"the upstream {url} is rate-limiting this key (429); retry after "
-                f"{_whole(wait)} s", retry_after=_whole(wait), passed=_passed(response)))
+                f"{_whole(wait)} s", retry_after=_whole(wait), passed=passed_headers(response.headers)))
             return None
         if status in _RETRIED:
             passed = 503 if status == 503 and wait is not None else 502
@@ -342,7 +343,7 @@ class UpstreamClient:
                                   status=status, body=response.content,
                                   content_type=response.headers.get("content-type"),
                                   retry_after=_whole(wait) if wait is not None else None,
-                                  passed=_passed(response))
+                                  passed=passed_headers(response.headers))
         where = f" (redirected to {response.headers.get('location')}; give that URL)" if 300 <= status < 400 \
             else ""
         raise UpstreamFailed(f"the upstream {url} answered {status} {_snippet(response)}{where}")
@@ -422,10 +423,12 @@ def _json(response: httpx.Response, url: str) -> Any:
                                   f"is not JSON: {response.content[:80]!r}") from None
 
 
-def _passed(response: httpx.Response) -> dict[str, str]:
-    """The headers of an upstream's refusal a server passes back with it: its ``x-`` ones (its
-    request id) and ``RateLimit`` ones, as a pass-through passes a 2xx's."""
-    return {name: value for name, value in response.headers.items() if name.startswith(("x-", "ratelimit"))}
+def passed_headers(headers: Mapping[str, str], also: tuple[str, ...] = ()) -> dict[str, str]:
+    """The upstream's headers a server passes back to its caller, on a refusal as on a 2xx: its
+    ``x-`` ones (its request id), its ``RateLimit`` ones, and the lower-case names in ``also``.
+    One filter, so a refusal and an answer carry the same ones."""
+    return {name: value for name, value in headers.items()
+            if name in also or name.startswith(("x-", "ratelimit"))}
 
 
 def _snippet(response: httpx.Response) -> str:
