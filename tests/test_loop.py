@@ -29,7 +29,7 @@ from cascade.bundle.manifest import Bundle
 from cascade.collect.escalation import EscalationRecord
 from distill.cli import main
 from distill.demo.synthetic import SyntheticItem, generate
-from distill.loop.promote import promotions_log
+from distill.loop.promotions import promotions_log
 from distill.loop.watch import VERSION, LoopPaths, LoopState, Pending, loop_lock
 from distill.store import LabelStore
 

@@ -10,6 +10,7 @@ keeps them, whose labels are the generator's as the corpus's are.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -21,13 +22,15 @@ from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.bundle.manifest import Bundle
 from cascade.collect.escalation import EscalationRecord
 from cascade.encoder.onnx_encoder import Encoder
+from cascade.locks import exclusive
 from distill.cli import main
 from distill.demo.synthetic import SyntheticItem, generate
 from distill.loop.auditing import drift_alarms
 from distill.loop.evidence import EvidenceError, state_sha256
 from distill.loop.gate import RULE, certificate_delta
-from distill.loop.promote import PromoteError, latest_promotion, promote, promotions_log
-from distill.loop.retrain import RetrainError, RetrainResult, retrain_bundle
+from distill.loop.promote import PromoteError, promote
+from distill.loop.promotions import latest_promotion, promotions_log
+from distill.loop.retrain import RetrainError, RetrainResult, evidence_beside, retrain_bundle
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
 from distill.training.split import part_of
@@ -119,6 +122,9 @@ def test_the_new_bundle_is_calibrated_on_its_held_out_items_and_names_its_parent
     assert lineage["evidence"]["duplicates"] == 40
     lines = (retrained.bundle.directory / "evidence.jsonl").read_text(encoding="utf-8").splitlines()
     assert len(lines) == 450
+    # customer text: its owner's alone, and none left where it trained (a temporary folder before)
+    assert (retrained.bundle.directory / "evidence.jsonl").stat().st_mode & 0o777 == 0o600
+    assert not evidence_beside(retrained.bundle.directory).exists()
 
 
 def test_a_retrain_refuses_another_teacher_missing_states_and_its_own_serving_folder(
@@ -133,6 +139,11 @@ def test_a_retrain_refuses_another_teacher_missing_states_and_its_own_serving_fo
         retrain(trained_bundle, served, tmp_path / "b", None, encoder, embedding_cache)
     with pytest.raises(RetrainError, match="is the serving bundle"):
         retrain(trained_bundle, served, trained_bundle.directory, labelled[0], encoder, embedding_cache)
+    # two into one --out: the calibration and lineage of one could land on the other's training
+    with (exclusive(tmp_path / ".c.retrain.lock", RuntimeError),
+          pytest.raises(RetrainError, match=rf"another retrain \(pid {os.getpid()}\) is writing")):
+        retrain(trained_bundle, served, tmp_path / "c", labelled[0], encoder, embedding_cache)
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.fixture(scope="module")
@@ -399,6 +410,23 @@ def test_promote_refuses_a_bundle_retrain_did_not_make(trained_bundle: Bundle, s
     with (LabelStore.open_existing(served) as store,
           pytest.raises(PromoteError, match="made by `cascade retrain`")):
         promote(trained_bundle.directory, copy.directory, store)
+
+
+@pytest.mark.parametrize("damage", ["lineage not JSON", "lineage a list", "evidence not JSON"])
+def test_promote_refuses_a_damaged_candidate_in_one_line(retrained: RetrainResult, served: Path, damage: str,
+                                                         tmp_path: Path) -> None:
+    """Each was a traceback (JSONDecodeError, AttributeError), or advice (--on-error skip) that
+    promote does not take."""
+    serving = copied(retrained.bundle, tmp_path / "serving")
+    candidate = copied(retrained.bundle, tmp_path / "candidate")
+    name, content = {"lineage not JSON": ("lineage.json", "{\"certified_on\": [\"a\""),
+                     "lineage a list": ("lineage.json", "[]"),
+                     "evidence not JSON": ("evidence.jsonl", "{not json\n")}[damage]
+    (candidate / name).write_text(content, encoding="utf-8")
+    why = r"is damaged \(not the lineage" if name == "lineage.json" else \
+        "evidence.jsonl is damaged: .*retrain it$"
+    with LabelStore.open_existing(served) as store, pytest.raises(PromoteError, match=why):
+        promote(serving, candidate, store)
 
 
 def test_the_command_retrains_through_a_link_and_says_what_comes_next(

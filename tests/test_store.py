@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from shlex import quote as shlex_quote
 from urllib.parse import urlsplit
 
 import pytest
@@ -449,3 +450,26 @@ def test_a_server_s_store_writers_reconnect_after_postgresql_ends_their_sessions
         kept.close()
     with LabelStore.open_existing(postgres_url) as store:
         assert [record.request_id for _, record in store.escalations_after(0)] == ["r0", "r2"]
+
+
+def test_a_store_on_a_read_only_mount_is_said_to_be_one(tmp_path: Path) -> None:
+    """SQLite must make the -shm file beside a WAL store even to read it: on a read-only mount the
+    store was called "not a label store". Run for real under a private read-only bind mount
+    (``unshare -m``, root only), where the mount can be made."""
+    (tmp_path / "src").mkdir()
+    with LabelStore(tmp_path / "src" / "labels.sqlite", GGUF) as store:
+        store.put_item("e1", {"q0": {"a": 1.0}})
+    (tmp_path / "ro").mkdir()
+    opened = ("from distill.store import LabelStore\n"
+              f"LabelStore.open_existing({str(tmp_path / 'ro' / 'labels.sqlite')!r})")
+    script = f"mount --bind -o ro {tmp_path / 'src'} {tmp_path / 'ro'} || exit 77\n" \
+             f"exec {sys.executable} -c {shlex_quote(opened)}"
+    try:
+        done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                              timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    if done.returncode == 77 or "unshare failed" in done.stderr or "Operation not permitted" in done.stderr:
+        pytest.skip("a private read-only mount cannot be made here (not root)")
+    assert "folder must be writable by this user" in done.stderr, done.stderr[-800:]
+    assert "not a label store" not in done.stderr

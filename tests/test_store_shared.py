@@ -267,3 +267,15 @@ def test_a_url_given_as_a_path_is_refused_with_how_to_give_it() -> None:
         store_location(Path("postgresql://cascade@127.0.0.1/labels"))
     assert isinstance(store_location("postgres://h/db"), StoreURL)
     assert store_location("labels.sqlite") == Path("labels.sqlite")
+
+
+def test_a_store_in_another_form_is_refused_without_its_password() -> None:
+    """A conninfo or a URL of another scheme was taken as a SQLite file's name and echoed whole,
+    password included, in "no label store at ..."; an upper-case scheme is libpq's URL."""
+    assert str(store_location(" POSTGRESQL://u:s3cret-pw@h/db")) == "postgresql://u:***@h/db"
+    for given, why in (("host=127.0.0.1 port=5432 user=u password=s3cret-pw dbname=labels", "conninfo"),
+                       ("postgresql+psycopg://u:s3cret-pw@h/db", "no \\+driver")):
+        with pytest.raises(StoreError, match=why) as refused:
+            store_location(given)
+        assert "s3cret-pw" not in str(refused.value)
+    assert store_location("runs/a=b.sqlite") == Path("runs/a=b.sqlite")

@@ -330,9 +330,9 @@ def test_a_second_training_of_one_bundle_is_refused_and_touches_nothing(tmp_path
     leftover.mkdir()
     with (tmp_path / ".bundle.training.lock").open("a", encoding="utf-8") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first run, still at work
-        refused = pytest.raises(TrainError, match=r"another `cascade train` is writing .*bundle now \(it "
-                                r"holds .*\.bundle\.training\.lock\); wait for it to finish, or give another "
-                                r"--bundle")
+        refused = pytest.raises(TrainError, match=r"another `cascade train` \(pid unknown\) is writing "
+                                r".*bundle now \(it holds .*\.bundle\.training\.lock\); wait for it to "
+                                r"finish, or give another --bundle")
         with refused, staged(target):
             pass
         assert leftover.is_dir() and (target / "manifest.json").read_text(encoding="utf-8") == "{}"

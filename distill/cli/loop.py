@@ -27,16 +27,24 @@ figures in PATH.promotions.jsonl; the state in PATH.loop.json (the label count a
 retrain, the attempt counter), written atomically, so a killed loop restarts where it was: a
 candidate it was making when killed is removed unfinished, never promoted, and made again when
 due. PATH.loop.lock is held while the loop runs: a second `cascade loop` on PATH is refused.
-A retrain or gate that fails for a reason you can fix (too little held-out evidence, say) is
-logged as failed and tried again after --every more labels."""
+A retrain or gate that fails (too little held-out evidence, say, or a missing --corpus) is logged
+as failed and tried again after --every more labels, or at once by a loop started with --now
+(after you fixed the command). A promotion run by hand meanwhile (`cascade promote`) is refused
+while the loop's gate runs, and the other way round (PATH.promote.lock)."""
 EPILOG = """\
 example (serve through a link, so each promotion is one rename):
   ln -s support-v1 models/support
-  cascade serve --bundle models/support --store labels.sqlite &
-  cascade loop --bundle models/support --store labels.sqlite --corpus emails.jsonl --every 500
+  cascade serve --bundle models/support --teacher http://gpu-box:8000 \\
+      --audit-store labels.sqlite --escalation-share 1 &
+  cascade loop --bundle models/support --store labels.sqlite --corpus emails.jsonl \\
+      --every 500
   tail -f models/support.loop.jsonl
-once, from cron:
-  cascade loop --bundle models/support --store labels.sqlite --every 500 --once"""
+once, from cron (give it what the loop above is given):
+  cascade loop --bundle models/support --store labels.sqlite --corpus emails.jsonl \\
+      --every 500 --once
+after fixing what made an attempt fail, try again without waiting for 500 more:
+  cascade loop --bundle models/support --store labels.sqlite --corpus emails.jsonl \\
+      --every 500 --once --now"""
 
 
 def _cmd_loop(args: argparse.Namespace) -> int:
@@ -45,7 +53,8 @@ def _cmd_loop(args: argparse.Namespace) -> int:
     settings = RetrainSettings(corpus=optional_corpus_input(args), finetune=finetune_config(args),
                                target=args.target_agreement, delta=args.delta, calibrate_on=args.calibrate_on,
                                teacher_items=args.teacher_items, run=run_options(args))
-    decisions = watch(args.bundle, args.store, args.every, settings, poll=args.poll, once=args.once)
+    decisions = watch(args.bundle, args.store, args.every, settings, poll=args.poll, once=args.once,
+                      now=args.now)
     return 1 if any(decision.outcome == "failed" for decision in decisions) else 0
 
 
@@ -63,6 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true",
                    help="look once (retrain and promote if due), then exit: for cron; exit status 1 if "
                    "that attempt failed")
+    p.add_argument("--now", action="store_true",
+                   help="retrain at the first look whatever the count (after fixing what made an attempt "
+                   "fail: a failed attempt is otherwise tried again after N more labels)")
     add_retrain_arguments(p, certificate=False,
                           finetune_help="fine-tune the encoder too at each retrain (the finetune extra)")
     p.set_defaults(run=_cmd_loop)

@@ -42,12 +42,16 @@ the serving bundle's calibration (its certificate refuted on live traffic), only
 items labelled after the alarm are weighed and certify, the bundle swapped in keeps to them
 (calibration.evidence_after), and with none the gate refuses, waiting for more traffic: a
 promotion would otherwise lift the demotion on evidence of the traffic before the drift.
-Promoted, it is copied over
-the serving folder in one swap (the replaced bundle kept as NAME.previous beside it), which a running `cascade
-serve` watching the folder picks up; kept aside, it stays where it is with the reason in its
-promotion.json. Every decision, promoted or not, is one line of NAME.promotions.jsonl beside the
-serving folder: both bundles' names, manifest hashes and calibration versions, when, the rule and
-its figures. Exit status 0 promoted, 1 kept aside. See docs/retraining.md."""
+Promoted, it is swapped in as a running `cascade serve --bundle PATH` follows PATH: where PATH is a
+link or a pointer file (best), it is replaced in one rename to name the candidate's folder;
+where PATH is the bundle folder itself, the candidate is copied over it (the replaced bundle kept
+as NAME.previous beside it). Kept aside, the candidate stays where it is with the reason in its
+promotion.json. Every decision, promoted or not, is one line of PATH.promotions.jsonl: both
+bundles' names, manifest hashes and calibration versions, when, the rule and its figures. It is
+logged before the swap, and a run killed between the two is finished by the next promotion of
+PATH; one promotion of PATH at a time (PATH.promote.lock: a second, or one beside `cascade loop`'s
+gate, is refused). Exit status 0 promoted, 1 kept aside, 2 an error (one line). See
+docs/retraining.md."""
 EPILOG = """\
 example:
   cascade retrain --bundle models/support --store labels.sqlite --out models/support-r2
@@ -55,7 +59,8 @@ example:
 
 
 def _cmd_promote(args: argparse.Namespace) -> int:
-    from distill.loop.promote import promote, promotions_log
+    from distill.loop.promote import promote
+    from distill.loop.promotions import promotions_log
     from distill.store import LabelStore
 
     with LabelStore.open_existing(args.store) as store:
@@ -98,7 +103,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "keeps more",
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bundle_argument(p, "the serving bundle's folder (replaced if the candidate passes)")
+    add_bundle_argument(p, "PATH: the serving bundle as `cascade serve --bundle` follows it (a link, a "
+                        "pointer file or the folder; swapped if the candidate passes)")
     p.add_argument("--candidate", type=Path, required=True, metavar="DIR",
                    help="the bundle `cascade retrain` wrote (--out)")
     add_store_argument(p, "the label store both bundles were trained from")

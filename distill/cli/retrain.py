@@ -41,7 +41,8 @@ escalations are chosen by the serving cascade, so they train but never certify, 
 escalations: those of questions the serving cascade sent to the teacher whatever the item (it
 held no threshold for them yet), a uniform draw of traffic like an audit. It is written to
 --out with its evidence (evidence.jsonl) and lineage (lineage.json); the serving bundle is not
-touched: `cascade promote` swaps the new one in only if it certifies at least as much."""
+touched: `cascade promote` swaps the new one in only where its gate's paired comparison says it
+keeps more (a tie never does). Two retrains into one --out at once: the second is refused."""
 EPILOG = """\
 example:
   cascade retrain --bundle models/support --store labels.sqlite --corpus emails.jsonl \\

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -106,8 +107,11 @@ class Evidence:
                 for origin, (low, top) in spread.items() if low < top}
 
     def write(self, path: Path) -> Path:
-        """The states as a JSONL corpus (``{"id", "text"}``), which training and calibration read."""
-        with path.open("w", encoding="utf-8") as handle:
+        """The states as a JSONL corpus (``{"id", "text"}``), which training and calibration read:
+        customer text, so readable by its owner alone (0600, whatever the umask)."""
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(descriptor, 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             for item in self.items:
                 handle.write(json.dumps({"id": item.id, "text": item.state}, ensure_ascii=False) + "\n")
         return path

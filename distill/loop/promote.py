@@ -33,7 +33,8 @@ link or a pointer file, PATH is replaced in one rename to name the candidate's f
 stays in its own folder); where PATH is the bundle folder itself, the candidate is copied over it
 (the replaced bundle kept beside it as ``NAME.previous``). Either way one line goes to the
 promotions log beside PATH (``NAME.promotions.jsonl``): both bundles' versions, when, the rule and
-its figures (``latest_promotion`` reads the last promotion).
+its figures. The record, the log and the swap are ``distill.loop.promotions``'s: the line is
+written ahead of the swap, and one promotion of PATH runs at a time.
 
 A drift alarm outranks the held-out evidence. Where the store's audits show an alarm risen on the
 serving bundle's calibration (as the server's watch raises it), live traffic has refuted that
@@ -49,19 +50,16 @@ more labels), and the bundle it swaps in keeps that start in its manifest
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel
 
-from cascade.bundle.manifest import MANIFEST_NAME, Bundle
+from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
-from cascade.errors import CascadeError
-from cascade.hashing import file_sha256
+from cascade.errors import CascadeError, CorpusError
 from cascade.serve.swap import resolve
 from cascade.thresholds import CERTIFIED_SCORE
 from distill.calibration.manifest import updated_manifest
@@ -70,13 +68,21 @@ from distill.calibration.results import CalibrationResult
 from distill.calibration.run import calibrate_bundle
 from distill.loop.auditing import drift_alarms
 from distill.loop.gate import RULE, Comparison, Question, band, certificate_delta, chain_ranks, compare
+from distill.loop.promotions import (
+    BundleVersion,
+    Gate,
+    Promotion,
+    Refresh,
+    carry_out,
+    promoting,
+    promotions_log,
+    records,
+    replaced_at,
+)
 from distill.loop.retrain import EVIDENCE_NAME, LINEAGE_NAME
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore
-from distill.training.run import staged
 
-LOG_SUFFIX = ".promotions.jsonl"
-PREVIOUS_SUFFIX = ".previous"
 KEPT_ASIDE_NAME = "promotion.json"
 
 
@@ -84,110 +90,22 @@ class PromoteError(CascadeError, ValueError):
     """Two bundles cannot be compared: another teacher, other questions, no held-out evidence."""
 
 
-class BundleVersion(BaseModel):
-    """Which bundle: its name, folder, manifest hash and calibration version."""
-
-    name: str
-    path: str
-    manifest_sha256: str
-    calibration_version: str
-
-    @classmethod
-    def of(cls, bundle: Bundle) -> BundleVersion:
-        return cls(name=bundle.manifest.name, path=str(bundle.directory.resolve()),
-                   manifest_sha256=file_sha256(bundle.directory / MANIFEST_NAME),
-                   calibration_version=bundle.manifest.calibration.version())
-
-
-class Gate(BaseModel):
-    """The figures a promotion is decided on: both bundles certified on the same held-out items,
-    ``items`` of the candidate's certifying part and ``evaluated`` of its evaluation part
-    (``certified_on`` "held-out"; a record written before 2026-12-07 says "certifying": the
-    evaluation items were weighed by the rule but certified nothing), at ``target`` and
-    ``certificate_delta`` each (half of what attempt ``attempt`` against this serving bundle may
-    spend of ``delta``: ``distill.loop.gate``); ``excluded``: held-out items of the candidate the
-    serving bundle trained on. ``serving_share`` and ``candidate_share``: the
-    shares the certified thresholds keep (answers the cheap tiers keep, per question in ``shares``
-    and averaged). ``rule``: the choosing rule; ``serving_plugin`` and ``candidate_plugin`` the
-    plug-in shares it compares (averaged over the questions and the ``band`` of targets),
-    ``difference`` theirs and ``lower_bound`` its one-sided ``1 - alpha`` paired bootstrap bound
-    over ``resamples``; promoted only where it is above 0. ``serving_before``: the share the serving
-    bundle's own thresholds (those it served until this gate) keep of the same items, averaged as
-    ``serving_share`` is. ``evidence_after``: where a drift alarm refuted the serving bundle's
-    certificate (or one before it), only items labelled after it were weighed, and ``set_aside``
-    held-out items labelled before it were not."""
-
-    target: float
-    delta: float
-    certificate: str
-    items: int
-    excluded: int
-    evaluated: int = 0
-    serving_share: float
-    candidate_share: float
-    shares: dict[str, dict[str, float]]
-    rule: str = "certified-share"
-    attempt: int = 1
-    certificate_delta: float | None = None
-    alpha: float | None = None
-    resamples: int | None = None
-    serving_plugin: float | None = None
-    candidate_plugin: float | None = None
-    difference: float | None = None
-    lower_bound: float | None = None
-    band: tuple[float, ...] | None = None
-    certified_on: Literal["certifying", "held-out"] = "certifying"
-    serving_before: float | None = None
-    evidence_after: str | None = None
-    set_aside: int = 0
-
-    def weighed(self) -> str:
-        """How many held-out items the rule weighed, of which parts."""
-        if not self.evaluated:
-            return f"{self.items}"
-        return f"{self.items} certifying and {self.evaluated} evaluation"
-
-    def certified(self) -> str:
-        """How many held-out items both certificates rest on, of which parts."""
-        return self.weighed() if self.certified_on == "held-out" else f"{self.items} certifying"
-
-
-Refresh = Literal["kept-nothing", "keeps-more"]
-"""Why a kept-aside gate's serving bundle took the thresholds the gate certified for it: its own kept
-nothing, or they were a gate's and kept fewer of the items weighed."""
-
-
-class Promotion(BaseModel):
-    """One decision, as the promotions log keeps it."""
-
-    at: str
-    promoted: bool
-    serving: BundleVersion
-    candidate: BundleVersion
-    gate: Gate
-    reason: str
-    previous: str | None = None
-    refreshed: str | None = None
-    refresh: Refresh | None = None
-
-
-def promotions_log(serving: Path) -> Path:
-    """The log beside what ``--bundle`` names: ``models/support`` -> ``models/support.promotions.jsonl``."""
-    serving = Path(os.path.abspath(serving))
-    return serving.parent / f"{serving.name}{LOG_SUFFIX}"
-
-
-def latest_promotion(log: Path) -> Promotion | None:
-    """The last promotion the log records (refusals skipped), or None: what a server serves."""
-    return next((record for record in reversed(_records(log)) if record.promoted), None)
-
-
 def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: RunOptions | None = None,
             encoder: Encoder | None = None, log: Path | None = None) -> Promotion:
     """Weigh the candidate against the bundle ``serving_path`` names (a folder, a link to one, or a
     pointer file: ``cascade.serve.swap``) on the candidate's held-out evidence, and swap it in,
     with the thresholds the gate certified, where the rule says it keeps more; record the
-    decision either way."""
+    decision either way. One promotion of a serving path at a time (``promotions.promoting``)."""
+    path = Path(serving_path)
+    if not path.parent.is_dir():
+        raise PromoteError(f"no bundle at {path}: the folder {path.parent} does not exist; give the path "
+                           "`cascade serve --bundle` serves")
+    with promoting(path):
+        return _promote(path, Path(candidate_dir), store, run, encoder, log or promotions_log(path))
+
+
+def _promote(serving_path: Path, candidate_dir: Path, store: LabelStore, run: RunOptions | None,
+             encoder: Encoder | None, log: Path) -> Promotion:
     try:
         serving_dir = resolve(Path(serving_path))
     except CascadeError as exc:
@@ -195,12 +113,11 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     if serving_dir == Path(candidate_dir).resolve():
         raise PromoteError(f"the candidate {candidate_dir} is the bundle serving already")
     serving, candidate = Bundle.load(serving_dir), Bundle.load(candidate_dir)
+    attempt = _attempt(log, serving)  # the log read first: one damaged is said before the gate's work
     held, evaluated, excluded = _evidence(serving, candidate)
     after, alarmed, labelled = _evidence_after(serving, store)
     held, evaluated, set_aside = _since(after, alarmed, held, evaluated, labelled)
-    log = log or promotions_log(serving_path)
     target, delta = _level(candidate)
-    attempt = _attempt(log, serving)
     level = certificate_delta(delta, attempt)
     section = candidate.manifest.calibration
     certificate = section.certificate or "split"
@@ -208,8 +125,12 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     weighed = sorted(held) + sorted(evaluated)
     options = CalibrationOptions(target=target, delta=level, family_wise=section.family_wise,
                                  certificate=certificate, held_out=weighed, teacher_items=0, save=False)
-    results = {name: calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
-               for name, bundle in {"serving": serving, "candidate": candidate}.items()}
+    try:
+        results = {name: calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
+                   for name, bundle in {"serving": serving, "candidate": candidate}.items()}
+    except CorpusError as exc:  # its advice (--on-error skip) is labelling's, which the gate does not take
+        why = str(exc).partition(" (--on-error")[0]
+        raise PromoteError(f"the candidate's {EVIDENCE_NAME} is damaged: {why}; retrain it") from None
     scores = {name: result.item_scores for name, result in results.items()}
     comparison = _compare(results, scores, weighed, band(target, len(weighed), level))
     gate = _gate(results, comparison, delta, attempt, len(held), excluded, len(evaluated),
@@ -225,22 +146,17 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     refreshed = None if refresh is None else _refreshed(serving, results["serving"], gate,
                                                         Path(candidate_dir))
     swapped = comparison.promotes or refreshed is not None
-    replaced = _replaced_at(Path(serving_path), serving_dir)
+    replaced = replaced_at(serving_path, serving_dir)
     record = Promotion(at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        promoted=comparison.promotes, serving=BundleVersion.of(serving),
                        candidate=BundleVersion.of(candidate), gate=gate,
                        reason=_reason(gate, comparison.promotes, refreshed, refresh),
                        refreshed=None if refreshed is None else str(refreshed), refresh=refresh,
                        previous=str(replaced) if swapped else None)
-    if record.promoted:
-        _swap(Path(serving_path), serving_dir, Path(candidate_dir))
-    else:
+    if not record.promoted:
         (Path(candidate_dir) / KEPT_ASIDE_NAME).write_text(record.model_dump_json(indent=2) + "\n",
                                                            encoding="utf-8")
-    with log.open("a", encoding="utf-8") as handle:
-        handle.write(record.model_dump_json() + "\n")
-    if refreshed is not None:  # logged first: a swap cut short leaves the old thresholds, valid still
-        _swap(Path(serving_path), serving_dir, refreshed)
+    carry_out(serving_path, log, record)
     return record
 
 
@@ -333,17 +249,9 @@ def _attempt(log: Path, serving: Bundle) -> int:
     decisions since the last promotion (or since the log began), since every attempt reuses
     held-out items like the last ones, so each spends its own share of delta. A serving bundle the
     gate refreshed (``refreshed``) is the same one; one changed by hand keeps the count going."""
-    records = _records(log)
-    since = next((k for k in range(len(records) - 1, -1, -1) if records[k].promoted), -1)
-    return len(records) - since
-
-
-def _records(log: Path) -> list[Promotion]:
-    """Every decision the log holds, oldest first (none where there is no log)."""
-    if not Path(log).is_file():
-        return []
-    lines = [line for line in Path(log).read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [Promotion.model_validate_json(line) for line in lines]
+    logged = records(log)
+    since = next((k for k in range(len(logged) - 1, -1, -1) if logged[k].promoted), -1)
+    return len(logged) - since
 
 
 def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], list[str], int]:
@@ -359,7 +267,7 @@ def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], list[str],
         raise PromoteError(f"bundles {ours.name!r} and {theirs.name!r} differ in their teacher or their "
                            "questions: a promotion compares certificates about one teacher's answers to "
                            "the same questions; retrain from the serving bundle")
-    lineage: dict[str, Any] = json.loads(lineage_path.read_text(encoding="utf-8"))
+    lineage = _lineage_of(lineage_path)
     trained = set(serving.split_ids().get("train", []))
     certified_on = list(lineage.get("certified_on", []))
     held = [i for i in certified_on if i not in trained]
@@ -368,6 +276,19 @@ def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], list[str],
                            f"trained {ours.name!r}: there is no held-out evidence to weigh them on")
     evaluated = [i for i in lineage.get("evaluated_on", []) if i not in trained]
     return held, evaluated, len(certified_on) - len(held)
+
+
+def _lineage_of(path: Path) -> dict[str, Any]:
+    """The candidate's lineage, refused in one line where it is not the object retrain wrote."""
+    try:
+        lineage = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        lineage = exc
+    if not isinstance(lineage, dict) or not all(isinstance(lineage.get(key, []), list)
+                                                for key in ("certified_on", "evaluated_on")):
+        raise PromoteError(f"{path} is damaged (not the lineage `cascade retrain` writes); retrain the "
+                           "candidate") from None
+    return lineage
 
 
 def _level(candidate: Bundle) -> tuple[float, float]:
@@ -465,32 +386,3 @@ def _at(gate: Gate) -> str:
     if not gate.band or len(gate.band) < 2:
         return "at the target"
     return f"at targets {gate.band[0]:g} to {gate.band[-1]:.4f} (averaged)"
-
-
-def _replaced_at(path: Path, serving_dir: Path) -> Path:
-    """Where ``_swap`` leaves the bundle it replaces: known before the swap, so that a refresh,
-    logged before it swaps, names it."""
-    if path.is_symlink() or path.is_file():
-        return serving_dir
-    return serving_dir.parent / f"{serving_dir.name}{PREVIOUS_SUFFIX}"
-
-
-def _swap(path: Path, serving_dir: Path, candidate_dir: Path) -> None:
-    """Serve the candidate from ``path``, the replaced bundle left where ``_replaced_at`` says. A
-    link or pointer file is replaced in one rename; a folder gets the candidate copied over it (its
-    old contents kept as NAME.previous beside it)."""
-    if path.is_symlink() or path.is_file():
-        target = os.path.relpath(candidate_dir.resolve(), path.absolute().parent)
-        fresh = path.with_name(f".{path.name}.promoting")
-        fresh.unlink(missing_ok=True)
-        if path.is_symlink():
-            fresh.symlink_to(target, target_is_directory=True)
-        else:
-            fresh.write_text(target + "\n", encoding="utf-8")
-        os.replace(fresh, path)
-        return
-    previous = _replaced_at(path, serving_dir)
-    shutil.rmtree(previous, ignore_errors=True)
-    shutil.copytree(serving_dir, previous)
-    with staged(serving_dir) as stage:
-        shutil.copytree(candidate_dir, stage, dirs_exist_ok=True)

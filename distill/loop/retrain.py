@@ -19,8 +19,8 @@ read) and ``lineage.json`` (its parent, the evidence's counts, and the ids that 
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import CascadeError
 from cascade.hashing import file_sha256
+from cascade.locks import exclusive
 from cascade.tiers.gguf import GgufSpec
 from cascade.tiers.mid_layer import MidLayerSpec
 from distill.calibration.inputs import check_teacher
@@ -98,20 +99,46 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
     target = target if target is not None else manifest.calibration.target or 0.98
     section = manifest.calibration  # a promoted bundle's delta is the gate's share: ask its whole
     delta = delta if delta is not None else section.asked_delta or section.delta or 0.05
-    with tempfile.TemporaryDirectory() as work:
-        states = CorpusInput(evidence.write(Path(work) / EVIDENCE_NAME))
-        training = replace(run, placement=None, flops_per_second=None)  # what training takes of it
-        bundle = train_bundle(questions, states, store, out, encoder, manifest.split.fractions,
-                              manifest.training.C or 1.0, run=training, finetune=finetune, parts=parts,
-                              ngrams=manifest.training.ngrams is not False, **_tiers_of(serving))
-    states = CorpusInput(evidence.write(out / EVIDENCE_NAME))
-    options = CalibrationOptions(target=target, delta=delta, certificate=certificate, held_out=held,
-                                 teacher_items=teacher_items)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(out.parent / f".{out.name}.retrain.lock", _busy(out)):
+        return _retrain_into(serving, store, out, evidence, parts, held, run, finetune, encoder,
+                             CalibrationOptions(target=target, delta=delta, certificate=certificate,
+                                                held_out=held, teacher_items=teacher_items), calibrate_on)
+
+
+def _busy(out: Path) -> Callable[[str], RetrainError]:
+    return lambda holder: RetrainError(f"another retrain (pid {holder}) is writing {out} now; wait for it, "
+                                       "or give another --out")
+
+
+def _retrain_into(serving: Bundle, store: LabelStore, out: Path, evidence: Evidence,
+                  parts: dict[str, list[str]], held: list[str], run: RunOptions,
+                  finetune: FinetuneConfig | None, encoder: Encoder | None, options: CalibrationOptions,
+                  calibrate_on: str) -> RetrainResult:
+    """Train, calibrate and record the lineage under the lock of ``out``: the whole of one run lands
+    there, never one run's calibration on another's training."""
+    manifest = serving.manifest
+    questions = manifest.parsed_questions()
+    written = evidence.write(evidence_beside(out))
+    training = replace(run, placement=None, flops_per_second=None)  # what training takes of it
+    bundle = train_bundle(questions, CorpusInput(written), store, out, encoder, manifest.split.fractions,
+                          manifest.training.C or 1.0, run=training, finetune=finetune, parts=parts,
+                          ngrams=manifest.training.ngrams is not False, **_tiers_of(serving))
+    os.replace(written, out / EVIDENCE_NAME)
+    states = CorpusInput(out / EVIDENCE_NAME)
     calibration = calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
     evaluated = sorted(set(parts["evaluation"]) & evidence.ids(CERTIFYING[calibrate_on]))
     lineage = _lineage(serving, evidence, parts, held, evaluated, calibrate_on)
     (out / LINEAGE_NAME).write_text(json.dumps(lineage, indent=2) + "\n", encoding="utf-8")
     return RetrainResult(Bundle.load(out), evidence, calibration, lineage)
+
+
+def evidence_beside(out: Path) -> Path:
+    """Where the states are written while ``out`` trains (``.NAME.evidence.jsonl`` beside it, then
+    moved in): not a temporary folder, which a killed run leaves with customer text in it where
+    nothing looks; here the next retrain of ``out`` writes over it, and ``cascade loop`` removes it
+    with a candidate it discards."""
+    return out.parent / f".{out.name}.evidence.jsonl"
 
 
 def place(evidence: Evidence, serving: Bundle) -> dict[str, list[str]]:

@@ -22,8 +22,6 @@ never promoted (unless PATH already names it, which only a finished promotion ma
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import re
 import shutil
@@ -41,12 +39,15 @@ from cascade.atomic import write_atomically
 from cascade.bundle.manifest import Bundle
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import CascadeError, StoreUnavailable
+from cascade.locks import exclusive
 from cascade.serve.swap import resolve
-from distill.loop.promote import promote, promotions_log
-from distill.loop.retrain import retrain_bundle
+from distill.loop.promote import promote
+from distill.loop.promotions import decided_on, promoting, promotions_log
+from distill.loop.retrain import evidence_beside, retrain_bundle
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, StoreLocation
 from distill.training.finetune import FinetuneConfig
+from distill.training.run import restore_interrupted
 
 VERSION = re.compile(r"v-(\d+)")
 Outcome = Literal["promoted", "kept aside", "failed", "discarded"]
@@ -135,23 +136,12 @@ def teacher_labels(store: LabelStore) -> dict[str, int]:
 @contextmanager
 def loop_lock(paths: LoopPaths) -> Iterator[None]:
     """Hold PATH.loop.lock, or raise LoopBusyError naming the process that holds it."""
-    paths.lock.parent.mkdir(parents=True, exist_ok=True)
-    with paths.lock.open("a+", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise LoopBusyError(f"another `cascade loop` (pid {holder}) is watching {paths.serving} (it "
-                                f"holds {paths.lock}); stop it first, or give another --bundle") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    def busy(holder: str) -> LoopBusyError:
+        return LoopBusyError(f"another `cascade loop` (pid {holder}) is watching {paths.serving} (it "
+                             f"holds {paths.lock}); stop it first, or give another --bundle")
+
+    with exclusive(paths.lock, busy):
+        yield
 
 
 class Loop:
@@ -174,32 +164,34 @@ class Loop:
 
     def recover(self, why: str = "the loop was stopped") -> Decision | None:
         """Settle a candidate a killed loop (or a store outage: ``why``) left in the making: the
-        gate's decision where it logged one, else the folder removed unfinished (never promoted)."""
-        pending = self.state.pending
-        if pending is None:
-            return None
-        decided = self._decided(Path(pending.candidate))
+        gate's decision where it logged one (its swap finished where cut short:
+        ``promotions.promoting``), else the folder removed unfinished (never promoted)."""
+        with promoting(self.paths.serving):
+            pending = self.state.pending
+            if pending is None:
+                return None
+            decided = decided_on(promotions_log(self.paths.serving), Path(pending.candidate))
         if decided is None and not self._serves(Path(pending.candidate)):
             _remove_unfinished(Path(pending.candidate))
             decision = self._decision(pending, "discarded", f"{why} while making this candidate; it was "
                                       "removed unfinished and is made again when due")
             self.state.pending = None
         else:
-            promoted = decided is None or bool(decided.get("promoted"))
-            reason = decided.get("reason", "") if decided else "the serving path names it"
-            decision = self._decision(pending, "promoted" if promoted else "kept aside", str(reason))
+            promoted = decided is None or decided.promoted
+            reason = decided.reason if decided else "the serving path names it"
+            decision = self._decision(pending, "promoted" if promoted else "kept aside", reason)
             self.state.mark, self.state.pending = sum(pending.seen.values()), None
         self._save()
         self._record(decision)
         return decision
 
-    def step(self) -> Decision | None:
-        """Count the store's teacher labels; where ``every`` are new since the mark, retrain,
-        promote and log the decision. None where nothing was due."""
+    def step(self, now: bool = False) -> Decision | None:
+        """Count the store's teacher labels; where ``every`` are new since the mark (or ``now``),
+        retrain, promote and log the decision. None where nothing was due."""
         with LabelStore.open_existing(self.store) as store:
             seen = teacher_labels(store)
             new = sum(seen.values()) - self.state.mark
-            if new < self.every:
+            if new < self.every and not now:
                 self.say(f"{new} new teacher labels since the last retrain ({_counts(seen)}); retrains at "
                          f"{self.every}")
                 return None
@@ -227,7 +219,8 @@ class Loop:
         except StoreUnavailable:  # not a decision: the attempt is settled and made again when it answers
             raise
         except CascadeError as exc:
-            return self._decision(pending, "failed", f"{type(exc).__name__}: {exc}")
+            again = f"tried again after {self.every} more teacher labels, or at once by a loop run with --now"
+            return self._decision(pending, "failed", f"{type(exc).__name__}: {exc} ({again})")
         return self._decision(pending, "promoted" if record.promoted else "kept aside", record.reason)
 
     def _next_version(self) -> int:
@@ -236,18 +229,6 @@ class Loop:
         bundle serving)."""
         taken = [int(m.group(1)) for p in self.paths.versions.glob("v-*") if (m := VERSION.fullmatch(p.name))]
         return max([self.state.attempts, *taken]) + 1
-
-    def _decided(self, candidate: Path) -> dict | None:
-        """The gate's logged decision on ``candidate``, if it made one."""
-        log = promotions_log(self.paths.serving)
-        if not log.is_file():
-            return None
-        target = str(candidate.resolve())
-        for line in reversed(log.read_text(encoding="utf-8").splitlines()):
-            record = json.loads(line) if line.strip() else {}
-            if record.get("candidate", {}).get("path") == target:
-                return dict(record)
-        return None
 
     def _serves(self, candidate: Path) -> bool:
         try:
@@ -275,25 +256,41 @@ class Loop:
 
 
 def watch(serving: Path, store: StoreLocation | str, every: int, settings: RetrainSettings, *,
-          poll: float = 60.0, once: bool = False, say: Callable[[str], None] = print) -> list[Decision]:
+          poll: float = 60.0, once: bool = False, now: bool = False,
+          say: Callable[[str], None] = print) -> list[Decision]:
     """Hold the lock, settle what a killed loop left, then step every ``poll`` seconds (once
-    only with ``once``); returns the decisions made (a caller of ``once`` reads them)."""
+    only with ``once``; the first step retrains whatever the count with ``now``); returns the
+    decisions made (a caller of ``once`` reads them). A serving path that names no bundle is
+    refused before anything is written beside it (a mistyped --bundle)."""
+    _check_serving(Path(serving))
     with loop_lock(LoopPaths(serving)):
         loop = Loop(serving, store, every, settings, say)
         decisions = [d for d in [loop.recover()] if d is not None]
         while True:
-            decision = _step(loop, poll, once)
+            decision = _step(loop, poll, once, now)
+            now = False
             decisions += [decision] if decision is not None else []
             if once:
                 return decisions
             time.sleep(poll)
 
 
-def _step(loop: Loop, poll: float, once: bool) -> Decision | None:
+def _check_serving(serving: Path) -> None:
+    """Refuse a serving path that names no bundle (one a kill left mid-swap is put back first)."""
+    if Path(os.path.abspath(serving)).parent.is_dir():
+        restore_interrupted(Path(os.path.abspath(serving)))
+    try:
+        resolve(serving)
+    except CascadeError as exc:
+        raise CascadeError(f"{exc}. `cascade loop --bundle` takes the path `cascade serve --bundle` "
+                           "serves, and retrains from the bundle it names") from None
+
+
+def _step(loop: Loop, poll: float, once: bool, now: bool = False) -> Decision | None:
     """One step; a store that cannot be reached now (a PostgreSQL server restarting) is said and
     tried again at the next poll, an attempt it cut short settled as a killed loop's would be."""
     try:
-        return loop.step()
+        return loop.step(now)
     except StoreUnavailable as exc:
         if once:
             raise
@@ -302,15 +299,18 @@ def _step(loop: Loop, poll: float, once: bool) -> Decision | None:
 
 
 def _remove_unfinished(candidate: Path) -> None:
-    """A killed retrain's candidate folder, the serving bundle's refreshed copy its gate may have
-    begun (``CANDIDATE.serving``: swapped in only after the gate logged it, so never served here),
-    and the staging folders its training left beside it (``distill.training.run.staged``: removed
+    """A killed retrain's candidate folder, the states it was training on
+    (``retrain.evidence_beside``), the serving bundle's refreshed copy its gate may have begun
+    (``CANDIDATE.serving``: swapped in only after the gate logged it, so never served here), and the
+    staging folders its training left beside it (``distill.training.run.staged``: removed
     only by a later run of the same name, and a discarded candidate's name is never used again)."""
     shutil.rmtree(candidate, ignore_errors=True)
     shutil.rmtree(candidate.with_name(f"{candidate.name}.serving"), ignore_errors=True)
+    evidence_beside(candidate).unlink(missing_ok=True)
     for stale in candidate.parent.glob(f".{candidate.name}.training-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    (candidate.parent / f".{candidate.name}.training.lock").unlink(missing_ok=True)
+    for lock in (".training.lock", ".retrain.lock"):
+        (candidate.parent / f".{candidate.name}{lock}").unlink(missing_ok=True)
 
 
 def _counts(seen: dict[str, int]) -> str:

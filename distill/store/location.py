@@ -9,6 +9,7 @@ every message that names the store can name it as it is.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,6 +17,9 @@ from cascade.private import HIDDEN, redact_text, redact_url, url_secrets
 from distill.store.records import StoreError
 
 SCHEMES = ("postgresql://", "postgres://")
+CONNINFO = re.compile(r"\s*(host|hostaddr|port|dbname|user|password|passfile|service|sslmode)\s*=")
+"""A libpq key=value conninfo (``host=db dbname=labels``): not a path, and its password must not be
+echoed as one."""
 
 
 class StoreURL:
@@ -77,11 +81,19 @@ def store_location(value: str | os.PathLike[str] | StoreURL) -> StoreLocation:
     if isinstance(value, StoreURL):
         return value
     text = os.fspath(value)
-    if text.startswith(SCHEMES):
-        return StoreURL(text)
+    scheme, sep, rest = text.strip().partition("://")
+    if sep and scheme.lower() in ("postgresql", "postgres"):
+        return StoreURL(f"{scheme.lower()}://{rest}")  # libpq reads the scheme in lower case only
     if isinstance(value, Path) and text.startswith(("postgresql:/", "postgres:/")):
         raise StoreError(f"{redact_url(text.replace(':/', '://', 1))} was given as a Path, which drops "
                          "the // of a URL; pass the store URL as a string")
+    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        raise StoreError(f"{redact_url(text.strip())} is not a store: give a SQLite file's path, or a "
+                         "PostgreSQL URL in libpq's form, postgresql://USER:PASSWORD@HOST:PORT/DATABASE "
+                         "(no +driver)")
+    if CONNINFO.match(text):
+        raise StoreError(f"{redact_text(text)} looks like a key=value conninfo: give the PostgreSQL store "
+                         "as a URL, postgresql://USER:PASSWORD@HOST:PORT/DATABASE")
     return Path(text)
 
 

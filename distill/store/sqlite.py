@@ -161,6 +161,13 @@ class SqliteBackend(Backend):
         """Close the connection if opening fails, naming the file when it is not a store."""
         try:
             yield
+        except sqlite3.OperationalError as exc:
+            self._conn.close()
+            if "unable to open" not in str(exc) and "readonly" not in str(exc):
+                raise StoreError(f"{self.location} is not a label store ({exc}); check --store") from exc
+            raise StoreError(f"cannot open the label store {self.location} ({exc}): SQLite must write "
+                             "beside it (its -wal and -shm files) even to read, so its folder must be "
+                             "writable by this user; a read-only mount or folder will not do") from exc
         except sqlite3.DatabaseError as exc:
             self._conn.close()
             raise StoreError(f"{self.location} is not a label store ({exc}); check --store") from exc

@@ -9,7 +9,6 @@ learn the teacher's full distributions, only from the "train" part of the split;
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import tempfile
@@ -41,6 +40,7 @@ from cascade.encoder.onnx_encoder import EmbeddingCache, Encoder, EncoderFiles
 from cascade.errors import CascadeError
 from cascade.hashing import file_sha256
 from cascade.heads import Matrix, SoftmaxHead, save_heads
+from cascade.locks import exclusive
 from cascade.pins import write_json_file
 from cascade.questions import Question
 from cascade.readout.placement import Placement
@@ -181,6 +181,7 @@ def staged(bundle_dir: Path) -> Iterator[Path]:
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{bundle_dir.name}.training-"
     with _training_lock(bundle_dir):
+        restore_interrupted(bundle_dir)
         for stale in bundle_dir.parent.glob(f"{prefix}*"):
             shutil.rmtree(stale, ignore_errors=True)
         stage = Path(tempfile.mkdtemp(prefix=prefix, dir=bundle_dir.parent))
@@ -195,20 +196,32 @@ def staged(bundle_dir: Path) -> Iterator[Path]:
             shutil.rmtree(stage, ignore_errors=True)
 
 
+def restore_interrupted(bundle_dir: Path) -> bool:
+    """Put back the bundle a run killed between ``staged``'s two renames moved aside: then
+    ``bundle_dir`` is missing and the old bundle sits whole in ``.NAME.training-*-old``. True
+    where one was put back. Called by the next ``staged`` for it, and by whatever serves from it
+    before that (``distill.loop.promotions``), since a server cannot start on a missing bundle."""
+    if bundle_dir.exists():
+        return False
+    moved = [old for old in bundle_dir.parent.glob(f".{bundle_dir.name}.training-*-old")
+             if (old / MANIFEST_NAME).is_file()]
+    if not moved:
+        return False
+    os.replace(max(moved, key=lambda old: old.stat().st_mtime), bundle_dir)
+    return True
+
+
 @contextmanager
 def _training_lock(bundle_dir: Path) -> Iterator[None]:
     """An exclusive lock for training ``bundle_dir``, or TrainError if another run holds it."""
     path = bundle_dir.parent / f".{bundle_dir.name}.training.lock"
-    with path.open("a", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise TrainError(f"another `cascade train` is writing {bundle_dir} now (it holds {path}); "
-                             "wait for it to finish, or give another --bundle") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def busy(holder: str) -> TrainError:
+        return TrainError(f"another `cascade train` (pid {holder}) is writing {bundle_dir} now (it holds "
+                          f"{path}); wait for it to finish, or give another --bundle")
+
+    with exclusive(path, busy):
+        yield
 
 
 def _given(parts: Mapping[str, Sequence[str]], texts: Mapping[str, str]) -> dict[str, list[str]]:
