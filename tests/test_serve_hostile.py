@@ -258,6 +258,7 @@ def doc(state: str, questions: str = KQ, tail: str = "") -> str:
     (doc('{"a":1e999}'), "the number 1e999 is too large for a float"),
     (doc('"x"', tail=',"x_budget":{"ms_per_call":1' + "0" * 400 + "}"),
      "budget.ms_per_call: must be a finite number"),
+    (doc('"x"', tail=',"x_budget":{"self":1}'), "budget.self: Extra inputs are not permitted"),
     (doc(f'"{SURROGATE} hi"'), "state: a key or text holds a lone surrogate"),
     (doc(f'{{"{SURROGATE}":"a"}}'), "state: a key or text holds a lone surrogate"),
     (doc('"hi"', f'{{"u":{{"type":"noul","instructions":"Is it {SURROGATE}?"}}}}'),
@@ -270,7 +271,8 @@ def doc(state: str, questions: str = KQ, tail: str = "") -> str:
 ])
 def test_numbers_and_text_no_float_or_utf8_holds_are_a_422_not_a_bug(url: str, body: str, where: str) -> None:
     """Each of these was a 500 (a traceback "this is a bug"): Python's 4,300-digit bound on int,
-    an int past a float in a budget, a lone surrogate escape that tokenizers cannot encode."""
+    an int past a float in a budget, a budget key named ``self`` (a keyword argument twice), a lone
+    surrogate escape that tokenizers cannot encode."""
     bugs = count(url, 500)
     reply = raw_post(url, body)
     assert reply.status_code == 422, reply.text[:300]

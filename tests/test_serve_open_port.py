@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
@@ -34,6 +35,7 @@ from cascade.bundle.manifest import Bundle
 from cascade.errors import CascadeError
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig, create_app
+from cascade.serve.auth import MAX_KEY_CHECKS
 from cascade.serve.engine import EngineSettings
 from cascade.serve.lifecycle import ServeOptions, check_auth
 from cascade.serve.proxy import ProxyConfig, create_proxy_app
@@ -162,6 +164,22 @@ def test_loopback_needs_no_key_and_a_key_or_forwarded_auth_opens_any_host(
     assert check_auth(ServeOptions(host="0.0.0.0"), True, True).metrics_key == "scrape"
 
 
+@pytest.mark.parametrize("key", ["s3cret-key\n", " s3cret-key", "s3cret key", "s3cret-clé"])
+def test_a_key_no_client_can_send_is_refused_in_one_line_never_echoed(
+        key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key read from a file with its newline, or one outside printable ASCII (a header is read
+    as latin-1, not UTF-8), refused every caller with a 401 while the server said auth was on."""
+    monkeypatch.delenv("CASCADE_API_KEY", raising=False)
+    for options, given in ((ServeOptions(host="0.0.0.0", api_key=key), "--api-key"),
+                           (ServeOptions(metrics_key=key), "--metrics-key")):
+        with pytest.raises(CascadeError, match=f"the key given by {given} holds a space") as refused:
+            check_auth(options, False, True)
+        assert "s3cret" not in str(refused.value)
+    monkeypatch.setenv("CASCADE_API_KEY", key)
+    with pytest.raises(CascadeError, match=r"the key given by \$CASCADE_API_KEY holds"):
+        check_auth(ServeOptions(), False, True)
+
+
 def test_insecure_no_auth_serves_an_open_port_with_one_warning_and_a_key_in_the_clear_gets_one() -> None:
     """A pass-through on every interface, with no key checked, to an upstream on another machine
     over plain http:// (192.0.2.1: a documentation address, never called here) with a key."""
@@ -272,6 +290,51 @@ def test_the_pass_through_refuses_a_junk_key_from_its_cache_and_checks_metrics_u
     assert (models.status_code, metrics_junk.status_code) == (401, 401)
     assert len([call for call in mock.seen if call[2] == f"Bearer {JUNK}"]) == 1  # one call for five requests
     assert (good.status_code, metrics_good.status_code) == (200, 200)
+
+
+@contextmanager
+def slow_to_refuse(release: threading.Event, **config: Any) -> Iterator[str]:
+    """jevcompat's mock, its /v1/models holding a key other than its own until ``release`` (an
+    upstream slow to refuse: seven seconds seen); yields its URL."""
+    cfg = MockConfig(**config)
+
+    class Slow(Handler):
+        def do_GET(self) -> None:
+            if self.path.endswith("/models") and self.headers.get("Authorization") != f"Bearer {cfg.key}":
+                release.wait(120)
+            super().do_GET()
+
+    Slow.cfg = cfg
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/systemone"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_junk_keys_checked_upstream_never_hold_what_a_known_callers_request_needs() -> None:
+    """Before, checking a junk key for /metrics ran on the event loop's default pool (six threads
+    on two cores), which validation uses too, and a pass-through's /v1/models on its forwarding
+    pool: keys the upstream is slow to refuse held them, and a known caller's request waited
+    behind them. Now at most MAX_KEY_CHECKS run, on threads of their own; the rest get 503 at once."""
+    release = threading.Event()
+    with slow_to_refuse(release, key=GOOD) as url, proxy(url, forward_auth=True) as base:
+        assert ask(base, GOOD).status_code == 200  # a key the upstream has answered: never checked again
+        with ThreadPoolExecutor(12) as callers:
+            junk = [callers.submit(httpx.get, f"{base}{path}", headers=bearer(f"junk-{n}"), timeout=120)
+                    for n, path in enumerate(["/metrics", "/v1/models"] * 6)]
+            until(lambda: sum(f.done() for f in junk) == len(junk) - MAX_KEY_CHECKS,
+                  "the checks past the bound refused at once", 60)
+            busy = [f.result() for f in junk if f.done()]
+            assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in busy)
+            assert ask(base, GOOD).status_code == 200  # while the checks hang upstream
+            release.set()
+            held = [f.result().status_code for f in junk if f.result() not in busy]
+    assert held == [401] * MAX_KEY_CHECKS
 
 
 # --- forwarded auth on the cascade: every route checked, revocation within the re-check ---

@@ -36,7 +36,7 @@ class Budget(BaseModel):
     ms_per_call: float | None = None
     max_escalation_fraction: float | None = None
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, /, **data: Any) -> None:  # positional self: a client's key may be 'self'
         try:
             super().__init__(**data)
         except ValidationError as exc:

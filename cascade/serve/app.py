@@ -46,7 +46,7 @@ from cascade.questions import DecisionRequest, load_json
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.serve import memory
-from cascade.serve.auth import BOTH_KEYS, app_options, check_caller, check_metrics
+from cascade.serve.auth import BOTH_KEYS, KeyChecks, app_options, check_caller, check_metrics
 from cascade.serve.edge import (
     DEFAULT_RECEIVE_TIMEOUT,
     add_wire,
@@ -187,7 +187,10 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
         retiring.start()
         loaded.retiring = [*(t for t in loaded.retiring if t.is_alive()), retiring]
 
+    checks = KeyChecks()
+
     def close() -> None:
+        checks.close()
         if loaded.watch is not None:
             loaded.watch.close()
         for retiring in loaded.retiring:
@@ -207,13 +210,13 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
                   description="A tiered cascade behind the System One decision API.",
                   **app_options(config.docs))
     app.state.loaded = loaded
-    _routes(app, loaded, config)
+    _routes(app, loaded, config, checks)
     add_wire(app)
     app.openapi = lambda: _openapi(app, config.limits)  # type: ignore[method-assign]
     return app
 
 
-def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
+def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig, checks: KeyChecks) -> None:
     def ready() -> Serving:
         if loaded.serving is None:
             raise still_loading("the models are")
@@ -231,7 +234,7 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
-        await check_metrics(request, config.metrics_key, config.api_key, forwarding())
+        await check_metrics(request, config.metrics_key, config.api_key, forwarding(), checks)
         engine = ready().engine
         assert loaded.metrics is not None
         loaded.metrics.scraped(engine, config.ledger.ledger(), loaded.watch, config.escalations)
@@ -239,7 +242,7 @@ def _routes(app: FastAPI, loaded: _Loaded, config: ServeConfig) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await check_caller(request, config.api_key, forwarding(), vouch=True)
+        await check_caller(request, config.api_key, forwarding(), checks)
         return JSONResponse({"models": [_model_entry(ready().engine.cascade)]})
 
     @app.post("/v1/systemone", openapi_extra=_REQUEST_DOC)

@@ -295,8 +295,10 @@ def check_auth(options: ServeOptions, forward_auth: bool, forwardable: bool) -> 
     gives the warning to log instead (the serve functions log it, once)."""
     from cascade.teachers.keys import is_loopback
 
-    key = options.api_key or os.environ.get(API_KEY_VARIABLE) or None
-    metrics_key = options.metrics_key or os.environ.get(METRICS_KEY_VARIABLE) or None
+    key = _sendable(options.api_key, "--api-key") or _sendable(os.environ.get(API_KEY_VARIABLE),
+                                                                  f"${API_KEY_VARIABLE}")
+    metrics_key = _sendable(options.metrics_key, "--metrics-key") or \
+        _sendable(os.environ.get(METRICS_KEY_VARIABLE), f"${METRICS_KEY_VARIABLE}")
     if forward_auth and key is not None:
         given = "--api-key" if options.api_key else f"${API_KEY_VARIABLE} (set in this environment)"
         raise CascadeError(f"--forward-auth and {given} would both check the caller's one Authorization "
@@ -313,6 +315,19 @@ def check_auth(options: ServeOptions, forward_auth: bool, forwardable: bool) -> 
                 "checked; anyone who reaches the port can ask it questions")
 
 
+def _sendable(key: str | None, given: str) -> str | None:
+    """``key`` (None where empty), refused in one line, never echoed, where no client could send it:
+    a space or a newline in it (one read from a file with its newline, say) or a character outside
+    printable ASCII (a header is not UTF-8), which would refuse every caller with a 401."""
+    if not key:
+        return None
+    if not all(33 <= ord(character) <= 126 for character in key):
+        raise CascadeError(f"the key given by {given} holds a space, a newline or a character outside "
+                           "printable ASCII, which no client can send in an Authorization header: every "
+                           "caller would be refused; give it without them (strip a key file's newline)")
+    return key
+
+
 def _checked(options: ServeOptions, forward_auth: bool, forwardable: bool) -> Auth:
     """``check_auth``, its warning logged."""
     auth = check_auth(options, forward_auth, forwardable)
@@ -323,14 +338,15 @@ def _checked(options: ServeOptions, forward_auth: bool, forwardable: bool) -> Au
 
 def server_config(app: Any, options: ServeOptions) -> Any:
     """uvicorn's configuration of a server with these options: its address, at most
-    ``max_connections`` at once, each request's head due within ``receive_timeout``."""
+    ``max_connections`` at once, each request's head due within ``receive_timeout``, and no answer
+    left unread for longer."""
     import uvicorn
 
-    from cascade.serve.deadline import head_deadline
+    from cascade.serve.deadline import connection_deadlines
 
     return uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False,
                           timeout_graceful_shutdown=options.grace, limit_concurrency=options.max_connections,
-                          http=head_deadline(options.receive_timeout))
+                          http=connection_deadlines(options.receive_timeout))
 
 
 class _Run:

@@ -39,7 +39,7 @@ from cascade.cost.upstream import UpstreamLedger
 from cascade.errors import CascadeError, RequestError
 from cascade.questions import load_json, parse_request
 from cascade.readout.prompts import read_chars
-from cascade.serve.auth import BOTH_KEYS, app_options, check_caller, check_metrics
+from cascade.serve.auth import BOTH_KEYS, KeyChecks, app_options, check_caller, check_metrics
 from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT, add_wire, lifespan_of, request_body, unprocessable
 from cascade.serve.engine import DEFAULT_MAX_WAIT
 from cascade.serve.gone import unless_gone
@@ -108,9 +108,11 @@ def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) 
     forwarding = client if settings.forward_auth else None
     admission = RateAdmission(config.max_wait, what=f"the upstream {settings.shown}")
     pool = ThreadPoolExecutor(settings.max_in_flight, "cascade-proxy")
+    checks = KeyChecks()
     metrics, ledger = _ProxyMetrics(), config.ledger or UpstreamLedger()
 
     def close() -> None:
+        checks.close()
         pool.shutdown(wait=True)
         if config.collector is not None:
             config.collector.close()
@@ -127,14 +129,18 @@ def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) 
 
     @app.get("/metrics", include_in_schema=False)
     async def scrape(request: Request) -> Response:
-        await check_metrics(request, config.metrics_key, config.api_key, forwarding)
+        await check_metrics(request, config.metrics_key, config.api_key, forwarding, checks)
         _scraped(metrics, ledger, admission, config.collector)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorization = await _caller(request, config, forwarding)
-        status, content, kind = await _in_pool(pool, client.get, client.models_url, authorization)
+        known = forwarding is None or forwarding.accepted.accepted(authorization)
+        if known:
+            status, content, kind = await _in_pool(pool, client.get, client.models_url, authorization)
+        else:  # a key the upstream has not answered lately: a check, never a forwarding thread
+            status, content, kind = await checks.run(client.get, client.models_url, authorization)
         return Response(content, status, media_type=kind)
 
     @app.post("/v1/systemone")

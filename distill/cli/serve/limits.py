@@ -43,8 +43,10 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                         help="open connections and requests in flight past which a new request gets 503 at "
                         "once (default 512)")
     limits.add_argument("--receive-timeout", type=positive_seconds, default=10.0, metavar="S",
-                        help="seconds a client has to send a request's head, and again its body (default "
-                        "10): a slow head closes the connection, a slow body gets 408")
+                        help="seconds a client has to send a request's head, and again its body, and the "
+                        "longest writing to it may stall unread (default 10): a slow head closes the "
+                        "connection, a slow body gets 408, an answer left unread is dropped with the "
+                        "connection")
 
 
 def limits_of(args: argparse.Namespace) -> RequestLimits:
