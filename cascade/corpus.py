@@ -197,11 +197,16 @@ def load_questions(path: Path) -> dict[str, Question]:
     text = _read_questions_text(path)
     data = _questions_json(path, text)
     try:
-        return dict(parse_request({"state": _PLACEHOLDER_STATE, "questions": data["questions"]})
-                    .questions)
+        questions = dict(parse_request({"state": _PLACEHOLDER_STATE, "questions": data["questions"]})
+                         .questions)
     except RequestError as exc:
         problems = [_locate(path, text, problem) for problem in str(exc).splitlines()]
         raise RequestError("\n".join(problems)) from None
+    slashed = [qid for qid in questions if "/" in qid]
+    if slashed:  # a bundle keeps each question's head under "<id>/": found at train time before
+        raise RequestError(f"{path}: question id {slashed[0]!r} holds a '/', which a bundle's heads cannot "
+                           "be keyed by; rename it (labels, training and the bundle use these ids)")
+    return questions
 
 
 def _read_questions_text(path: Path) -> str:

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import TextIO
 from urllib.parse import unquote
 
 HIDDEN = "***"
@@ -96,6 +97,14 @@ def redact_logs(*names: str) -> None:
         for handler in logging.getLogger(name or None).handlers:
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
                 handler.addFilter(RedactingFilter())
+
+
+def private_text(path: Path) -> TextIO:
+    """``path`` opened to write text (truncated), readable and writable by its owner alone (0600,
+    whatever the umask or the mode it had): for files that hold customer text."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
+    os.fchmod(descriptor, PRIVATE_MODE)
+    return os.fdopen(descriptor, "w", encoding="utf-8")
 
 
 def private_file(path: Path) -> None:

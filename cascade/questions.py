@@ -8,6 +8,7 @@ becomes a ``RequestError`` with one line per problem, each starting with the fie
 are typed in ``cascade.answers``; the wire format in full: docs/wire-format.md.
 """
 
+import hashlib
 import json
 import math
 import re
@@ -295,6 +296,13 @@ class ScoreQuestion(_Question):
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+def wording_sha256(question: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> str:
+    """A hash of what a question's prompt reads (its type, instructions, option keys and texts):
+    a teacher's labels of one wording are not answers to another."""
+    wording = [question.type, question.instructions_text(), question.option_keys(), question.option_texts()]
+    return hashlib.sha256(json.dumps(wording, ensure_ascii=False).encode()).hexdigest()
 
 
 class DecisionRequest(BaseModel):

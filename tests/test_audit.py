@@ -33,7 +33,7 @@ from cascade.serve.engine import EngineSettings
 from cascade.tiers.base import Item
 from distill.cli import main
 from distill.loop.auditing import StoreSink, auditor_for, bundle_teacher, stored_audits
-from distill.store import LabelStore
+from distill.store import LabelStore, Teacher
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +223,18 @@ def test_decide_audits_its_sample_and_cascade_audit_reports_it(
     assert main(["audit", "--bundle", str(bundle_dir), "--store", str(store)]) == 0
     line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith(KEPT))
     assert line.split()[1] == "12"
+    # a mistyped store said "0 audited ... quiet", and another teacher's store was read as this bundle's
+    assert main(["audit", "--bundle", str(bundle_dir), "--store", str(tmp_path / "typo.sqlite")]) == 2
+    assert "no label store at" in capsys.readouterr().err and not (tmp_path / "typo.sqlite").exists()
+    with LabelStore(tmp_path / "other.sqlite", Teacher(kind="external", model="someone else")) as other:
+        other.put_item("x", {KEPT: {"true": 1.0, "false": 0.0}})
+    assert main(["audit", "--bundle", str(bundle_dir), "--store", str(tmp_path / "other.sqlite")]) == 2
+    assert "its audits are not this bundle's" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the plot is a PNG whatever its name: said, not written as P.txt.png
+        main(["audit", "--bundle", str(bundle_dir), "--store", str(store), "--plot", str(tmp_path / "p.txt")])
+    assert main(["audit", "--bundle", str(bundle_dir), "--store", str(store), "--plot",
+                 str(tmp_path / "new" / "p.png")]) == 0
+    assert (tmp_path / "new" / "p.png").stat().st_size > 1000
 
 
 def test_the_server_audits_at_the_lowest_priority_and_counts_what_it_drops(

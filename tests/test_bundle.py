@@ -64,7 +64,9 @@ def test_bundle_round_trips(trained: Bundle, features: Matrix) -> None:
     assert sorted((trained.directory).iterdir()) == [
         trained.directory / name
         for name in sorted((GATE_NAME, HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME))
-    ]
+    ]  # each its owner's alone: the gate's reference vectors are the training items' embeddings
+    assert {path.name: path.stat().st_mode & 0o777 for path in trained.directory.iterdir()} == \
+        dict.fromkeys((GATE_NAME, HEADS_NAME, MANIFEST_NAME, NGRAMS_NAME, SPLIT_NAME), 0o600)
 
 
 def test_save_into_another_folder_copies_the_bundle_files(trained: Bundle, tmp_path: Path) -> None:

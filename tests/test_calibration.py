@@ -33,6 +33,7 @@ from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.base import Item
 from cascade.tiers.gguf import GgufSpec, GgufTier
 from distill.calibration import early_payoff
+from distill.calibration import run as calibration_run
 from distill.calibration.fits import in_temperature_part
 from distill.calibration.maths import CalibrationError
 from distill.calibration.options import CalibrationOptions
@@ -198,6 +199,34 @@ def test_an_unreachable_target_says_what_is_reachable(
         assert manifest.threshold(qid, "encoder") is None
         assert manifest.calibration.questions[qid]["encoder"].reachable is False
         assert result.cascades[qid].answered_by["teacher"] == 1.0
+
+
+def test_a_bundle_trained_again_while_it_is_calibrated_is_not_overwritten(
+    trained: Bundle, inputs: tuple[Path, Path], encoder: Encoder, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `cascade train` landing during a calibration (here, as the scores are fitted) got the
+    calibration's old manifest written over its new heads, and the bundle no longer loaded; a
+    report path that was a file failed after the bundle was saved."""
+    bundle = copy_bundle(trained, tmp_path / "b")
+    retrained = trained.manifest.model_copy(update={"name": "trained again"})
+    fit_all = calibration_run.fit_all
+
+    def train_lands(*args: Any, **kwargs: Any) -> Any:
+        Bundle(retrained, trained.directory).save(bundle.directory)
+        return fit_all(*args, **kwargs)
+
+    monkeypatch.setattr(calibration_run, "fit_all", train_lands)
+    with pytest.raises(CalibrationError, match="changed while it was calibrated"):
+        calibrate(bundle, *inputs, encoder, target=TARGET)
+    assert Bundle.load(bundle.directory).manifest == retrained
+    monkeypatch.undo()
+    (tmp_path / "report").write_text("a file", encoding="utf-8")
+    before = (bundle.directory / "manifest.json").read_bytes()
+    assert main(["calibrate", "--bundle", str(bundle.directory), "--corpus", str(inputs[0]), "--store",
+                 str(inputs[1]), "--report", str(tmp_path / "report")]) == 2
+    assert "--report" in capsys.readouterr().err
+    assert (bundle.directory / "manifest.json").read_bytes() == before
 
 
 def test_budget_mode_keeps_about_the_requested_share(

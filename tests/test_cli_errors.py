@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from corpora import QUESTIONS_JSON, copy_bundle
+from servers import free_port
 from test_router import variant
 from tinymodels import tiny_llama_path
 
@@ -90,6 +91,18 @@ def test_an_empty_corpus(tmp_path: Path, questions_file: Path) -> None:
     assert_one_clear_line(result, "corpus", "empty")
 
 
+def test_a_first_labelling_that_fails_leaves_no_store_bound_to_its_teacher(
+        tmp_path: Path, questions_file: Path, gemma_path: Path) -> None:
+    """An empty corpus left an empty store bound to the teacher: a later import into that path was
+    refused as another teacher's, and train asked for --teacher-model."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("")
+    result = run("label", "--questions", str(questions_file), "--corpus", str(corpus), "--store",
+                 str(tmp_path / "s.sqlite"), "--teacher", str(gemma_path), "--n-ctx", "512", "--threads", "1")
+    assert_one_clear_line(result, "empty")
+    assert not (tmp_path / "s.sqlite").exists()
+
+
 QUESTIONS_WITH_A_BAD_LINE_12 = """{
   "questions": {
     "urgent": {
@@ -116,6 +129,37 @@ def test_a_questions_file_with_an_error_on_line_12(tmp_path: Path) -> None:
     result = run("label", "--import", str(labels), "--questions", str(path),
                  "--store", str(tmp_path / "s.sqlite"))
     assert_one_clear_line(result, "q.json:12: questions.dept.criteria", "2 to 255 options")
+
+
+def test_a_question_id_with_a_slash_is_refused_when_the_file_is_read(tmp_path: Path) -> None:
+    """It was labelled and imported, then failed at train time with a traceback."""
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({"questions": {"a/b": {"type": "noul", "instructions": "Spam?"}}}))
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(json.dumps({"id": "a", "question": "a/b", "answer": True}) + "\n")
+    result = run("label", "--import", str(labels), "--questions", str(path), "--store",
+                 str(tmp_path / "s.sqlite"))
+    assert_one_clear_line(result, "question id 'a/b' holds a '/'")
+    assert not (tmp_path / "s.sqlite").exists()
+
+
+def test_an_output_path_that_is_a_folder_or_an_overflowing_label_is_one_line(tmp_path: Path,
+                                                                              questions_file: Path) -> None:
+    """Each was a traceback: an export (or --json, --out, --plot) onto a folder or into a missing
+    one, and probabilities of 1e308 (their sum overflowed)."""
+    labels = tmp_path / "labels.jsonl"
+    huge = {"true": 1e308, "false": 1e308}
+    labels.write_text(json.dumps({"id": "a", "question": "q", "probabilities": huge}) + "\n")
+    store = ["--store", str(tmp_path / "s.sqlite")]
+    assert_one_clear_line(run("label", "--import", str(labels), "--questions", str(questions_file), *store),
+                          "must be a finite number in [0, 1]")
+    labels.write_text(json.dumps({"id": "a", "question": "q", "answer": True}) + "\n")
+    assert run("label", "--import", str(labels), "--questions", str(questions_file), *store).returncode == 0
+    (tmp_path / "adir").mkdir()
+    for out in (tmp_path / "adir", tmp_path / "nodir" / "x.jsonl"):
+        result = run("label", "--export", str(out), *store)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().endswith("check the paths given"), result.stderr
 
 
 def test_a_bundle_from_a_newer_schema(tmp_path: Path) -> None:
@@ -263,3 +307,32 @@ def test_a_malformed_request_names_its_file(text: str, needle: str, tmp_path: Pa
     request.write_text(text)
     result = run("score", "--model", str(tmp_path / "never-opened.gguf"), "--request", str(request))
     assert_one_clear_line(result, f"RequestError: {request}: ", needle)
+
+
+def test_a_teacher_url_in_capitals_or_of_another_scheme_never_echoes_its_password(
+        tmp_path: Path, questions_file: Path) -> None:
+    """Taken as a file's path, "HTTP://user:pw@..." and "ftp://..." were echoed whole in "model file
+    not found", the password with them. An upper-case scheme is a URL (httpx reads it so); another
+    scheme is refused, redacted."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "text": "hello"}\n')
+    base = ["label", "--questions", str(questions_file), "--corpus", str(corpus), "--store",
+            str(tmp_path / "s.sqlite")]
+    refused = run(*base, "--teacher", "ftp://alice:PASSW0RD@127.0.0.1:9/v1/systemone")
+    assert refused.returncode == 2 and "a teacher is a GGUF's path or an http(s)://" in refused.stderr
+    reached = run(*base, "--teacher", f"HTTP://alice:PASSW0RD@127.0.0.1:{free_port()}/v1/systemone")
+    assert reached.returncode == 2 and "UpstreamUnreachable: the upstream http://alice:***@" in reached.stderr
+    assert "model file not found" not in reached.stderr
+    assert not any("PASSW0RD" in out for out in (refused.stderr, reached.stderr, reached.stdout))
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--escalation-fraction", "0.3", "--target-agreement", "0.9"], "give one of them"),
+    (["--audits-since", "2026-12-01T00:00:00Z"], "add --calibrate-on traffic"),
+])
+def test_calibrate_flags_that_would_be_ignored_are_refused(tmp_path: Path, flags: list[str],
+                                                            said: str) -> None:
+    """Budget mode ran with the target ignored; --audits-since was ignored on the corpus."""
+    result = run("calibrate", "--bundle", str(tmp_path / "b"), "--store", str(tmp_path / "s.sqlite"),
+                 "--report", str(tmp_path / "r"), *flags)
+    assert_one_clear_line(result, said)

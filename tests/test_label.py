@@ -184,6 +184,16 @@ def test_cli_labels_then_resumes(gemma_path: Path, tmp_path: Path, capsys) -> No
     # the store recorded the input policy: a resume under another one is refused
     assert main([*argv[:-4], "--n-ctx", "512", "--threads", "1"]) == 2
     assert "read with n_ctx 1024, no excerpt; this run reads with n_ctx 512" in capsys.readouterr().err
+    # and each question's wording: an edited one was "3 already done" on the old labels, and trained on
+    edited = {**QUESTIONS_JSON, "urgent": {**QUESTIONS_JSON["urgent"], "instructions": "Is it URGENT?"}}
+    argv[2] = str(write_questions(tmp_path / "edited.json", edited))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds labels of urgent read with another wording" in err[0]
+    assert main(["train", "--questions", argv[2], "--corpus", str(corpus), "--store",
+                 str(tmp_path / "s.sqlite"), "--bundle", str(tmp_path / "b")]) == 2
+    assert "holds labels of urgent read with another wording" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
 
 
 def test_cli_layout_auto_puts_one_question_options_first_and_the_store_keeps_that_teacher(
@@ -238,6 +248,8 @@ def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:
     (["--export", "o.jsonl", "--corpus", "c.jsonl"], "--corpus cannot be used with --export"),
     (["--import", "l.jsonl", "--questions", "q.json", "--corpus", "c.jsonl"],
      "--corpus cannot be used with --import"),
+    (["--teacher", "m.gguf", "--questions", "q.json", "--corpus", "c.jsonl", "--limit", "2", "--sample", "3"],
+     "argument --sample: not allowed with argument --limit"),  # a pydantic traceback before
 ])
 def test_cli_wants_exactly_one_mode_with_its_inputs(args: list, message: str, capsys) -> None:
     with pytest.raises(SystemExit) as caught:

@@ -169,6 +169,7 @@ def test_from_zero_data_collected_traffic_trains_a_bundle_served_in_front_of_the
                 state = f"Ticket {k}: {topics[k % 8]} and {topics[(k * 3) % 8]}."
                 assert httpx.post(f"{base}/v1/systemone", json=body(state), timeout=30).status_code == 200
         assert main(["collected", "--store", str(store), "--min-count", "50", "--out", str(data)]) == 0
+        assert (data / "corpus.jsonl").stat().st_mode & 0o777 == 0o600  # the states: customer text
         assert main(["train", "--questions", str(data / "questions.json"), "--corpus",
                      str(data / "corpus.jsonl"), "--store", str(store), "--bundle", str(bundle)]) == 0
         assert main(["calibrate", "--bundle", str(bundle), "--corpus", str(data / "corpus.jsonl"), "--store",

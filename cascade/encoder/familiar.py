@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cascade.atomic import write_atomically
 from cascade.errors import BundleError
 
 MAX_REFERENCE = 4096
@@ -51,8 +52,10 @@ class FamiliarityGate:
         return self.distances(vectors) <= self.radius
 
     def save(self, path: Path) -> None:
-        with Path(path).open("wb") as handle:
-            np.savez(handle, reference=self.reference.astype(np.float16), radius=np.float64(self.radius))
+        """Written whole (``cascade.atomic``) and readable by its owner alone, as every bundle
+        file is: the reference vectors are the training items' embeddings."""
+        write_atomically(Path(path), lambda out: np.savez(out, reference=self.reference.astype(np.float16),
+                                                          radius=np.float64(self.radius)))
 
     @classmethod
     def load(cls, path: Path) -> FamiliarityGate:

@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 from functools import cached_property
 
-from cascade.bundle.manifest import Bundle
+from cascade.bundle.manifest import MANIFEST_NAME, Bundle, Manifest
 from cascade.cost.pricing import TEACHER_PARAMS, TierPricing
 from cascade.cost.pricing import TierCost as PriceCost
 from cascade.cost.roofline import measure_cpu_flops
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import RouterError, TeacherChangedError, UpstreamError
+from cascade.hashing import file_sha256
 from cascade.readout.scorer import Scorer
 from cascade.routing.endpoint import same_endpoint
 from cascade.teachers.settings import UpstreamSettings
@@ -47,6 +48,7 @@ from distill.calibration.scoring import score_tier
 from distill.calibration.teacher_check import flagged, judge_store, refusal
 from distill.options import CorpusInput, RunOptions, option
 from distill.store import LabelStore
+from distill.training.run import bundle_lock
 
 
 def calibrate_bundle(
@@ -80,6 +82,7 @@ def calibrate_bundle(
     """
     options = option("calibrate_bundle", "options", options, CalibrationOptions, CalibrationOptions())
     run = option("calibrate_bundle", "run", run, RunOptions, RunOptions())
+    loaded = file_sha256(bundle.directory / MANIFEST_NAME)
     if corpus is not None:
         corpus = option("calibrate_bundle", "corpus", corpus, CorpusInput)
     manifest = bundle.manifest
@@ -161,8 +164,19 @@ def calibrate_bundle(
         teacher_traffic=teacher_traffic(names, fits, payoffs),
     )
     if options.save:
-        Bundle(updated_manifest(manifest, result), bundle.directory, bundle.heads).save()
+        _save(bundle, updated_manifest(manifest, result), loaded)
     return result
+
+
+def _save(bundle: Bundle, manifest: Manifest, loaded: str) -> None:
+    """Save the calibrated manifest, under the bundle's lock, unless the bundle changed since it was
+    loaded (``loaded``: its manifest's hash): a `cascade train` of it meanwhile wrote new heads,
+    and the old manifest over them would leave a bundle that cannot load."""
+    with bundle_lock(bundle.directory):
+        if file_sha256(bundle.directory / MANIFEST_NAME) != loaded:
+            raise CalibrationError(f"bundle {bundle.directory} changed while it was calibrated (trained "
+                                   "again?); nothing was saved: calibrate it again")
+        Bundle(manifest, bundle.directory, bundle.heads).save()
 
 
 class _TopTier:

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from cascade.errors import CascadeError
+from cascade.private import redact_text
 from distill.cli import (
     audit,
     calibrate,
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     except CascadeError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path given that cannot be written or read (a folder, a missing folder)
+        print(f"{type(exc).__name__}: {redact_text(str(exc))}; check the paths given", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

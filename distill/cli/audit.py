@@ -50,6 +50,13 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def png_path(value: str) -> Path:
+    """argparse's type for --plot: a path ending in .png (the plot is a PNG, whatever the name)."""
+    if not value.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"the plot is a PNG: give a path ending in .png; got {value!r}")
+    return Path(value)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("audit", help="the certificate on audited traffic: agreement, anytime bound, alarm",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,6 +64,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", type=Path, required=True, metavar="DIR", help="model bundle folder")
     p.add_argument("--store", type=store_argument, required=True, metavar=STORE_METAVAR,
                    help="the label store the audits went to (--audit-store of serve or decide)")
-    p.add_argument("--plot", type=Path, metavar="P.png", help="where to write the plot (default: beside "
-                   "the store, S.audit.png; for a URL, DATABASE.audit.png here)")
+    p.add_argument("--plot", type=png_path, metavar="P.png", help="where to write the plot, a .png "
+                   "(default: beside the store, S.audit.png; for a URL, DATABASE.audit.png here)")
     p.set_defaults(run=_cmd_audit)

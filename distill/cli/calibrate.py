@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cascade.errors import CascadeError
 from distill.cli.common import (
     add_bundle_argument,
     add_calibrate_on_argument,
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 SOURCE: dict[str, Source] = {"corpus": "calibration", "traffic": "audit", "all": "both"}
 """--calibrate-on's words (``distill.cli.common.EVIDENCE``) -> ``calibrate_bundle``'s ``source``."""
+
+DEFAULT_TARGET = 0.98
 
 DESCRIPTION = """\
 Run every cheap tier of a bundle on its held-out calibration items (never the items the heads
@@ -84,10 +87,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from distill.reports.calibration_report import figures_note, write_report
     from distill.store import LabelStore
 
+    if args.escalation_fraction is not None and args.target_agreement is not None:
+        raise CascadeError("--escalation-fraction (budget mode) and --target-agreement ask for two different "
+                           "certificates; give one of them")
+    if args.audits_since is not None and args.calibrate_on == "corpus":
+        raise CascadeError("--audits-since selects audited items, and --calibrate-on corpus certifies on the "
+                           "corpus alone; add --calibrate-on traffic (or all)")
+    if args.report.exists() and not args.report.is_dir():
+        raise CascadeError(f"--report {args.report} is a file; give a folder for report.html and "
+                           "report.json (checked before the bundle is changed)")
     bundle = Bundle.load(args.bundle)
     with LabelStore.open_existing(args.store) as store:
         options = CalibrationOptions(
-            target=args.target_agreement, delta=args.delta, escalation_fraction=args.escalation_fraction,
+            target=args.target_agreement or DEFAULT_TARGET, delta=args.delta,
+            escalation_fraction=args.escalation_fraction,
             family_wise=args.family_wise, teacher_items=args.teacher_items,
             keep_costly_tiers=args.keep_costly_tiers, source=SOURCE[args.calibrate_on],
             audits_since=args.audits_since, accept_degenerate_teacher=args.accept_degenerate_teacher,
@@ -183,7 +196,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_corpus_argument(p, "the JSONL corpus the bundle was trained on (needed unless --calibrate-on "
                         "traffic)", required=False)
     add_store_argument(p, "the label store the bundle was trained from (teacher labels)")
-    p.add_argument("--target-agreement", type=probability, default=0.98, metavar="P",
+    p.add_argument("--target-agreement", type=probability, metavar="P",
                    help="share of answers that must agree with the teacher, in (0, 1) (default 0.98)")
     p.add_argument("--delta", type=probability, default=0.05, metavar="D",
                    help="allowed probability that the guarantee fails, in (0, 1) (default 0.05)")

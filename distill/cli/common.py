@@ -9,6 +9,7 @@ modules are imported inside the builders, so that ``cascade --help`` imports non
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -224,8 +225,17 @@ def add_accept_other_teacher_argument(p: argparse.ArgumentParser) -> None:
 
 def teacher_argument(text: str) -> str | Path:
     """A ``--teacher`` value: an http(s) URL of a System One endpoint stays text (a Path would fold
-    its "//"), anything else is a GGUF's path."""
-    return text if text.startswith(("http://", "https://")) else Path(text)
+    its "//"; its scheme in lower case, as httpx takes it), anything else is a GGUF's path; a URL of
+    another scheme is refused, redacted (taken as a path, it was echoed whole, password and all)."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        return Path(text)
+    if scheme.lower() not in ("http", "https"):
+        from cascade.private import redact_url
+
+        raise argparse.ArgumentTypeError(f"{redact_url(text)!r}: a teacher is a GGUF's path or an http(s):// "
+                                         "URL of a /v1/systemone endpoint")
+    return f"{scheme.lower()}://{rest}"
 
 
 EVIDENCE = ("corpus", "traffic", "all")

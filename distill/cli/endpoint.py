@@ -34,9 +34,10 @@ def key_source(args: argparse.Namespace) -> KeySource:
 
 def url_argument(text: str) -> str:
     """A ``--teacher`` that can only be a URL (a GGUF teacher is the file its bundle pins)."""
-    if not text.startswith(("http://", "https://")):
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
         from cascade.private import redact_url
 
         raise argparse.ArgumentTypeError(f"{redact_url(text)!r} is not an http(s)://.../v1/systemone URL; "
                                          "a GGUF teacher is timed from the file the bundle pins")
-    return text
+    return f"{scheme.lower()}://{rest}"

@@ -163,13 +163,14 @@ def _label_here(args: argparse.Namespace, questions: dict[str, Question],
     """Label in this process, with one teacher scorer; Ctrl-C or SIGTERM stop after an item."""
     from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
     from distill.stopping import StopRequest
-    from distill.store import InputPolicy, LabelStore
+    from distill.store import InputPolicy, LabelStore, removed_on_failure
 
     scorer = open_teacher(args.teacher, questions, args.permutations, args.n_ctx, args.gpu_layers or 0,
                           args.threads, args.extra_buffers, args.layout)
     policy = InputPolicy(n_ctx=scorer.ctx.config.n_ctx, excerpt=args.excerpt)
-    try:
-        with LabelStore(args.store, teacher_of(scorer), policy=policy) as store, StopRequest() as stop:
+    try:  # a first run that fails before any label (an empty corpus) leaves no store bound to this teacher
+        with removed_on_failure(args.store, only_if_empty=True), \
+                LabelStore(args.store, teacher_of(scorer), policy=policy) as store, StopRequest() as stop:
             return label_corpus(scorer, questions, args.corpus, store, args.text_field,
                                 args.on_error, args.permutations, excerpt=excerpt, only=only, stop=stop,
                                 say=lambda line: print(line, file=sys.stderr))
@@ -351,8 +352,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="context tokens (default 4096). The context and --excerpt are the input policy: "
                    "the store records it, refuses a resume under another, and the bundle follows it")
     chosen = p.add_argument_group("which items (default: every item of the corpus)")
-    chosen.add_argument("--limit", type=whole_number(1), metavar="N", help="the first N items")
-    chosen.add_argument("--sample", type=whole_number(1), metavar="N",
+    one_way = chosen.add_mutually_exclusive_group()
+    one_way.add_argument("--limit", type=whole_number(1), metavar="N", help="the first N items")
+    one_way.add_argument("--sample", type=whole_number(1), metavar="N",
                         help="N items drawn at random with --seed (the same N on every resume), "
                         "stratified by --gold-field where given: a corpus sorted by label gives one "
                         "class with --limit")

@@ -93,6 +93,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     questions = load_questions(args.questions)
     with LabelStore.open_existing(args.store) as store:
+        store.check_questions(questions)
         checks = judge_store(store, questions)
         bundle = train_bundle(
             questions, corpus_input(args), store, args.bundle, C=args.C, run=run_options(args),

@@ -140,6 +140,7 @@ def _stored(path: Path, questions: Mapping[str, Question]
             return new
         raise
     with opened as store:
+        store.check_questions(questions)
         teacher = store.teacher
         if teacher.kind != "endpoint" or teacher.identity is None:
             raise StoreMismatchError(f"label store {path} holds labels of the {teacher.kind} teacher "
@@ -257,6 +258,7 @@ def _commit(answers: UpstreamAnswers, item: CorpusItem, asked: Mapping[str, Ques
     identity that answer stated."""
     if progress.store is None:
         progress.store = LabelStore(store_path, Teacher.of_endpoint(answers.identity))
+        progress.store.bind_questions(asked)
     labels = {qid: dict(zip(q.option_keys(), answers.distributions[qid].tolist(), strict=True))
               for qid, q in asked.items()}
     hashes = {qid: sha for qid, sha in answers.identity.templates.items() if qid in asked}

@@ -115,6 +115,7 @@ def label_corpus(
     what the run will take.
     """
     _check_arguments(scorer, questions, store, on_error, permutations)
+    store.bind_questions(questions)
     summary, started = LabelSummary(), time.perf_counter()
     done = {qid: store.done_items([qid]) for qid in questions}
     wanted = set(only) if only is not None else None

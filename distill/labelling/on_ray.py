@@ -172,6 +172,7 @@ def label_on_ray(
     ray = require_ray()
     check_label_options(spec.questions, on_error, spec.permutations)
     teacher = _check_store(store, spec.model_path, spec.layout)
+    store.bind_questions(spec.questions)
     summary, started = LabelSummary(), time.perf_counter()
     rows = _todo_rows(store, spec.questions, Path(corpus_path), text_field, on_error, summary, only,
                       claim=not store.shared)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from pydantic import BaseModel
 
+from cascade.atomic import write_atomically
 from cascade.questions import Question
 from distill.store import LabelStore, StoreError, check_probabilities, conflict_message
 
@@ -51,6 +52,7 @@ def import_labels(
     """
     if on_error not in ("stop", "skip"):
         raise StoreError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
+    store.bind_questions(questions)
     try:
         lines = Path(path).read_bytes().splitlines()
     except OSError as exc:
@@ -152,17 +154,21 @@ def _write_pending(
 def export_labels(store: LabelStore, path: Path) -> int:
     """Write every label in the import format; returns the number of rows.
 
-    The file is written beside ``path`` and renamed, so a killed export never leaves half a file.
+    Written whole or not at all (``cascade.atomic``: a temporary file beside ``path``, fsynced and
+    renamed, removed on an error), readable by its owner alone as the store is.
     """
-    tmp, count = Path(f"{path}.partial"), 0
-    with open(tmp, "w", encoding="utf-8") as out:
+    count = 0
+
+    def rows(out: BinaryIO) -> None:
+        nonlocal count
         for label in store.iter_labels():
             probs = label.probabilities
             row = {"id": label.item_id, "question": label.question_id,
                    "answer": _answer_value(probs), "probabilities": probs}
-            out.write(json.dumps(row) + "\n")
+            out.write((json.dumps(row) + "\n").encode("utf-8"))
             count += 1
-    tmp.replace(path)
+
+    write_atomically(Path(path), rows)
     return count
 
 

@@ -22,7 +22,16 @@ from cascade.audit.sample import AuditSampler
 from cascade.audit.watch import DriftWatch, OnDrift
 from cascade.bundle.manifest import Bundle, Manifest
 from cascade.routing.router import Cascade
-from distill.store import LabelStore, StoreError, StoreLocation, Teacher, is_url, store_exists, store_location
+from distill.store import (
+    LabelStore,
+    StoreError,
+    StoreLocation,
+    StoreMismatchError,
+    Teacher,
+    is_url,
+    store_exists,
+    store_location,
+)
 from distill.store.shared import SharedStore
 
 DEFAULT_POLL_S = 1.0
@@ -158,7 +167,7 @@ def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocati
         raise StoreError(f"bundle {manifest.name!r} has no calibration target to audit against; "
                          "run cascade calibrate first")
     records, seen = [], set()
-    for record in stored_audits(path):  # each state once, as the live watch counts it
+    for record in _bundle_audits(manifest, path):  # each state once, as the live watch counts it
         if record.calibration_version == calibration_version and record.state_sha256 not in seen:
             seen.add(record.state_sha256)
             records.append(record)
@@ -173,6 +182,23 @@ def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocati
                 agreements.append(monitor.agreement or 0.0)
         out.append(QuestionAudit(qid, monitor, lowers, agreements))
     return out
+
+
+def _bundle_audits(manifest: Manifest, path: StoreLocation | str) -> list[AuditRecord]:
+    """The audits of the store at ``path``, refused in one line where there is no store (a
+    mistyped path read as "quiet" before) or its teacher is not the bundle's (its audits are not
+    of this bundle: a server's sink refuses to write them there)."""
+    location = store_location(path)
+    if not store_exists(location):
+        raise StoreError(f"no label store at {location}: give the --audit-store that `cascade serve` or "
+                         "`cascade decide` wrote its audits to")
+    with LabelStore.open_existing(location) as store:
+        if store.teacher != bundle_teacher(manifest):
+            raise StoreMismatchError(f"label store {location} holds labels of the teacher "
+                                     f"{store.teacher.model}, not of bundle {manifest.name!r}'s "
+                                     f"({manifest.teacher.model}): its audits are not this bundle's; give "
+                                     "the store it audits to")
+        return store.audits()
 
 
 def drift_alarms(manifest: Manifest, records: list[AuditRecord]) -> dict[str, AuditRecord]:
@@ -213,5 +239,6 @@ def plot_audit(rows: list[QuestionAudit], target: float, path: Path) -> Path:
     ax.legend(loc="lower right", fontsize=7)
     ax.set_title("The certificate on audited traffic")
     figure.tight_layout()
-    figure.savefig(path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
     return path

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade.collect.record import CollectedItem
+from cascade.private import private_text
 from cascade.questions import Question
 from cascade.serve.matching import content_key
 from distill.store import (
@@ -170,11 +171,11 @@ def training_set(path: StoreLocation | str, out: Path, min_count: int = DEFAULT_
             if head is not None and qid in item.answers:
                 labels.setdefault(ident, {}).setdefault(head.id, item.answers[qid])
                 texts.setdefault(ident, item.state)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
     questions = {q.id: q.question.model_dump(mode="json", exclude_none=True) for q in found.heads}
     text = json.dumps({"questions": questions}, indent=2, ensure_ascii=False)  # as `cascade train` reads
     (out / "questions.json").write_text(text + "\n", encoding="utf-8")
-    with (out / "corpus.jsonl").open("w", encoding="utf-8") as corpus:
+    with private_text(out / "corpus.jsonl") as corpus:  # the collected states: customer text
         for ident, state in texts.items():
             corpus.write(json.dumps({"id": ident, "text": state}, ensure_ascii=False) + "\n")
     if labels:

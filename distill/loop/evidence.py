@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 from cascade.errors import CascadeError
+from cascade.private import private_text
 from cascade.questions import Question, State
 from distill.loop.escalations import escalations
 from distill.options import CorpusInput
@@ -109,9 +109,7 @@ class Evidence:
     def write(self, path: Path) -> Path:
         """The states as a JSONL corpus (``{"id", "text"}``), which training and calibration read:
         customer text, so readable by its owner alone (0600, whatever the umask)."""
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(descriptor, 0o600)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        with private_text(path) as handle:
             for item in self.items:
                 handle.write(json.dumps({"id": item.id, "text": item.state}, ensure_ascii=False) + "\n")
         return path

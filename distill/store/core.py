@@ -25,6 +25,7 @@ from typing import TypeVar
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.collect.escalation import EscalationRecord
 from cascade.collect.record import CollectedItem
+from cascade.questions import Question, wording_sha256
 from distill.store.backend import foreign_tables
 from distill.store.escalations import (
     ESCALATION_PAGE,
@@ -161,6 +162,27 @@ class LabelStore:
         self._db.execute("INSERT INTO meta (key, value) VALUES ('input_policy', ?) ON CONFLICT (key) "
                          "DO UPDATE SET value = excluded.value", (policy.model_dump_json(),))
         return policy
+
+    def check_questions(self, questions: Mapping[str, Question]) -> None:
+        """Refuse a question whose wording (``wording_sha256``) differs from the one this store's
+        labels of it were read with (``wording_ID`` in its metadata; a store made before they were
+        recorded records them at its next labelling)."""
+        meta = self._read_meta()
+        changed = sorted(qid for qid, question in questions.items()
+                         if meta.get(f"wording_{qid}") not in (None, wording_sha256(question)))
+        if changed:
+            raise StoreMismatchError(
+                f"label store {self.path} holds labels of {', '.join(changed)} read with another wording "
+                "(its instructions, options or their texts changed since): labels of one wording are not "
+                "answers to another. Give the changed question a new id, or label into a new --store")
+
+    def bind_questions(self, questions: Mapping[str, Question]) -> None:
+        """Record each question's wording where none is yet, then ``check_questions``: a labelling
+        run's, before it labels anything."""
+        with self._transaction():
+            self._db.executemany("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                                 [(f"wording_{qid}", wording_sha256(q)) for qid, q in questions.items()])
+        self.check_questions(questions)
 
     @contextmanager
     def _transaction(self, durable: bool = True) -> Iterator[None]:

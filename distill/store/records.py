@@ -108,8 +108,8 @@ def check_probabilities(probs: Any, where: str) -> dict[str, float]:
     if not isinstance(probs, Mapping) or not probs:
         raise StoreError(f"{where} must be a non-empty object of option -> probability")
     for key, p in probs.items():
-        if not is_finite(p) or p < 0:
-            raise StoreError(f"{where}[{key!r}] must be a finite number >= 0, got {p!r}")
+        if not is_finite(p) or not 0 <= p <= 1:  # above 1 cannot sum to 1, and may overflow the sum
+            raise StoreError(f"{where}[{key!r}] must be a finite number in [0, 1], got {p!r}")
     total = math.fsum(probs.values())
     if abs(total - 1.0) > SUM_TOLERANCE:
         raise StoreError(f"{where} must sum to 1 (within {SUM_TOLERANCE}), sums to {total!r}")

@@ -180,7 +180,7 @@ def staged(bundle_dir: Path) -> Iterator[Path]:
                          "empty folder, or a bundle to replace")
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{bundle_dir.name}.training-"
-    with _training_lock(bundle_dir):
+    with bundle_lock(bundle_dir):
         restore_interrupted(bundle_dir)
         for stale in bundle_dir.parent.glob(f"{prefix}*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -212,8 +212,9 @@ def restore_interrupted(bundle_dir: Path) -> bool:
 
 
 @contextmanager
-def _training_lock(bundle_dir: Path) -> Iterator[None]:
-    """An exclusive lock for training ``bundle_dir``, or TrainError if another run holds it."""
+def bundle_lock(bundle_dir: Path) -> Iterator[None]:
+    """An exclusive lock for writing ``bundle_dir`` (a training, a calibration's save), or
+    TrainError if another run holds it."""
     path = bundle_dir.parent / f".{bundle_dir.name}.training.lock"
 
     def busy(holder: str) -> TrainError:
