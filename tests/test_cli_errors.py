@@ -156,10 +156,12 @@ def test_an_output_path_that_is_a_folder_or_an_overflowing_label_is_one_line(tmp
     labels.write_text(json.dumps({"id": "a", "question": "q", "answer": True}) + "\n")
     assert run("label", "--import", str(labels), "--questions", str(questions_file), *store).returncode == 0
     (tmp_path / "adir").mkdir()
-    for out in (tmp_path / "adir", tmp_path / "nodir" / "x.jsonl"):
-        result = run("label", "--export", str(out), *store)
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert result.stderr.strip().endswith("check the paths given"), result.stderr
+    for out, said in ((tmp_path / "adir", "is a folder"), (tmp_path / "nodir" / "x.jsonl", "does not exist")):
+        result = run("label", "--export", str(out), *store)  # refused before the work
+        assert result.returncode == 2 and said in result.stderr.splitlines()[-1], result.stderr
+    (tmp_path / "afile").write_text("")  # a folder to make where a file is: said when it is made
+    result = run("collected", *store, "--out", str(tmp_path / "afile"))
+    assert_one_clear_line(result, "FileExistsError", "check the paths given")
 
 
 def test_a_bundle_from_a_newer_schema(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from distill.cli.common import (
@@ -25,6 +24,7 @@ from distill.cli.common import (
 )
 from distill.cli.endpoint import add_endpoint_arguments, key_source
 from distill.cli.escalations import add_escalation_arguments, check_escalations, escalation_store
+from distill.cli.values import output_file
 
 if TYPE_CHECKING:
     from cascade.routing.endpoint import Teacher
@@ -114,7 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_bundle_argument(p)
     add_corpus_argument(p)
-    p.add_argument("--out", type=Path, required=True, metavar="D.jsonl",
+    p.add_argument("--out", type=output_file, required=True, metavar="D.jsonl",
                    help="decisions JSONL to write (appended; ids already there are skipped)")
     add_budget_arguments(p)
     p.add_argument("--teacher", type=teacher_argument, metavar="PATH.gguf|URL",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from distill.cli.common import (
     add_batch_size_argument,
@@ -22,6 +21,7 @@ from distill.cli.common import (
     run_options,
 )
 from distill.cli.serve.upstream import add_upstream_price_argument
+from distill.cli.values import output_file
 
 DESCRIPTION = """\
 Route the bundle's "evaluation" items (never its train or calibration items) through its tiers,
@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_bundle_argument(p)
     add_corpus_argument(p, "the labelled JSONL corpus the bundle was trained on")
     add_store_argument(p, "label store of the bundle's teacher")
-    p.add_argument("--json", type=Path, required=True, metavar="OUT.json",
+    p.add_argument("--json", type=output_file, required=True, metavar="OUT.json",
                    help="where to write the full report")
     add_budget_arguments(p)
     add_text_field_argument(p, bundle=True)

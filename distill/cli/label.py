@@ -16,7 +16,7 @@ from distill.cli.common import (
     teacher_argument,
 )
 from distill.cli.endpoint import add_endpoint_arguments, key_source
-from distill.cli.values import positive_number, positive_seconds, whole_number
+from distill.cli.values import output_file, positive_number, positive_seconds, sha256_hex, whole_number
 
 if TYPE_CHECKING:
     from cascade.questions import Question
@@ -315,7 +315,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "(http://host:port/v1/systemone; see 'through a URL teacher' below)")
     mode.add_argument("--import", dest="import_path", type=Path, metavar="LABELS.jsonl",
                       help="store these labels ({id, question, answer | probabilities} rows)")
-    mode.add_argument("--export", dest="export_path", type=Path, metavar="OUT.jsonl",
+    mode.add_argument("--export", dest="export_path", type=output_file, metavar="OUT.jsonl",
                       help="write the store's labels to this JSONL file")
     add_store_argument(p, "label store (SQLite); created on first use, resumed after")
     add_questions_argument(p, required=False)
@@ -327,7 +327,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--teacher-name", metavar="NAME",
                    help=f"with --import: who made the labels (default: {DEFAULT_TEACHER_NAME!r}); the "
                    "GGUF's file name with --teacher-sha256")
-    p.add_argument("--teacher-sha256", metavar="HEX",
+    p.add_argument("--teacher-sha256", type=sha256_hex, metavar="HEX",
                    help="with --import: the labels came from the GGUF of this sha256, read with "
                    "--teacher-prompt-version: a bundle built on them is then served and audited with it")
     p.add_argument("--teacher-prompt-version", metavar="VERSION",

@@ -1,5 +1,5 @@
 """What a flag's value may be: the argparse types every share, probability, rate, count and
-duration of the ``cascade`` command goes through.
+duration of the ``cascade`` command goes through, and the files it writes and hashes it pins.
 
 One type per kind of number, so that a flag of that kind is read the same way in every command,
 and a value out of range ends in argparse's usage line naming the flag and the allowed range
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _number(text: str) -> float:
@@ -78,3 +80,21 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
         return value
     return parse
 
+
+
+def output_file(text: str) -> Path:
+    """A file a command writes: refused at once where it is a folder or its folder is missing,
+    rather than when it is written, after the work (an evaluation's minutes, say)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file's path")
+    if not path.absolute().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder of {text} does not exist; create it first")
+    return path
+
+
+def sha256_hex(text: str) -> str:
+    """A GGUF's sha256: 64 hex digits (lower case), checked before a store is bound to it."""
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+        raise argparse.ArgumentTypeError(f"must be a sha256 of 64 hex digits (sha256sum FILE); got {text!r}")
+    return text.lower()
