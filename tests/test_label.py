@@ -250,6 +250,8 @@ def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:
      "--corpus cannot be used with --import"),
     (["--teacher", "m.gguf", "--questions", "q.json", "--corpus", "c.jsonl", "--limit", "2", "--sample", "3"],
      "argument --sample: not allowed with argument --limit"),  # a pydantic traceback before
+    (["--teacher", "m.gguf", "--questions", "q.json", "--corpus", "c.jsonl", "--concurrency", "8"],
+     "--concurrency applies to a URL teacher only"),  # accepted and ignored before
     (["--import", "l.jsonl", "--questions", "q.json", "--teacher-sha256", "zz"],
      "must be a sha256 of 64 hex digits"),  # bound the store to it, refused only at train time
 ])

@@ -202,6 +202,18 @@ def test_a_gguf_teacher_left_unpinned_is_the_one_given_at_load(
     assert _tiers_of(bundle)["pin_teacher"] is False
 
 
+def test_a_gguf_given_for_labels_that_came_from_elsewhere_is_refused(
+    tmp_path: Path, encoder: Encoder, cache_dir: Path
+) -> None:
+    """It was accepted and ignored: the bundle's top tier replays the labels, not that file."""
+    model = tmp_path / "teacher.gguf"
+    model.write_bytes(b"GGUF stand-in bytes")
+    corpus, store = write_training_inputs(tmp_path, Teacher(kind="external", model="gold labels"))
+    with pytest.raises(TrainError, match=r"came from 'gold labels', not from a GGUF.*leave out"):
+        train(corpus, store, tmp_path / "b", encoder, cache_dir, teacher_model=model)
+    assert not (tmp_path / "b").exists()
+
+
 def test_labels_of_another_prompt_version_are_refused(
     tmp_path: Path, encoder: Encoder, cache_dir: Path
 ) -> None:

@@ -56,6 +56,9 @@ examples:
   cascade label --questions q.json --store gold.sqlite --import gold.jsonl --teacher-name gold
   cascade label --store labels.sqlite --export labels.jsonl"""
 
+DEFAULT_CONCURRENCY = 4
+"""Calls in flight to a URL teacher where --concurrency is not given."""
+
 _MODES = {
     # mode flag: (flags it needs, flags it refuses)
     "teacher": (("questions", "corpus"), ("teacher_name", "teacher_sha256", "teacher_identity")),
@@ -98,6 +101,10 @@ def _label(args: argparse.Namespace) -> int:
     ray_only = [flag for flag in ("actors", "batch_size") if getattr(args, flag) is not None]
     if ray_only and not args.ray:
         args.parser.error(f"--{ray_only[0].replace('_', '-')} needs --ray")
+    url_only = [flag for flag in ("concurrency", "rate", "upstream_model") if getattr(args, flag) is not None]
+    if url_only and not isinstance(args.teacher, str):
+        args.parser.error(f"--{url_only[0].replace('_', '-')} applies to a URL teacher only; a GGUF is read "
+                          "here, one item at a time (or on Ray actors: --ray, --actors)")
     questions = load_questions(args.questions)
     excerpt = HeadTailExcerpt.parse(args.excerpt) if args.excerpt else None
     if args.layout == "auto" and not isinstance(args.teacher, str):
@@ -189,10 +196,11 @@ def _label_endpoint(args: argparse.Namespace, questions: dict[str, Question],
                                       ("--permutations", args.permutations != 1)) if given]
     if local:
         args.parser.error(f"{local[0]} does not apply to a URL teacher, which reads states its own way")
-    settings = UpstreamSettings(args.teacher, model=args.upstream_model, max_in_flight=args.concurrency,
+    concurrency = args.concurrency or DEFAULT_CONCURRENCY
+    settings = UpstreamSettings(args.teacher, model=args.upstream_model, max_in_flight=concurrency,
                                 key=key_source(args),
                                 read_timeout=args.upstream_timeout, deadline=2 * args.upstream_timeout)
-    run = EndpointRun(concurrency=args.concurrency, rate=args.rate, text_field=args.text_field,
+    run = EndpointRun(concurrency=concurrency, rate=args.rate, text_field=args.text_field,
                       on_error=args.on_error, only=only)
     with StopRequest("the calls in flight") as stop:
         return label_through_endpoint(settings, questions, args.corpus, args.store, run, stop,
@@ -366,8 +374,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "with it, and --sample keeps each gold answer's share")
     add_placement_arguments(p)
     url = p.add_argument_group("through a URL teacher (--teacher http://host:port/v1/systemone)")
-    url.add_argument("--concurrency", type=whole_number(1), default=4, metavar="N",
-                     help="calls in flight at once (default 4)")
+    url.add_argument("--concurrency", type=whole_number(1), metavar="N",
+                     help=f"calls in flight at once (default {DEFAULT_CONCURRENCY})")
     url.add_argument("--rate", type=positive_number, metavar="R",
                      help="at most R calls a second, > 0 (default: no limit)")
     add_endpoint_arguments(url, "endpoint")

@@ -353,6 +353,11 @@ def _top_tier(teacher: Teacher, model: Path | None, placement: Placement | None,
                          "--teacher URL when it runs, every answer checked against that endpoint's identity")
     labels_only = ExternalSpec(name=TEACHER_TIER, labels=teacher.model, excerpt=excerpt,
                                n_ctx=policy.n_ctx if policy is not None else None)
+    if teacher.kind == "external" and model is not None:
+        raise TrainError(f"the store's labels came from {teacher.model!r}, not from a GGUF this cascade "
+                         f"reads: leave out --teacher-model {model} (a GGUF teacher's labels are imported "
+                         "with --teacher-sha256 and --teacher-prompt-version, which the file is checked "
+                         "against)")
     if teacher.kind in ("external", "endpoint"):  # an endpoint answers through --teacher URL, checked
         return labels_only
     if layout_of(teacher.prompt_version) is None:
