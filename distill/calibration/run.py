@@ -82,9 +82,9 @@ def calibrate_bundle(
     """
     options = option("calibrate_bundle", "options", options, CalibrationOptions, CalibrationOptions())
     run = option("calibrate_bundle", "run", run, RunOptions, RunOptions())
-    loaded = file_sha256(bundle.directory / MANIFEST_NAME)
     if corpus is not None:
         corpus = option("calibrate_bundle", "corpus", corpus, CorpusInput)
+    loaded = file_sha256(bundle.directory / MANIFEST_NAME)  # saved only where no train wrote it since
     manifest = bundle.manifest
     check_teacher(manifest, store)
     bundle.verify()
