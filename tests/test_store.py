@@ -178,7 +178,7 @@ def test_import_hard_and_soft_rows_of_each_type(store: LabelStore, tmp_path: Pat
     ({"id": "e9", "question": "severity", "answer": True}, "level 0..2"),
     ({"id": "e9", "question": "urgent", "probabilities": {"yes": 1.0}}, "exactly \\['true'"),
     ({"id": "e9", "question": "urgent", "probabilities": {"true": 0.9, "false": 0.9}}, "sum"),
-    ({"id": "e9", "question": "urgent", "probabilities": {"true": 2, "false": -1}}, ">= 0"),
+    ({"id": "e9", "question": "urgent", "probabilities": {"true": 2, "false": -1}}, "in \\[0, 1\\]"),
     ({"id": "e9", "question": "urgent", "answer": False,
       "probabilities": {"true": 0.9, "false": 0.1}}, "not a most probable"),
     ({"id": "e9", "question": "urgent"}, "needs 'answer' or 'probabilities'"),
