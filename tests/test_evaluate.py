@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,9 +17,12 @@ from cascade.encoder.ngrams import beside
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.routing.budget import Budget
 from distill.calibration.evaluate import Evaluation, EvaluationError, evaluate_bundle
+from distill.calibration.run import calibrate_bundle
 from distill.cli import main
+from distill.loop.evidence import gather
 from distill.options import CorpusInput, RunOptions
 from distill.store import LabelStore, Teacher
+from distill.store.texts import EditedItemsError, state_sha256
 
 __all__ = ["labels", "texts", "trained"]  # module fixtures shared with test_router
 
@@ -100,6 +104,30 @@ def test_a_corpus_without_evaluation_items_is_refused(trained: tuple, tmp_path: 
     with LabelStore.open_existing(trained[1]) as store, \
             pytest.raises(EvaluationError, match=r"no item of .*train-only.jsonl is both in the evaluation"):
         evaluate_bundle(trained[2].directory, CorpusInput(corpus), store, run=RunOptions(progress=False))
+
+
+def test_every_reader_of_the_corpus_refuses_an_item_edited_since_its_labels(
+    trained: tuple, tmp_path: Path
+) -> None:
+    """Evaluation, calibration and a retrain's evidence read the corpus against the store's
+    labels: an item whose text changed under its id would be scored against the old text's answer."""
+    store_path, corpus = tmp_path / "s.sqlite", tmp_path / "edited.jsonl"
+    shutil.copy(trained[1], store_path)
+    rows = [json.loads(line) for line in trained[0].read_text(encoding="utf-8").splitlines()]
+    with LabelStore(store_path, TEACHER) as store:  # imported labels record no text: as read now
+        store.record_texts({row["id"]: state_sha256(row["text"]) for row in rows})
+    rows[4]["text"] += " (edited)"
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    bundle = Bundle.load(variant(trained[2], tmp_path / "b"))
+    edited = rf"'{rows[4]['id']}' \(line 5\)"
+    with LabelStore.open_existing(store_path) as store:
+        with pytest.raises(EditedItemsError, match=edited):
+            evaluate_bundle(bundle.directory, CorpusInput(corpus), store, run=RunOptions(progress=False))
+        with pytest.raises(EditedItemsError, match=edited):
+            calibrate_bundle(bundle, CorpusInput(corpus), store, run=RunOptions(progress=False))
+        with pytest.raises(EditedItemsError, match=edited):
+            gather(store, bundle.manifest.parsed_questions(), CorpusInput(corpus))
+        assert gather(store, bundle.manifest.parsed_questions(), CorpusInput(trained[0])).items
 
 
 def test_labels_of_another_teacher_are_refused(trained: tuple, tmp_path: Path) -> None:

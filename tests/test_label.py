@@ -196,6 +196,40 @@ def test_cli_labels_then_resumes(gemma_path: Path, tmp_path: Path, capsys) -> No
     assert not (tmp_path / "b").exists()
 
 
+def test_an_item_edited_under_its_id_is_refused_by_labelling_and_training(
+        gemma_path: Path, tmp_path: Path, capsys) -> None:
+    """Labels are keyed by item id: an edited item was "already done" on its old text's labels,
+    and training paired the new text with them. Each label records its text's hash, and a store
+    made before that records it at its next labelling (trust on first read)."""
+    corpus, questions = write_corpus(tmp_path / "c.jsonl", n=3), write_questions(tmp_path / "q.json")
+    store = tmp_path / "s.sqlite"
+    argv = ["label", "--questions", str(questions), "--corpus", str(corpus), "--store", str(store),
+            "--teacher", str(gemma_path), "--n-ctx", "1024", "--threads", "1"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    with sqlite3.connect(store) as db:  # as a store made before texts were recorded
+        db.execute("UPDATE labels SET text_sha256 = NULL")
+    assert main(argv) == 0  # unchanged: resumed as before, and the texts recorded now
+    assert capsys.readouterr().out.startswith("labelled 0 items, 3 already done, 0 bad, 0 left, in ")
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT COUNT(*) FROM labels WHERE text_sha256 IS NULL").fetchone() == (0,)
+    rows = corpus.read_text().splitlines()
+    rows[1] = json.dumps({"id": "e01", "text": "An edited message: the old label answers another text."})
+    corpus.write_text("\n".join([*rows, json.dumps({"id": "e09", "text": "new"})]) + "\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 item(s) of" in err[0] and "'e01' (line 2)" in err[0], err
+    assert "changed since the teacher labelled them" in err[0]
+    with LabelStore.open_existing(store) as opened:  # refused before any work: e09 not labelled
+        assert "e09" not in opened.done_items(())
+    assert main(["train", "--questions", str(questions), "--corpus", str(corpus), "--store", str(store),
+                 "--teacher-model", str(gemma_path), "--bundle", str(tmp_path / "b")]) == 2
+    assert "'e01' (line 2)" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    corpus.write_text("\n".join(rows[:1] + rows[2:]) + "\n")  # the edited item gone: labelled as before
+    assert main(argv) == 0
+
+
 def test_cli_layout_auto_puts_one_question_options_first_and_the_store_keeps_that_teacher(
     gemma_path: Path, tmp_path: Path, capsys
 ) -> None:

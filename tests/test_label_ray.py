@@ -99,6 +99,9 @@ def test_ray_labels_are_single_process_labels_and_a_rerun_labels_nothing(
     for key, (probabilities, prompt_hash) in want.items():
         assert_same_labels(got[key][0], probabilities)
         assert got[key][1] == prompt_hash
+    with LabelStore.open_existing(tmp_path / "ray.sqlite") as ray_store, \
+            LabelStore.open_existing(tmp_path / "one.sqlite") as one_store:  # texts: the driver's commit
+        assert ray_store.text_hashes() == one_store.text_hashes() and len(one_store.text_hashes()) == 6
 
     again = label_ray(gemma_path, corpus, tmp_path / "ray.sqlite", on_error="skip")
     assert (again.items, again.labelled, again.skipped_done, len(again.bad_lines)) == (7, 0, 6, 2)
@@ -269,6 +272,7 @@ def test_into_postgresql_actors_write_straight_and_a_killed_one_loses_and_duplic
     with LabelStore.open_existing(postgres_url) as store:
         labels = {qid: store.labels(qid) for qid in QUESTIONS}
         assert len(store) == n * len(QUESTIONS), "no label twice"
+        assert len(store.text_hashes()) == n  # each actor's commit records its item's text
     per_item = {item: sum(item in labels[q] for q in QUESTIONS) for item in set().union(*labels.values())}
     assert per_item == {f"e{i:02d}": len(QUESTIONS) for i in range(n)}
     again = label_ray(gemma_path, corpus, postgres_url)

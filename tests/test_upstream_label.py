@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -38,6 +39,7 @@ from distill.labelling.endpoint import EndpointRun, label_through_endpoint
 from distill.options import CorpusInput
 from distill.reports.calibration_report import write_report
 from distill.store import LabelStore, StoreMismatchError, Teacher
+from distill.store.texts import EditedItemsError
 from distill.training.run import TrainError, train_bundle
 
 QUESTIONS_JSON = {"questions": {
@@ -94,6 +96,30 @@ def test_a_new_question_is_labelled_alone_for_the_items_that_lack_it(tmp_path: P
     assert said[0].startswith("5 items to label") and summary.labelled == 5
     with LabelStore.open_existing(store) as opened:
         assert set(opened.question_ids()) == set(QUESTIONS) and len(opened) == 15
+
+
+def test_an_edited_item_is_refused_before_any_call_and_old_labels_record_their_text(tmp_path: Path) -> None:
+    """The endpoint's labels record their texts too; a store made before that records them at
+    its next run (through a writer of its own: the check reads the store read-only)."""
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 4), tmp_path / "labels.sqlite"
+    cfg = MockConfig()
+    with Running(cfg) as server:
+        url = f"{server.url}/v1/systemone"
+        label(url, corpus, store)
+        with LabelStore.open_existing(store) as opened:
+            assert len(set(opened.text_hashes())) == 4
+        with sqlite3.connect(store) as db:
+            db.execute("UPDATE labels SET text_sha256 = NULL WHERE item_id = 'e2'")
+        label(url, corpus, store)
+        with LabelStore.open_existing(store) as opened:
+            assert "e2" in opened.text_hashes()
+        calls = cfg.requests
+        rows = [json.loads(line) for line in write_corpus(corpus, 5).read_text().splitlines()]
+        rows[2]["text"] = "an edited message"
+        corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        with pytest.raises(EditedItemsError, match=r"'e2' \(line 3\)"):
+            label(url, corpus, store)
+        assert cfg.requests == calls  # refused before the new item e4 was called for
 
 
 def test_calls_that_waiting_may_cure_are_made_again(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from cascade.tiers.base import Item
 from distill.calibration.teacher_traffic import TeacherTraffic
 from distill.options import CorpusInput, RunOptions, option, refuse
 from distill.store import LabelStore
+from distill.store.texts import checked
 
 EVALUATION = "evaluation"
 BATCH_ITEMS = 256
@@ -111,7 +112,7 @@ def evaluate_bundle(
     manifest = bundle.manifest
     _check_teacher(manifest, store)
     labels = {qid: store.labels(qid) for qid in manifest.questions}
-    lines = corpus.read(manifest.training.text_field)
+    lines = checked(store, corpus.read(manifest.training.text_field), corpus.path)
     items, asked = _evaluation_items(bundle, lines, corpus.path, labels)
     budget = budget if budget is not None else Budget()
     cascade = Cascade.load(bundle.directory, labels=labels, device=run.device,

@@ -24,6 +24,7 @@ from cascade.tiers.base import Item
 from distill.calibration.maths import CalibrationError
 from distill.options import CorpusInput
 from distill.store import LabelStore
+from distill.store.texts import checked
 from distill.training.split import part_of
 
 Labels = Mapping[str, Mapping[str, int]]
@@ -61,7 +62,7 @@ def calibration_labels(
 
 
 def calibration_items(
-    corpus: CorpusInput, trained_field: str | None, labels: Labels, split: SplitInfo
+    store: LabelStore, corpus: CorpusInput, trained_field: str | None, labels: Labels, split: SplitInfo
 ) -> tuple[list[Item], int]:
     """The labelled calibration items' states, in corpus order (every one must be found), and
     how many corpus items fall in the calibration part with no teacher label at all;
@@ -72,7 +73,7 @@ def calibration_items(
     """
     wanted = set().union(*(set(rows) for rows in labels.values()))
     items, unlabelled = [], 0
-    for row in corpus.read(trained_field):
+    for row in checked(store, corpus.read(trained_field), corpus.path):
         if row.id in wanted:
             items.append(Item(row.id, row.state))
         elif part_of(row.id, split.fractions, split.salt) == "calibration":

@@ -99,7 +99,8 @@ def calibrate_bundle(
                                    "calibrate on the audits alone (--calibrate-on traffic)")
         ids = bundle.split_ids()["calibration"] if options.held_out is None else sorted(options.held_out)
         labels = calibration_labels(store, questions, ids, manifest.name)
-        items, unlabelled = calibration_items(corpus, manifest.training.text_field, labels, manifest.split)
+        items, unlabelled = calibration_items(store, corpus, manifest.training.text_field, labels,
+                                                manifest.split)
     if options.source != "calibration":
         audited, audit_items, audits = audit_inputs(store, questions, options.audits_since)
         labels, items = merged(labels, audited), items + audit_items

@@ -45,8 +45,10 @@ from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.base import Item
 from cascade.tiers.upstream import UpstreamAnswers, UpstreamTier
 from distill.labelling.gguf import LabelSummary
+from distill.labelling.texts import check_texts
 from distill.stopping import StopRequest
 from distill.store import LabelStore, StoreError, StoreMismatchError, Teacher
+from distill.store.texts import state_sha256
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def label_through_endpoint(settings: UpstreamSettings, questions: Mapping[str, Q
     teacher, ``StoreMismatchError`` for a store of another teacher.
     """
     run = run or EndpointRun()
-    expected, done = _stored(store_path, questions)
+    expected, done = _stored(store_path, questions, Path(corpus), run.text_field)
     progress = _Progress(Path(corpus))
     calls = _count_calls(corpus, done, questions, run.only)
     progress.summary.left = calls
@@ -127,9 +129,10 @@ def label_through_endpoint(settings: UpstreamSettings, questions: Mapping[str, Q
     return progress.summary
 
 
-def _stored(path: Path, questions: Mapping[str, Question]
+def _stored(path: Path, questions: Mapping[str, Question], corpus: Path, text_field: str
             ) -> tuple[EndpointIdentity | None, dict[str, set[str]]]:
-    """The identity a store already holds (None for a new one) and, per question, its done items."""
+    """The identity a store already holds (None for a new one) and, per question, its done items;
+    ``corpus``'s items checked against the texts its labels answered (``check_texts``)."""
     new: tuple[EndpointIdentity | None, dict[str, set[str]]] = (None, {qid: set() for qid in questions})
     if isinstance(path, str | Path) and not Path(path).exists():
         return new
@@ -146,8 +149,12 @@ def _stored(path: Path, questions: Mapping[str, Question]
             raise StoreMismatchError(f"label store {path} holds labels of the {teacher.kind} teacher "
                                      f"{teacher.model!r}, not of an endpoint; use a new --store path for "
                                      "the endpoint's labels")
-        return (EndpointIdentity.model_validate_json(teacher.identity),
-                {qid: store.done_items([qid]) for qid in questions})
+        unrecorded = check_texts(store, corpus, text_field, record=False)
+        done = {qid: store.done_items([qid]) for qid in questions}
+    if unrecorded:
+        with LabelStore(path, teacher) as writable:
+            writable.record_texts(unrecorded)
+    return EndpointIdentity.model_validate_json(teacher.identity), done
 
 
 def _count_calls(corpus: Path, done: Mapping[str, set[str]], questions: Mapping[str, Question],
@@ -262,7 +269,7 @@ def _commit(answers: UpstreamAnswers, item: CorpusItem, asked: Mapping[str, Ques
     labels = {qid: dict(zip(q.option_keys(), answers.distributions[qid].tolist(), strict=True))
               for qid, q in asked.items()}
     hashes = {qid: sha for qid, sha in answers.identity.templates.items() if qid in asked}
-    progress.store.put_item(item.id, labels, hashes)
+    progress.store.put_item(item.id, labels, hashes, text_sha256=state_sha256(item.state))
     progress.summary.labelled += 1
     progress.summary.left -= 1
 

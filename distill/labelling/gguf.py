@@ -26,8 +26,10 @@ from cascade.questions import DecisionRequest, Question
 from cascade.readout.placement import ExtraBuffers
 from cascade.readout.prompts import Layout, prompt_version
 from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
+from distill.labelling.texts import check_texts
 from distill.stopping import StopRequest
 from distill.store import LabelStore, StoreMismatchError, Teacher
+from distill.store.texts import state_sha256
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ def label_corpus(
     """
     _check_arguments(scorer, questions, store, on_error, permutations)
     store.bind_questions(questions)
+    check_texts(store, corpus_path, text_field)
     summary, started = LabelSummary(), time.perf_counter()
     done = {qid: store.done_items([qid]) for qid in questions}
     wanted = set(only) if only is not None else None
@@ -222,7 +225,7 @@ def _label_item(
     scored = score_item(scorer, item, questions, permutations, excerpt, corpus_path)
     if isinstance(scored, BadLine):
         return scored
-    store.put_item(item.id, scored.labels, scored.hashes, scored.masses)
+    store.put_item(item.id, scored.labels, scored.hashes, scored.masses, state_sha256(item.state))
     return None
 
 

@@ -39,7 +39,9 @@ from distill.labelling.gguf import (
     teacher_of_file,
     too_long_error,
 )
+from distill.labelling.texts import check_texts
 from distill.store import LabelStore, StoreLocation, StoreMismatchError, Teacher, removed_on_failure
+from distill.store.texts import state_sha256
 
 INSTALL = "pip install -e '.[ray]'"
 LOCAL = "local"
@@ -146,10 +148,12 @@ class TeacherActor:
             if self.store is not None:
                 self.store.release(item_id)
             return json.dumps({"bad": scored.model_dump()})
+        text = state_sha256(item.state)
         if self.store is not None:
-            self.store.put_item(item_id, scored.labels, scored.hashes, scored.masses)
+            self.store.put_item(item_id, scored.labels, scored.hashes, scored.masses, text)
             return json.dumps({"stored": True})
-        return json.dumps({"labels": scored.labels, "hashes": scored.hashes, "masses": scored.masses})
+        return json.dumps({"labels": scored.labels, "hashes": scored.hashes, "masses": scored.masses,
+                           "text": text})
 
 
 def label_on_ray(
@@ -173,6 +177,7 @@ def label_on_ray(
     check_label_options(spec.questions, on_error, spec.permutations)
     teacher = _check_store(store, spec.model_path, spec.layout)
     store.bind_questions(spec.questions)
+    check_texts(store, Path(corpus_path), text_field)
     summary, started = LabelSummary(), time.perf_counter()
     rows = _todo_rows(store, spec.questions, Path(corpus_path), text_field, on_error, summary, only,
                       claim=not store.shared)
@@ -315,7 +320,8 @@ def _commit(
         summary.skipped_done += 1
     else:
         if "labels" in result:
-            store.put_item(item_id, result["labels"], result["hashes"], result.get("masses"))
+            store.put_item(item_id, result["labels"], result["hashes"], result.get("masses"),
+                           result.get("text"))
         summary.labelled += 1
     summary.left -= 1
     bar.update()

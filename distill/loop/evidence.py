@@ -46,6 +46,7 @@ from cascade.questions import Question, State
 from distill.loop.escalations import escalations
 from distill.options import CorpusInput
 from distill.store import LabelStore
+from distill.store.texts import checked
 
 Origin = Literal["corpus", "audit", "collected", "escalation", "census escalation"]
 ORIGINS: dict[str, Origin] = {"audit:": "audit", "traffic:": "collected", "escalation:": "escalation"}
@@ -138,7 +139,7 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
     met: list[EvidenceItem] = []
     if corpus is not None:
         met += [EvidenceItem(row.id, row.state, origin_of(row.id, "corpus"))
-                for row in corpus.read(trained_field) if row.id in labelled]
+                for row in checked(store, corpus.read(trained_field), corpus.path) if row.id in labelled]
     met += [EvidenceItem(r.item_id, r.state, origin_of(r.item_id), r.inclusion) for r in store.audits()
             if r.item_id in labelled]
     met += [EvidenceItem(ident, state, "collected", inclusion)

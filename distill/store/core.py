@@ -48,6 +48,7 @@ from distill.store.records import (
     conflict_message,
     policy_of,
 )
+from distill.store.texts import add_column, record_hashes, stored_hashes
 from distill.store.traffic import TRAFFIC_PAGE, put_traffic, traffic_after, traffic_count
 
 CLAIM_LEASE_S = 3600.0
@@ -59,7 +60,7 @@ ROWS_PER_INSERT = 100
 T = TypeVar("T")
 _DESIGN = (("inclusion", "DOUBLE PRECISION"), ("routed", "TEXT"))
 """The audits' columns past the first schema-3 ones: the sampling design of each audit."""
-_LABEL_COLUMNS = "item_id, question_id, probabilities, prompt_hash, created_at, letter_mass"
+_LABEL_COLUMNS = "item_id, question_id, probabilities, prompt_hash, created_at, letter_mass, text_sha256"
 
 
 class LabelStore:
@@ -82,6 +83,7 @@ class LabelStore:
             self._db.serialise()
             self._db.create_tables()
             self._add_design()
+            add_column(self._db)
             rows = [("schema_version", str(SCHEMA_VERSION))]
             rows += [(f"teacher_{f}", getattr(self.teacher, f)) for f in TEACHER_FIELDS]
             self._db.executemany("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
@@ -257,32 +259,35 @@ class LabelStore:
         labels: Mapping[str, Mapping[str, float]],
         prompt_hash: Mapping[str, str] | None = None,
         letter_mass: Mapping[str, float] | None = None,
+        text_sha256: str | None = None,
     ) -> None:
         """Store all of one item's labels atomically, so a kill never leaves half an item, and
         release the item's claim with them.
 
         Re-putting a label equal to the stored one does nothing; a different one raises,
         because a store never silently changes a teacher's answer. ``letter_mass``: per question,
-        the share of the readout's probability on the option letters (None where unknown).
+        the share of the readout's probability on the option letters (None where unknown);
+        ``text_sha256``: the item's ``distill.store.texts.state_sha256``, which later readers of
+        the corpus check the item against.
         """
         with self._transaction():
-            conflicts = self._insert(item_id, labels, prompt_hash or {}, letter_mass or {})
+            conflicts = self._insert(item_id, labels, prompt_hash or {}, letter_mass or {}, text_sha256)
             if conflicts:
                 raise StoreError(conflict_message(item_id, conflicts))
             self._db.execute("DELETE FROM claims WHERE item_id = ?", (item_id,))
 
     def _insert(
         self, item_id: str, labels: Mapping[str, Mapping[str, float]], hashes: Mapping[str, str],
-        masses: Mapping[str, float] | None = None,
+        masses: Mapping[str, float] | None = None, text: str | None = None,
     ) -> list[str]:
         """Insert inside the caller's transaction; return question ids whose stored row differs."""
         now = time.time()
         rows = [(item_id, qid, json.dumps(check_probabilities(probs, f"labels[{qid!r}]")), hashes.get(qid),
-                 now, (masses or {}).get(qid)) for qid, probs in labels.items()]
+                 now, (masses or {}).get(qid), text) for qid, probs in labels.items()]
         inserted = 0
         for start in range(0, len(rows), ROWS_PER_INSERT):
             part = rows[start:start + ROWS_PER_INSERT]
-            marks = ",".join(["(?,?,?,?,?,?)"] * len(part))
+            marks = ",".join(["(?,?,?,?,?,?,?)"] * len(part))
             inserted += self._db.execute(
                 f"INSERT INTO labels ({_LABEL_COLUMNS}) VALUES {marks} "
                 "ON CONFLICT (item_id, question_id) DO NOTHING", [v for row in part for v in row]).rowcount
@@ -290,7 +295,7 @@ class LabelStore:
             return []
         stored = {q: (json.loads(p), h) for q, p, h in self._db.execute(
             "SELECT question_id, probabilities, prompt_hash FROM labels WHERE item_id = ?", (item_id,))}
-        return [qid for _, qid, text, phash, _, _ in rows if stored[qid] != (json.loads(text), phash)]
+        return [qid for _, qid, probs, phash, _, _, _ in rows if stored[qid] != (json.loads(probs), phash)]
 
     def put_many(self, items: Mapping[str, Mapping[str, Mapping[str, float]]]) -> dict[str, list[str]]:
         """Store several items' labels in ONE transaction (an import's batch); per item, the
@@ -435,6 +440,15 @@ class LabelStore:
         for item, qid, text, phash, created in rows:
             yield Label(item_id=item, question_id=qid, probabilities=json.loads(text),
                         prompt_hash=phash, created_at=created)
+
+    def text_hashes(self) -> dict[str, str]:
+        """item_id -> the hash of the state its labels answered, where recorded (``texts``)."""
+        return stored_hashes(self._db)
+
+    def record_texts(self, hashes: Mapping[str, str]) -> None:
+        """Record ``hashes`` on labelled items that record none (labels made before the column)."""
+        with self._transaction():
+            record_hashes(self._db, hashes)
 
     def labelled_at(self) -> dict[str, float]:
         """item_id -> when the store took its first label (the writer's clock, Unix seconds): on one
