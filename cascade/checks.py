@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any, TypeGuard
 
 
@@ -38,3 +39,14 @@ def is_finite(value: Any) -> TypeGuard[float]:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def threads_beyond_cores(threads: int) -> str | None:
+    """Why ``threads`` CPU threads are refused here, or None. More threads than the machine's
+    CPUs never speed a compute-bound pass: llama.cpp's threads wait for each other at every step,
+    and ONNX Runtime made 100,000 intra-op threads for minutes before its first answer."""
+    cores = os.cpu_count() or 1
+    if threads <= cores:
+        return None
+    return (f"threads {threads} is more than this machine's {cores} CPUs, which only makes the threads "
+            f"wait for each other; give at most {cores}, or leave threads out for the free cores")

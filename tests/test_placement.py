@@ -345,3 +345,23 @@ def test_the_threads_default_counts_other_processes_busy_now_not_this_ones_or_fi
     assert abs(while_own - quiet) < 0.5  # its own work does not
     threads, why = default_threads()
     assert 1 <= threads <= (os.cpu_count() or 1) and "busy with other processes" in why
+
+
+def test_more_threads_than_cpus_are_refused_in_one_line_by_both_runtimes(gemma_path: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """100,000 threads held `cascade decide` for minutes (ONNX Runtime made them all before its
+    first answer); more threads than CPUs never speed a pass, so both runtimes refuse them."""
+    from distill.cli import main
+
+    over = (os.cpu_count() or 1) + 1
+    with pytest.raises(ModelError, match=rf"threads {over} is more than this machine's {over - 1} CPUs"):
+        Encoder(threads=over)
+    with pytest.raises(ModelError, match=rf"gemma.*: threads {over} is more than this machine's"):
+        Scorer(gemma_path, n_ctx=512, max_branches=2, n_threads=over)
+    assert Encoder(threads=over - 1).dim > 0
+    state = tmp_path / "s.json"
+    question = {"type": "noul", "instructions": "Urgent?"}
+    state.write_text(json.dumps({"state": "hi", "questions": {"u": question}}))
+    assert main(["score", "--model", str(gemma_path), "--request", str(state), "--threads", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "threads 100000 is more than this machine's" in err[0], err

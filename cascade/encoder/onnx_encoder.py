@@ -31,6 +31,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 from tqdm import tqdm
 
+from cascade.checks import threads_beyond_cores
 from cascade.encoder.onnx_header import weight_precision
 from cascade.errors import ModelError
 from cascade.hashing import file_sha256
@@ -177,6 +178,8 @@ class Encoder:
         _check_positive("batch_size", batch_size)
         if threads is not None:
             _check_positive("threads", threads)
+            if (beyond := threads_beyond_cores(threads)) is not None:
+                raise ModelError(f"the encoder's {beyond}")
         self.files = files if files is not None else default_encoder_files()
         self.device = device
         self.max_length = max_length

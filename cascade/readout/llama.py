@@ -18,6 +18,7 @@ import gguf
 import llama_cpp
 import numpy as np
 
+from cascade.checks import threads_beyond_cores
 from cascade.errors import ModelError
 from cascade.readout.layer_tap import LayerTap
 from cascade.readout.placement import (
@@ -212,6 +213,8 @@ class LlamaContext:
         params.kv_unified = True
         threads, self.threads_reason = ((config.n_threads, "asked") if config.n_threads
                                         else default_threads())
+        if (beyond := threads_beyond_cores(threads)) is not None:
+            raise ModelError(f"{model.path.name}: {beyond}")
         self.threads = threads
         params.n_threads = threads
         params.n_threads_batch = threads

@@ -168,8 +168,8 @@ def budget_of(args: argparse.Namespace) -> Budget:
     return Budget(ms_per_call=args.budget_ms, max_escalation_fraction=args.max_escalation)
 
 
-THREADS_DEFAULT = ("(default: the cores free when a model loads, the cores less those other processes "
-                   "keep busy then: "
+THREADS_DEFAULT = ("(at most the machine's CPUs: more only wait for each other; default: the cores "
+                   "free when a model loads, the cores less those other processes keep busy then: "
                    "all on an idle machine, fewer beside other work; on 2 cores, 2 threads read "
                    "1.67x faster idle and 1.24x slower beside one busy process)")
 """What --threads defaults to, said the same by every command (``cascade.readout.placement``)."""
