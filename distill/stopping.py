@@ -28,6 +28,13 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
+    @property
+    def exit_status(self) -> int:
+        """A stopped command's exit status, as a shell reports a process a signal ended: 128 plus
+        the signal's number (130 for Ctrl-C, 143 for SIGTERM; 130 where none came, a bare
+        KeyboardInterrupt)."""
+        return 128 + signal.Signals[self.requested or "SIGINT"].value
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested is not None and signum == signal.SIGINT:

@@ -368,7 +368,7 @@ def test_killed_and_interrupted_runs_resume_without_loss_or_duplicates(
     wait_for_rows(terminated, store, len(before) + 4 * len(QUESTIONS))
     terminated.send_signal(signal.SIGTERM)
     out, err = terminated.communicate()
-    assert terminated.returncode == 130 and "SIGTERM: stopping after this item" in err
+    assert terminated.returncode == 143 and "SIGTERM: stopping after this item" in err
     assert "left; run the same command again to resume" in err
 
     finished = start_cli(argv)

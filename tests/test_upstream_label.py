@@ -305,7 +305,7 @@ def test_a_store_labelled_through_a_url_trains_a_bundle_that_escalates_to_it_cer
 
 
 def test_the_command_labels_through_a_url_and_a_killed_run_resumes(tmp_path: Path) -> None:
-    """``cascade label --teacher URL``: SIGTERM ends the run after the calls in flight (exit 130),
+    """``cascade label --teacher URL``: SIGTERM ends the run after the calls in flight (exit 143),
     SIGKILL leaves no half item; the same command again finishes the corpus."""
     corpus, store = write_corpus(tmp_path / "c.jsonl", 40), tmp_path / "labels.sqlite"
     questions = tmp_path / "q.json"
@@ -319,7 +319,7 @@ def test_the_command_labels_through_a_url_and_a_killed_run_resumes(tmp_path: Pat
             _wait_for_labels(store, run)
             run.send_signal(how)
             _, err = run.communicate(timeout=120)
-            assert run.returncode == (130 if how == signal.SIGTERM else -signal.SIGKILL), err
+            assert run.returncode == (143 if how == signal.SIGTERM else -signal.SIGKILL), err
         with LabelStore.open_existing(store) as opened:
             partial = opened.done_items(list(QUESTIONS))
             assert 0 < len(partial) < 40 and len(opened) == 3 * len(partial)  # whole items only

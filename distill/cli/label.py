@@ -126,7 +126,7 @@ def _label(args: argparse.Namespace) -> int:
     if summary.interrupted:
         print(f"interrupted: {summary.labelled} items labelled by this run are committed, {summary.left} "
               "left; run the same command again to resume (done items are skipped)", file=sys.stderr)
-        return 130
+        return summary.exit_status
     if summary.turned_away:
         print(f"the upstream asked to wait (429 or 503) past the client's retries for {summary.turned_away} "
               "items, left unlabelled; run the same command again later to label them (done items are "
@@ -178,9 +178,11 @@ def _label_here(args: argparse.Namespace, questions: dict[str, Question],
     try:  # a first run that fails before any label (an empty corpus) leaves no store bound to this teacher
         with removed_on_failure(args.store, only_if_empty=True), \
                 LabelStore(args.store, teacher_of(scorer), policy=policy) as store, StopRequest() as stop:
-            return label_corpus(scorer, questions, args.corpus, store, args.text_field,
-                                args.on_error, args.permutations, excerpt=excerpt, only=only, stop=stop,
-                                say=lambda line: print(line, file=sys.stderr))
+            summary = label_corpus(scorer, questions, args.corpus, store, args.text_field,
+                                   args.on_error, args.permutations, excerpt=excerpt, only=only, stop=stop,
+                                   say=lambda line: print(line, file=sys.stderr))
+            summary.exit_status = stop.exit_status
+            return summary
     finally:
         scorer.close()
 
@@ -203,8 +205,10 @@ def _label_endpoint(args: argparse.Namespace, questions: dict[str, Question],
     run = EndpointRun(concurrency=concurrency, rate=args.rate, text_field=args.text_field,
                       on_error=args.on_error, only=only)
     with StopRequest("the calls in flight") as stop:
-        return label_through_endpoint(settings, questions, args.corpus, args.store, run, stop,
-                                      say=lambda line: print(line, file=sys.stderr))
+        summary = label_through_endpoint(settings, questions, args.corpus, args.store, run, stop,
+                                         say=lambda line: print(line, file=sys.stderr))
+        summary.exit_status = stop.exit_status
+        return summary
 
 
 def _label_on_ray(args: argparse.Namespace, questions: dict[str, Question],

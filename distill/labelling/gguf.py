@@ -45,7 +45,8 @@ class ItemLabels:
 class LabelSummary(BaseModel):
     """What a run did. ``items`` counts the valid corpus items it took; bad lines and over-long
     items (skip mode) are in ``bad_lines``; ``left`` the items it took that are still to label;
-    ``interrupted`` is True when Ctrl-C or SIGTERM stopped the run; ``turned_away`` counts the
+    ``interrupted`` is True when Ctrl-C or SIGTERM stopped the run, and ``exit_status`` the status
+    the command then exits with (128 plus the signal's number); ``turned_away`` counts the
     items a URL teacher asked to wait for past the client's retries (429, 503), left for the next
     run."""
 
@@ -55,6 +56,7 @@ class LabelSummary(BaseModel):
     bad_lines: list[BadLine] = []
     seconds: float = 0.0
     interrupted: bool = False
+    exit_status: int = 130
     left: int = 0
     turned_away: int = 0
 
