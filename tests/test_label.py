@@ -22,7 +22,7 @@ from cascade.readout.prompts import PROMPT_VERSION
 from cascade.readout.scorer import HeadTailExcerpt, Scorer
 from distill.cli import main
 from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
-from distill.store import LabelStore, StoreMismatchError
+from distill.store import LabelStore, StoreMismatchError, Teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 PATH_TOLERANCE = 0.15  # BENCHMARKS.md, "Decode paths: measured tolerance" (gemma's quantized kernels)
@@ -273,6 +273,12 @@ def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:
 
     assert main([*argv[:-2], "--import", str(exported)]) == 2, "another teacher's store"
     assert "StoreMismatchError" in capsys.readouterr().err
+
+    LabelStore(tmp_path / "empty.sqlite", Teacher(kind="external", model="none yet")).close()
+    assert main(["label", "--store", str(tmp_path / "empty.sqlite"), "--export", str(exported)]) == 0
+    out, err = capsys.readouterr()  # the teacher check of no label said "questions: is empty", exit 2
+    assert out.startswith("exported 0 labels of teacher 'none yet'") and err == ""
+    assert exported.read_text() == ""
 
 
 @pytest.mark.parametrize(("args", "message"), [

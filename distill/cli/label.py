@@ -296,7 +296,8 @@ def _export(args: argparse.Namespace) -> int:
         count = export_labels(store, args.export_path)
         teacher = store.teacher.model
     print(f"exported {count} labels of teacher {teacher!r} from {args.store} to {args.export_path}")
-    _teacher_check(args, None, None)
+    if count:  # a store with no label yet (audits only, say) has nothing to check
+        _teacher_check(args, None, None)
     return 0
 
 
