@@ -286,6 +286,9 @@ def test_cli_trains_a_gguf_middle_tier_that_keeps_nothing_until_calibrated(
         "middle tier); give each middle tier its own name (middle_tier(name=...))")
     assert main([*args, "--middle", str(tmp_path / "absent.gguf")]) == 2
     assert f"middle tier model {tmp_path / 'absent.gguf'} not found" in capsys.readouterr().err
+    (tmp_path / "notes.gguf").write_text("not a model")  # trained, then refused at calibration before
+    assert main([*args, "--middle", str(tmp_path / "notes.gguf")]) == 2
+    assert "notes.gguf is not a readable GGUF file (no GGUF magic" in capsys.readouterr().err
     assert Bundle.load(tmp_path / "cli").manifest.tiers[1].name == middle.stem  # refused runs wrote nothing
 
 

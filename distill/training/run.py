@@ -324,6 +324,9 @@ def middle_tier(model: Path, name: str | None = None, n_ctx: int = 4096) -> Gguf
         raise TrainError(f"middle tier model {model} not found; give the path of a GGUF file")
     if not (isinstance(n_ctx, int) and n_ctx > 0):
         raise TrainError(f"n_ctx of a middle tier must be a whole number > 0; got {n_ctx!r}")
+    from cascade.readout.gguf_header import read_header  # imports gguf: only where a file is read
+
+    read_header(model)  # not a GGUF: refused now, not after training, when calibration loads it
     return GgufSpec(name=name or model.stem, model=ModelFile.of(model), n_ctx=n_ctx)
 
 
