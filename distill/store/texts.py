@@ -16,15 +16,12 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cascade.corpus import CorpusItem
 from cascade.questions import State
 from distill.store.backend import Backend
 from distill.store.records import StoreMismatchError
-
-if TYPE_CHECKING:
-    from distill.store.core import LabelStore  # which imports this module
 
 COLUMN = "text_sha256"
 SHOWN = 3
@@ -33,6 +30,15 @@ SHOWN = 3
 
 class EditedItemsError(StoreMismatchError):
     """Corpus items whose state differs from the one their stored labels answered."""
+
+
+class Hashed(Protocol):
+    """A store as ``checked`` reads it (``LabelStore``, which imports this module)."""
+
+    @property
+    def path(self) -> object: ...
+
+    def text_hashes(self) -> dict[str, str]: ...
 
 
 def state_sha256(state: State) -> str:
@@ -62,7 +68,7 @@ def record_hashes(db: Backend, hashes: Mapping[str, str]) -> None:
                    [(sha, item) for item, sha in hashes.items()])
 
 
-def checked(store: LabelStore, items: Iterable[CorpusItem], corpus: Path | str,
+def checked(store: Hashed, items: Iterable[CorpusItem], corpus: Path | str,
             known: Mapping[str, str] | None = None) -> Iterator[CorpusItem]:
     """``items`` as they come; once they are all read, ``EditedItemsError`` if any of them differs
     from the text its labels in ``store`` answered (every edited item is found, not the first).
