@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -661,3 +662,38 @@ def test_answers_say_when_the_encoder_cut_the_state_and_where_it_ran(
     assert cut.answers["urgent"].routing.input_cut == (
         f"encoder read the first {encoder.max_length} tokens (max_length); the rest was cut")
     assert whole.usage.ran_on == {"encoder": "onnxruntime CPUExecutionProvider (device 'cpu' asked)"}
+
+
+def test_one_cascade_called_from_several_threads_answers_as_called_alone(
+    trained: tuple, texts: Mapping, labels: Mapping, tmp_path: Path, gemma_path: Path
+) -> None:
+    """llama.cpp's context is one KV cache: threads sharing a Cascade decoded into it at once
+    and the process died (SIGSEGV). The scorer now takes one request at a time; each answer is
+    the one the same call gets alone, and a closed cascade refuses every call, not only those
+    that reach a model."""
+    directory = variant(trained[2], tmp_path / "b", teacher=pinned(gemma_path))  # every question escalates
+    states = list(texts.values())[:4]
+    with Cascade.load(directory, teacher=gemma_path, threads=1) as cascade:
+        alone = [cascade.decide(state) for state in states]
+        got: dict[int, DecisionResponse] = {}
+
+        def decide(i: int) -> None:
+            got[i] = cascade.decide(states[i % len(states)])
+
+        workers = [threading.Thread(target=decide, args=(i,)) for i in range(2 * len(states))]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)
+        assert sorted(got) == list(range(2 * len(states)))
+        for i, response in got.items():
+            want = alone[i % len(states)]
+            for qid, answer in want.answers.items():
+                assert answer.routing is not None and answer.routing.tier == "teacher"
+                assert response.answers[qid].routing == answer.routing
+                assert response.answers[qid].probabilities == pytest.approx(answer.probabilities, abs=1e-6)
+    encoder_only = variant(trained[2], tmp_path / "e", thresholds=thresholds(0.0))
+    cascade = Cascade.load(encoder_only, labels=labels)
+    cascade.close()
+    with pytest.raises(RouterError, match="was closed; load it again"):
+        cascade.decide(states[0], questions=list(HEADED))

@@ -27,6 +27,7 @@ from cascade.readout.layer_tap import LayerTap
 from cascade.readout.llama import ContextConfig, LlamaContext
 from cascade.readout.placement import ExtraBuffers, Placement
 from cascade.readout.scorer import DecodePath, HeadTailExcerpt, Scorer, _Branch, _shared_prefix
+from cascade.readout.turns import one_at_a_time
 
 
 def normalized(states: np.ndarray) -> np.ndarray:
@@ -101,6 +102,7 @@ class LayerScorer(Scorer):
         raise ModelError(f"{self.model.path.name} is decoded to block {self.tap.layers[-1]} only, "
                          "so it has no logits to read; use states()")
 
+    @one_at_a_time
     def states(self, request: DecisionRequest, excerpt: HeadTailExcerpt | None = None) -> LayerStates:
         """Every question's layer states at its answer position, one option order."""
         for qid, question in request.questions.items():

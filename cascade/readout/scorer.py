@@ -11,6 +11,7 @@ docs/scorer.md.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from cascade.readout.prompts import (
     render_state,
     template_sha256,
 )
+from cascade.readout.turns import one_at_a_time
 
 DecodePath = Literal["fanout", "serial", "fresh"]
 PATHS: tuple[DecodePath, ...] = ("fanout", "serial", "fresh")
@@ -97,7 +99,8 @@ class _Readings:
 
 
 class Scorer:
-    """Answers System One questions about a state from option-letter logits of a GGUF model."""
+    """Answers System One questions about a state from option-letter logits of a GGUF model.
+    Safe to call from several threads: one request reads at a time (``one_at_a_time``)."""
 
     def __init__(
         self,
@@ -123,6 +126,7 @@ class Scorer:
         build without GPU offload are refused, never run on the CPU in silence. An ``n_ctx`` beyond
         the model's trained context is lowered to it, said once and recorded in :attr:`ran_on`.
         """
+        self.lock = threading.Lock()
         if max_branches < 1:
             raise RequestError(f"max_branches must be at least 1; got {max_branches}")
         option_groups(2, letters_per_prompt)  # refuses a size no prompt can letter
@@ -215,10 +219,12 @@ class Scorer:
         parts = [place, threads, f"extra buffers {buffers} ({model.extra_buffers_reason})"]
         return ", ".join(parts + ([self.n_ctx_note] if self.n_ctx_note else []))
 
+    @one_at_a_time
     def close(self) -> None:
         self.ctx.close()
         self.model.close()
 
+    @one_at_a_time
     def score(
         self,
         request: DecisionRequest,
@@ -380,6 +386,7 @@ class Scorer:
         """Tokens of the prompt head held now: what the next request copies rather than decodes."""
         return len(self.head)
 
+    @one_at_a_time
     def forget_head(self) -> None:
         """Drop the prompt head, so that the next request decodes it again (for measuring with
         and without it: the numbers are the same either way)."""

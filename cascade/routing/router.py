@@ -18,7 +18,7 @@ from pathlib import Path
 from cascade.answers import Answer, Audit, DecisionResponse, QuestionError, Routing, TierUsage, Usage
 from cascade.bundle.manifest import MANIFEST_NAME, Manifest
 from cascade.encoder.onnx_encoder import Device
-from cascade.errors import CascadeError, RequestError
+from cascade.errors import CascadeError, RequestError, RouterError
 from cascade.hashing import file_sha256
 from cascade.questions import Question, State
 from cascade.readout.placement import Placements
@@ -43,6 +43,7 @@ class Cascade:
         (default: of the manifest as read)."""
         self.manifest = manifest
         self.tiers = list(tiers)
+        self.closed = False
         self.costs = costs
         self.certified = certified
         self.questions: dict[str, Question] = manifest.parsed_questions()
@@ -106,7 +107,8 @@ class Cascade:
         prepared(bundle_dir, teacher, None, accept_other_teacher, Build())
 
     def close(self) -> None:
-        """Free the llama.cpp models the tiers opened."""
+        """Free the llama.cpp models the tiers opened; every later call is refused (``start``)."""
+        self.closed = True
         close_tiers(self.tiers)
 
     def __enter__(self) -> Cascade:
@@ -158,6 +160,8 @@ class Cascade:
         those steps itself, to ask a tier about the runs of several requests in one batch and to
         hand a run up to another worker while the next request's run starts.
         """
+        if self.closed:  # else a call the encoder answered alone passed, and the next one failed
+            raise RouterError(f"the cascade of bundle {self.manifest.name!r} was closed; load it again")
         _check_items(items, asked, self.questions)
         run = Run(items, asked, budget if budget is not None else Budget(), self.costs.batch(items),
                   len(self.tiers))
