@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from cascade.errors import CorpusError, RequestError
-from cascade.questions import Question, State, parse_request
+from cascade.questions import Question, State, parse_request, state_problem
 
 OnError = Literal["stop", "skip"]
 ON_ERROR: tuple[OnError, ...] = ("stop", "skip")
@@ -160,6 +160,8 @@ def _state(row: dict[str, Any], field: str, item_id: str) -> State:
                        f"got {_kind(state)}")
     if not (state.strip() if isinstance(state, str) else state):
         raise _BadLine(f"item {item_id!r}: {field!r} is empty; there is nothing to label")
+    if (problem := state_problem(state)) is not None:  # JSON lets "\ud800" through; no tokenizer takes it
+        raise _BadLine(f"item {item_id!r}: {field!r}: {problem}")
     return state
 
 

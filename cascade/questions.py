@@ -319,6 +319,8 @@ class DecisionRequest(BaseModel):
             raise ValueError(f"must be text or a JSON object or array; got {_kind(value)}")
         if not (value.strip() if isinstance(value, str) else value):
             raise ValueError(f"is empty; give {_REQUIRED['state']}")
+        if (problem := state_problem(value)) is not None:  # a dict built in Python, not parsed JSON
+            raise ValueError(problem)
         return value
 
     @field_validator("questions", mode="before")
@@ -338,6 +340,8 @@ def parse_request(data: str | bytes | Mapping[str, Any]) -> DecisionRequest:
     """Validate an untrusted request once, here, so that everything downstream can trust it."""
     if isinstance(data, str | bytes | bytearray):
         data = load_json(data)
+    elif isinstance(data, Mapping):  # built in Python: what JSON text could not hold is refused too
+        _refuse_surrogates(data, ())
     if not isinstance(data, Mapping):
         raise RequestError(f"request: must be a JSON object with 'state' and 'questions'; "
                            f"got {_kind(data)}")
@@ -408,22 +412,46 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _refuse_surrogates(value: Any, path: tuple[str, ...]) -> None:
-    """Refuse, at its path, the first key or text that is not valid Unicode (a lone surrogate: a
-    pair of escapes parses to one character, which passes). Walked without recursion."""
+    """Refuse, at its path, the first key or text that is not valid Unicode (``invalid_value``)."""
+    found = invalid_value(value, path)
+    if found is not None:
+        raise RequestError(f"{_path(found[0])}: {found[1]}")
+
+
+_LONE_SURROGATE = ("a key or text holds a lone surrogate escape (\\ud800 to \\udfff without its pair): "
+                   "not valid Unicode; send the character itself, or both halves of its pair")
+
+
+def invalid_value(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str] | None:
+    """The path of the first key or text no UTF-8 can hold (a lone surrogate: a pair of escapes
+    parses to one character, which passes) or number that is not finite (NaN, which JSON has no
+    word for), and why; None when there is none. A state built in Python (the library, a corpus
+    line) may hold either, which no tokenizer takes: ``check_state`` refuses it. Walked without
+    recursion."""
     stack = [(value, path)]
     while stack:
         value, path = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return path, f"the number {value} is not a JSON value; send a finite number"
         texts = [*value.keys()] if isinstance(value, dict) else [value] if isinstance(value, str) else []
         for text in texts:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise RequestError(f"{_path(path)}: a key or text holds a lone surrogate escape (\\ud800 to "
-                                   "\\udfff without its pair): not valid Unicode; send the character itself, "
-                                   "or both halves of its pair") from None
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path, _LONE_SURROGATE
         if isinstance(value, dict | list):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             stack.extend((item, (*path, str(key))) for key, item in items)
+    return None
+
+
+def state_problem(state: Any) -> str | None:
+    """Why ``state`` cannot be read (``invalid_value``, its path within the state), or None."""
+    found = invalid_value(state)
+    if found is None:
+        return None
+    return f"{'.'.join(found[0])}: {found[1]}" if found[0] else found[1]
 
 
 def _find_repeated(value: Any, path: tuple[str, ...], repeated: dict[int, str]) -> Any:

@@ -48,6 +48,8 @@ BAD_LINES = [
     ({"id": "e1", "text": "again"}, r"duplicate id 'e1' \(first on line 1\)"),
     ('["e2", "a list"]', r"must be a JSON object"),
     ('{"id": "e2", "text": NaN}', r"not valid JSON \(NaN is not a JSON value\)"),
+    # JSON lets a lone surrogate through; the tokenizer then raised a TypeError that lost the run
+    ('{"id": "e2", "text": "refund \\ud800 please"}', r"item 'e2': 'text': a key or text holds a lone"),
 ]
 
 

@@ -2,11 +2,13 @@
 
 import json
 import math
+import re
 from typing import Any
 
 import pytest
 from jevcompat.validate import choice_confidence as reference_choice
 from jevcompat.validate import score_confidence as reference_score
+from pydantic import ValidationError
 
 from cascade.answers import (
     Audit,
@@ -86,6 +88,23 @@ def test_numbers_past_a_float_or_pythons_int_bound_are_refused(number):
 def test_a_lone_surrogate_escape_is_refused_at_its_path(text, path):
     body = '{"state": ' + text + ', "questions": {"q": {}}}'
     refused(body, rf"^{path}: a key or text holds a lone surrogate")
+
+
+@pytest.mark.parametrize("state, path, message", [
+    ("refund \ud800 please", "", "a key or text holds a lone surrogate"),
+    ({"a": ["x", "\udc00"]}, "a.1", "a key or text holds a lone surrogate"),
+    ({"n": float("nan")}, "n", "the number nan is not a JSON value"),
+    ({"n": float("inf")}, "n", "the number inf is not a JSON value"),
+])
+def test_a_request_built_in_python_is_held_to_what_json_text_could_hold(state, path, message):
+    """parse_request of a dict (the library's path) took what its JSON path refuses, and the
+    scorer then failed with a raw UnicodeEncodeError."""
+    dotted = re.escape(f"state.{path}" if path else "state")
+    refused({"state": state, "questions": {"q": NOUL}}, rf"^{dotted}: {message}")
+    with pytest.raises(ValidationError, match=re.escape(f"{path}: {message}" if path else message)):
+        DecisionRequest(state=state, questions={"q": NOUL})
+    bad_question = {"q": {**NOUL, "instructions": "Urgent \ud800?"}}
+    refused({"state": "fine", "questions": bad_question}, r"^questions\.q\.instructions: a key or text")
 
 
 def test_a_surrogate_pair_is_one_character():

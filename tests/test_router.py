@@ -694,6 +694,8 @@ def test_one_cascade_called_from_several_threads_answers_as_called_alone(
                 assert response.answers[qid].probabilities == pytest.approx(answer.probabilities, abs=1e-6)
     encoder_only = variant(trained[2], tmp_path / "e", thresholds=thresholds(0.0))
     cascade = Cascade.load(encoder_only, labels=labels)
+    with pytest.raises(RequestError, match=r"items\[0\] \(id 'state'\): state: a key or text holds a lone"):
+        cascade.decide("refund \ud800 please", questions=list(HEADED))  # the tokenizer's TypeError before
     cascade.close()
     with pytest.raises(RouterError, match="was closed; load it again"):
         cascade.decide(states[0], questions=list(HEADED))

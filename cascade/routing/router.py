@@ -20,7 +20,7 @@ from cascade.bundle.manifest import MANIFEST_NAME, Manifest
 from cascade.encoder.onnx_encoder import Device
 from cascade.errors import CascadeError, RequestError, RouterError
 from cascade.hashing import file_sha256
-from cascade.questions import Question, State
+from cascade.questions import Question, State, state_problem
 from cascade.readout.placement import Placements
 from cascade.readout.prompts import letters_sha256, prompt_version, template_sha256
 from cascade.routing.budget import Budget, Pick, Run, allowance
@@ -457,6 +457,8 @@ def _check_items(items: Sequence[Item], asked: Sequence[Sequence[str]],
                                                             else state):
             raise RequestError(f"items[{n}] (id {item.id!r}): state must be non-empty text or a "
                                f"JSON object or array; got {state!r:.60}")
+        if (problem := state_problem(state)) is not None:
+            raise RequestError(f"items[{n}] (id {item.id!r}): state: {problem}")
         unknown = [q for q in qids if q not in questions]
         if not qids or unknown or len(set(qids)) < len(qids):
             raise RequestError(f"items[{n}] (id {item.id!r}): asked must list distinct question ids "
