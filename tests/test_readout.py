@@ -255,6 +255,11 @@ def test_bad_arguments_are_refused(gemma_scorer: Scorer) -> None:
         gemma_scorer.score(request(1), path="parallel")  # type: ignore[arg-type]
     with pytest.raises(RequestError, match="head_tail:1024"):
         HeadTailExcerpt.parse("middle:5")
+    # a misspelt template was read as a chat template of none: other numbers, the same prompt version
+    with pytest.raises(RequestError, match="template must be 'auto', 'chat' or 'plain'; got 'Chat'"):
+        Scorer(gemma_scorer.model.path, template="Chat")  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match="n_threads must be a whole number >= 1"):
+        Scorer(gemma_scorer.model.path, n_threads=0)  # taken for "the free cores" before
 
 
 def test_missing_or_invalid_model_file_is_a_clear_error(tmp_path: Path) -> None:

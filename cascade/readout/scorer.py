@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 
 from cascade.answers import Answer, Audit, DecisionResponse, Readout, Usage
+from cascade.checks import is_int
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.questions import OPTION_LETTERS, DecisionRequest, Question
@@ -132,6 +133,11 @@ class Scorer:
         option_groups(2, letters_per_prompt)  # refuses a size no prompt can letter
         if layout not in ("state-first", "options-first"):
             raise RequestError(f"layout must be 'state-first' or 'options-first'; got {layout!r}")
+        if template not in ("auto", "chat", "plain"):  # "Chat" read as a chat template of none
+            raise RequestError(f"template must be 'auto', 'chat' or 'plain'; got {template!r}")
+        if n_threads is not None and (not is_int(n_threads) or n_threads < 1):
+            raise RequestError(f"n_threads must be a whole number >= 1, or None (the free cores); "
+                               f"got {n_threads!r}")
         self.letters_per_prompt = letters_per_prompt
         self.layout: Layout = layout
         self.prompt_version = prompt_version(layout)
