@@ -28,15 +28,18 @@ from urllib.parse import unquote
 
 HIDDEN = "***"
 PRIVATE_MODE = 0o600
-_PAIR = re.compile(r"(?i)(?<!\w)(\w*password\s*=\s*)('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s&#'\"]*)")
-"""A ``password=``/``sslpassword=`` pair, in a URL's query or a conninfo (its value quoted or not)."""
+_PAIR = re.compile(r"(?i)(?<!\w)(\w*(?:password|passwd|secret|token|key|signature|sig)\s*=\s*)"
+                   r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s&#'\"]*)")
+"""A secret's pair, in a URL's query or a conninfo (its value quoted or not): ``password=``,
+``sslpassword=``, and the ``api_key=``, ``token=``, ``secret=``, ``sig=`` an upstream's URL may carry."""
 _URL = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s'\"<>]*)")
 """A URL in free text: its scheme, then everything up to a space or a quote."""
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its secrets: the password of its user part and the values of its
-    ``*password=`` parameters become ``***`` (a conninfo's pairs too). Never raises."""
+    """``url`` without its secrets: the password of its user part and the values of its secret
+    parameters (``_PAIR``: ``*password=``, ``api_key=``, ``token=``...) become ``***`` (a
+    conninfo's pairs too). Never raises."""
     scheme, sep, rest = url.partition("://")
     if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
         url = f"{scheme}://{_without_password(rest)}"

@@ -378,6 +378,18 @@ def test_an_external_top_tier_needs_a_teacher(trained: tuple, labels: Mapping, t
         Cascade.load(directory, teacher=gemma_path, labels=labels)
     with pytest.raises(RouterError, match=r"teacher model .*missing.gguf not found"):
         Cascade.load(directory, teacher=tmp_path / "missing.gguf")
+    with pytest.raises(RouterError, match=r"teacher model .* is a folder"):
+        Cascade.load(directory, teacher=str(tmp_path))
+    with pytest.raises(RouterError, match=r"'ftp://x:\*\*\*@h/': a teacher is a GGUF's path") as caught:
+        Cascade.load(directory, teacher="ftp://x:pw@h/")  # read as a path, and echoed with its password
+    assert "pw" not in str(caught.value)
+    with pytest.raises(RouterError, match=r"teacher must be a GGUF's path, an http\(s\):// URL .*; got int"):
+        Cascade.load(directory, teacher=3)  # type: ignore[arg-type]
+    # a mistyped tier name, or a dict for a Placement, was read as nothing: the tier ran as it would have
+    with pytest.raises(RouterError, match=r"placement names 'teachr', not a tier of bundle .*: its tiers"):
+        Cascade.load(directory, labels=labels, placement={"teachr": Placement(n_ctx=64)})
+    with pytest.raises(RouterError, match=r"placement must be one Placement, .*; got dict"):
+        Cascade.load(directory, labels=labels, placement={"teacher": {"n_ctx": 64}})  # type: ignore[dict-item]
 
 
 def test_cost_model_prices_a_state_once_and_its_questions_each(replay: Any, texts: Mapping) -> None:

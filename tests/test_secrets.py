@@ -289,6 +289,9 @@ def test_redaction_covers_urls_conninfo_and_text() -> None:
         f"http://user:{TEACHER_PW}@127.0.0.1:9/v1/systemone": "http://user:***@127.0.0.1:9/v1/systemone",
         f"http://user:{TEACHER_PW}/x@host/v1": "http://user:***@host/v1",  # an unencoded /: hidden too
         "https://decide.example.com/v1/systemone": "https://decide.example.com/v1/systemone",
+        # an upstream's key in its query: echoed whole by "the upstream ... is unreachable" before
+        f"http://h:9/v1/systemone?api_key={TEACHER_PW}&model=m": "http://h:9/v1/systemone?api_key=***&model=m",
+        f"https://h/v1/systemone?token={TEACHER_PW}&sig={TEACHER_PW}": "https://h/v1/systemone?token=***&sig=***",
     }
     assert {url: redact_url(url) for url in cases} == cases
     text = f"got 'postgresql://u:{PG_PW}@h/db' and PGPASSWORD=\"{PG_SSL}\" from http://u:{TEACHER_PW}@h/v1)"

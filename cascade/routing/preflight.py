@@ -7,15 +7,18 @@ bundle is one clear line at start-up, never a failure at the first request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from cascade.bundle.manifest import VECTORS_ALONE_SCHEMA, Bundle, Manifest
 from cascade.encoder.onnx_encoder import quantizes_per_call
-from cascade.errors import RouterError
+from cascade.errors import CascadeError, RouterError
 from cascade.hashing import file_sha256
+from cascade.readout.placement import Placement, Placements
 from cascade.readout.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, layout_of
 from cascade.routing.endpoint import Teacher, gguf_of, same_endpoint, upstream_of
+from cascade.teachers.settings import UpstreamSettings, url_or_path
 from cascade.tiers.base import Build, Labels
 from cascade.tiers.kinds import kind_of
 
@@ -26,7 +29,9 @@ def prepared(bundle_dir: Path, teacher: Teacher | None, labels: Labels | None,
     its answers are certified: every check before a model loads."""
     if teacher is not None and labels is not None:
         raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
+    teacher = _read_teacher(teacher)
     bundle = Bundle.load(Path(bundle_dir))
+    _check_placements(bundle.manifest, where.placements)
     upstream, expected = upstream_of(teacher), None
     if upstream is not None:
         certified, expected = same_endpoint(bundle.manifest, upstream.url, accept_other_teacher)
@@ -39,11 +44,41 @@ def prepared(bundle_dir: Path, teacher: Teacher | None, labels: Labels | None,
     return bundle, build, certified
 
 
+def _read_teacher(teacher: object) -> Teacher | None:
+    """A teacher as ``Cascade.load`` takes it, checked: a GGUF path, an http(s) URL (its scheme
+    lower-cased), ``UpstreamSettings`` or None; anything else refused in one line, redacted."""
+    if teacher is None or isinstance(teacher, Path | UpstreamSettings):
+        return teacher
+    if not isinstance(teacher, str):
+        raise RouterError(f"teacher must be a GGUF's path, an http(s):// URL or UpstreamSettings; got "
+                          f"{type(teacher).__name__}")
+    try:
+        return url_or_path(teacher)
+    except CascadeError as exc:
+        raise RouterError(str(exc)) from None
+
+
+def _check_placements(manifest: Manifest, placements: Placements) -> None:
+    """Placements must be ``Placement`` objects, per tier under the bundle's tier names: a dict's
+    fields, or a mistyped tier's name, were read as nothing, and the tier ran where it would have."""
+    given = placements.values() if isinstance(placements, Mapping) else [placements]
+    wrong = [p for p in given if p is not None and not isinstance(p, Placement)]
+    if wrong:
+        raise RouterError("placement must be one Placement, or a mapping of tier names to Placement; got "
+                          f"{type(wrong[0]).__name__}")
+    names = [tier.name for tier in manifest.tiers]
+    unknown = [name for name in placements if name not in names] if isinstance(placements, Mapping) else []
+    if unknown:
+        raise RouterError(f"placement names {', '.join(map(repr, unknown))}, not a tier of bundle "
+                          f"{manifest.name!r}: its tiers are {', '.join(names)}")
+
+
 def _check_top(manifest: Manifest, build: Build) -> None:
     """Before loading any model: can the top tier answer what reaches it?"""
     top = manifest.tiers[-1]
     if build.teacher is not None and not build.teacher.is_file():
-        raise RouterError(f"teacher model {build.teacher} not found; give the path of a .gguf file")
+        what = "is a folder" if build.teacher.is_dir() else "not found"
+        raise RouterError(f"teacher model {build.teacher} {what}; give the path of a .gguf file")
     kind_of(top).check_top(top, manifest.name, build)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -72,6 +74,20 @@ class UpstreamSettings:
         parts, key = urlsplit(self.url), self.key
         keyed = self.forward_auth or (key is not None and (key.file is not None or bool(key.read())))
         return bool(parts.username or parts.password) and keyed
+
+
+def url_or_path(text: str) -> str | Path:
+    """A teacher a user wrote: an http(s) URL of a System One endpoint stays text (a Path would
+    fold its "//"; its scheme in lower case, as httpx takes it), anything else is a GGUF's path. A
+    URL of another scheme is refused, redacted: taken as a path, it was echoed whole, password and
+    all."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        return Path(text)
+    if scheme.lower() not in ("http", "https"):
+        raise CascadeError(f"{redact_url(text)!r}: a teacher is a GGUF's path or an http(s):// URL of a "
+                           "/v1/systemone endpoint")
+    return f"{scheme.lower()}://{rest}"
 
 
 def is_url(teacher: object) -> bool:

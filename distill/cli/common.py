@@ -9,7 +9,6 @@ modules are imported inside the builders, so that ``cascade --help`` imports non
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -227,15 +226,13 @@ def teacher_argument(text: str) -> str | Path:
     """A ``--teacher`` value: an http(s) URL of a System One endpoint stays text (a Path would fold
     its "//"; its scheme in lower case, as httpx takes it), anything else is a GGUF's path; a URL of
     another scheme is refused, redacted (taken as a path, it was echoed whole, password and all)."""
-    scheme, sep, rest = text.partition("://")
-    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
-        return Path(text)
-    if scheme.lower() not in ("http", "https"):
-        from cascade.private import redact_url
+    from cascade.errors import CascadeError
+    from cascade.teachers.settings import url_or_path
 
-        raise argparse.ArgumentTypeError(f"{redact_url(text)!r}: a teacher is a GGUF's path or an http(s):// "
-                                         "URL of a /v1/systemone endpoint")
-    return f"{scheme.lower()}://{rest}"
+    try:
+        return url_or_path(text)
+    except CascadeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 EVIDENCE = ("corpus", "traffic", "all")
