@@ -441,3 +441,26 @@ def test_a_collector_stopping_on_a_store_that_stalls_returns_after_its_drain(
     said = [r.getMessage() for r in caplog.records if "left unwritten" in r.getMessage()]
     assert said == ["collect: 2 items left unwritten: the store took none of them within 0.2 s of stopping"]
     assert (size_of(b"abc"), size_of("\u00e9"), size_of({"a": 1})) == (3, 2, len('{"a": 1}'))
+
+
+def test_a_ray_config_holding_a_key_or_a_password_is_its_owners_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The replicas' flags go into the config as given (an --api-key, a URL's password): it was
+    written 0644, for any user of the machine to read."""
+    pytest.importorskip("yaml", reason="the ray-serve extra brings PyYAML")
+    from distill.cli import main
+
+    out = tmp_path / "serve.yaml"
+    base = ["ray-config", "--bundle", str(tmp_path / "b"), "--out", str(out),
+            "--teacher", f"http://user:{TEACHER_PW}@gpu:9000/v1/systemone"]
+    with pytest.raises(SystemExit):
+        main([*base, "--port", "70000"])
+    assert "argument --port: must be at most 65535; got 70000" in capsys.readouterr().err
+    old = os.umask(0o022)  # the usual umask: a plain write gives 0644
+    try:
+        assert main([*base, "--host", "0.0.0.0", "--", "--api-key", API_KEY]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert TEACHER_PW in out.read_text() and API_KEY in out.read_text()  # the replicas need them
+    assert _leaks(*capsys.readouterr()) == []

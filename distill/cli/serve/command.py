@@ -203,7 +203,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; "
                    "0.0.0.0 for every interface: refused unless --api-key or --forward-auth checks a "
                    "key, or --insecure-no-auth)")
-    p.add_argument("--port", type=whole_number(0), default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=whole_number(0, 65535), default=8080, help="port (default 8080)")
     p.add_argument("--api-key", metavar="KEY",
                    help=f"require Authorization: Bearer KEY on /v1/models, /v1/systemone and /metrics "
                    f"(default: ${API_KEY_VARIABLE}, which keeps the key out of the process list; neither: "
