@@ -566,6 +566,9 @@ def test_a_state_past_the_teachers_context_keeps_a_lower_answer_marked_not_certi
     assert routing is not None and (routing.tier, routing.too_long_for) == ("encoder", ["teacher"])
     assert routing.certified is False
     assert fine.answers["urgent"].routing is not None and fine.answers["urgent"].routing.tier == "teacher"
+    # the teacher never read it: none of its cost is charged (its predicted 40-fold prompt was, before)
+    assert kept.usage.tiers is not None and kept.usage.tiers["teacher"].predicted_seconds == 0.0
+    assert routing.cost_ms == pytest.approx(1e3 * kept.usage.tiers["encoder"].predicted_seconds)
 
 
 def test_the_teacher_reads_an_over_long_state_by_the_bundles_input_policy(

@@ -393,7 +393,8 @@ class Cascade:
             qids = run.queued[t][i]
             if not qids:
                 continue
-            predicted = run.costs.seconds(tier.name, i, self._shape(t, qids))
+            unread = (t, i) in run.too_long  # past its context: it read nothing, and costs nothing
+            predicted = 0.0 if unread else run.costs.seconds(tier.name, i, self._shape(t, qids))
             spend[tier.name] = TierUsage(predicted_seconds=predicted, seconds=run.took[t][i])
             for qid in qids:
                 shares[qid] += 1e3 * predicted / len(qids)

@@ -107,7 +107,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="where Ray's HTTP proxy listens (default 127.0.0.1; 0.0.0.0 for other machines: "
                    "give --api-key after -- then)")
-    p.add_argument("--port", type=whole_number(1, 65535), default=8000, help="the proxy's port (default 8000)")
+    p.add_argument("--port", type=whole_number(1, 65535), default=8000,
+                   help="the proxy's port (default 8000)")
     p.add_argument("--min-replicas", type=whole_number(1), default=1, metavar="N",
                    help="fewest cheap-tier replicas (default 1)")
     p.add_argument("--max-replicas", type=whole_number(1), default=4, metavar="N",
