@@ -251,6 +251,8 @@ def test_json_states_are_scored(gemma_scorer: Scorer) -> None:
 def test_bad_arguments_are_refused(gemma_scorer: Scorer) -> None:
     with pytest.raises(RequestError, match="permutations must be at least 1"):
         gemma_scorer.score(request(1), permutations=0)
+    with pytest.raises(RequestError, match=r"request must be a DecisionRequest .*; got dict"):
+        gemma_scorer.score(request(1).model_dump())  # type: ignore[arg-type]
     with pytest.raises(RequestError, match="path must be one of"):
         gemma_scorer.score(request(1), path="parallel")  # type: ignore[arg-type]
     with pytest.raises(RequestError, match="head_tail:1024"):

@@ -388,6 +388,11 @@ def test_an_external_top_tier_needs_a_teacher(trained: tuple, labels: Mapping, t
     # a mistyped tier name, or a dict for a Placement, was read as nothing: the tier ran as it would have
     with pytest.raises(RouterError, match=r"placement names 'teachr', not a tier of bundle .*: its tiers"):
         Cascade.load(directory, labels=labels, placement={"teachr": Placement(n_ctx=64)})
+    with pytest.raises(RouterError, match=r"the bundle must be a folder's path; got NoneType"):
+        Cascade.load(None)  # type: ignore[arg-type]
+    (tmp_path / "cache-file").write_text("")
+    with pytest.raises(RouterError, match=r"cache_dir .*cache-file is a file"):
+        Cascade.load(directory, labels=labels, cache_dir=tmp_path / "cache-file")
     with pytest.raises(RouterError, match=r"placement must be one Placement, .*; got dict"):
         Cascade.load(directory, labels=labels, placement={"teacher": {"n_ctx": 64}})  # type: ignore[dict-item]
 
@@ -711,6 +716,13 @@ def test_one_cascade_called_from_several_threads_answers_as_called_alone(
     cascade = Cascade.load(encoder_only, labels=labels)
     with pytest.raises(RequestError, match=r"items\[0\] \(id 'state'\): state: a key or text holds a lone"):
         cascade.decide("refund \ud800 please", questions=list(HEADED))  # the tokenizer's TypeError before
+    # each an AttributeError from deep inside before, or a message that read a generator twice
+    with pytest.raises(RequestError, match=r"budget must be a Budget .*; got dict"):
+        cascade.decide("hi", budget={"ms_per_call": 5})  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=r"items\[0\] must be an Item\(id, state\) .*; got str"):
+        cascade.decide_batch(["a", "b"])  # type: ignore[list-item]
+    with pytest.raises(RequestError, match=r"at least one of the bundle's questions .*; got \['nope'\]"):
+        cascade.decide("hi", questions=(q for q in ["nope"]))  # type: ignore[arg-type]
     cascade.close()
     with pytest.raises(RouterError, match="was closed; load it again"):
         cascade.decide(states[0], questions=list(HEADED))

@@ -239,6 +239,9 @@ class Scorer:
         excerpt: HeadTailExcerpt | None = None,
     ) -> DecisionResponse:
         """Answer every question of ``request`` with the named decode ``path``."""
+        if not isinstance(request, DecisionRequest):
+            raise RequestError(f"request must be a DecisionRequest (cascade.parse_request(...)); got "
+                               f"{type(request).__name__}")
         if path not in PATHS:
             raise RequestError(f"path must be one of {', '.join(PATHS)}; got {path!r}")
         started = time.perf_counter()

@@ -7,6 +7,7 @@ bundle is one clear line at start-up, never a failure at the first request.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,10 @@ def prepared(bundle_dir: Path, teacher: Teacher | None, labels: Labels | None,
     if teacher is not None and labels is not None:
         raise RouterError("give teacher (a GGUF to run) or labels (recorded answers), not both")
     teacher = _read_teacher(teacher)
+    if not isinstance(bundle_dir, str | os.PathLike):
+        raise RouterError(f"the bundle must be a folder's path; got {type(bundle_dir).__name__}")
+    if where.cache_dir is not None and Path(where.cache_dir).exists() and not Path(where.cache_dir).is_dir():
+        raise RouterError(f"cache_dir {where.cache_dir} is a file; give a folder for the embedding cache")
     bundle = Bundle.load(Path(bundle_dir))
     _check_placements(bundle.manifest, where.placements)
     upstream, expected = upstream_of(teacher), None

@@ -162,6 +162,9 @@ class Cascade:
         """
         if self.closed:  # else a call the encoder answered alone passed, and the next one failed
             raise RouterError(f"the cascade of bundle {self.manifest.name!r} was closed; load it again")
+        if budget is not None and not isinstance(budget, Budget):  # an AttributeError deep inside before
+            raise RequestError(f"budget must be a Budget (cascade.Budget(ms_per_call=..., "
+                               f"max_escalation_fraction=...)); got {type(budget).__name__}")
         _check_items(items, asked, self.questions)
         run = Run(items, asked, budget if budget is not None else Budget(), self.costs.batch(items),
                   len(self.tiers))
@@ -228,6 +231,7 @@ class Cascade:
             return list(self.questions)
         if isinstance(questions, str):
             raise RequestError(f"questions must be a list of question ids; got the string {questions!r}")
+        questions = list(questions)  # a generator, read once (it read as empty in the message)
         unknown = [q for q in questions if q not in self.questions]
         if unknown or not questions:
             raise RequestError(f"questions must name at least one of the bundle's questions "
@@ -453,6 +457,9 @@ def _check_items(items: Sequence[Item], asked: Sequence[Sequence[str]],
         raise RequestError(f"asked must list the question ids of each item: {len(items)} items, "
                            f"{len(asked)} lists")
     for n, (item, qids) in enumerate(zip(items, asked, strict=True)):
+        if not isinstance(item, Item):
+            raise RequestError(f"items[{n}] must be an Item(id, state) (cascade.Item); got "
+                               f"{type(item).__name__}: for texts alone, call decide()")
         state = item.state
         if not isinstance(state, str | dict | list) or not (state.strip() if isinstance(state, str)
                                                             else state):
