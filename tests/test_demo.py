@@ -16,11 +16,12 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
+import llama_cpp
 import pytest
 from tinymodels import silence_llama_logs, tiny_llama_path
 
 from cascade.bundle.manifest import Bundle
-from cascade.errors import CascadeError, RouterError
+from cascade.errors import CascadeError, ModelError, RouterError
 from cascade.routing.router import Cascade
 from cascade.tiers.gguf import GgufSpec
 from distill.cli import build_parser, main
@@ -144,6 +145,20 @@ def test_sizes_that_leave_too_little_to_train_are_refused(tmp_path: Path) -> Non
 def test_bad_settings_name_the_setting(tmp_path: Path, field: str, value: float) -> None:
     with pytest.raises(DemoError, match=field):
         run_demo(DemoConfig(workdir=tmp_path, **{field: value}))  # type: ignore[arg-type]
+
+
+def test_what_step_4_loads_is_checked_before_step_1(tmp_path: Path) -> None:
+    """A --gguf that is not one, missing, or GPU layers on this CPU build failed after the
+    teacher's labels and the training."""
+    (tmp_path / "notes.gguf").write_text("not a model")
+    for gguf, message in ((tmp_path / "notes.gguf", "is not a readable GGUF file"),
+                          (tmp_path / "absent.gguf", "does not exist or is not a file")):
+        with pytest.raises(ModelError, match=message):
+            run_demo(DemoConfig(workdir=tmp_path / "w", gguf=gguf))
+    if not llama_cpp.llama_supports_gpu_offload():
+        with pytest.raises(ModelError, match="this llama-cpp-python build has no GPU offload"):
+            run_demo(DemoConfig(workdir=tmp_path / "w", gpu_layers=5))
+    assert not (tmp_path / "w").exists(), "refused before anything was written"
 
 
 def test_the_default_teacher_is_a_real_llms_shipped_labels(tmp_path: Path, gemma_path: Path) -> None:

@@ -310,6 +310,18 @@ def _check_config(config: DemoConfig) -> None:
     threads = config.threads
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise DemoError(f"threads must be a whole number >= 1 or None (all cores); got {config.threads!r}")
+    _check_middle(config)
+
+
+def _check_middle(config: DemoConfig) -> None:
+    """What step 4 loads, checked before step 1: a file that is not a GGUF, or GPU layers on a CPU
+    build, failed only after the teacher's labels and the training (about 30 s in)."""
+    from cascade.readout.gguf_header import read_header  # imports gguf: only where a file is read
+    from cascade.readout.placement import check_gpu_layers
+
+    check_gpu_layers(config.gpu_layers)
+    if config.gguf is not None:
+        read_header(Path(config.gguf))
 
 
 def _fractions(config: DemoConfig, items: int) -> dict[str, float]:
