@@ -70,6 +70,20 @@ def test_a_file_that_is_not_a_gguf(tmp_path: Path, request_file: Path) -> None:
     assert_one_clear_line(result, "ModelError", "could not load")
 
 
+def test_a_request_folder_is_said_to_be_a_folder(tmp_path: Path) -> None:
+    result = run("score", "--request", str(tmp_path))  # "request file not found" before
+    assert_one_clear_line(result, "RequestError", f"request file {tmp_path} is a folder")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["teacher-model", "--list", "extra"], "--list lists every model: give it alone, or the name 'extra'"),
+    (["roofline", "--tokens", "9" * 20], "--tokens: must be at most 1000000000"),  # a floor of 5.7e33 ms
+])
+def test_a_usage_mistake_once_ignored_or_absurd_is_refused(args: list[str], message: str) -> None:
+    result = run(*args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_corpus_that_is_not_jsonl(tmp_path: Path, questions_file: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("id,text\n1,hello\n")

@@ -46,8 +46,8 @@ class ExternalKind(TierKind[ExternalSpec]):
             raise RouterError(
                 f"bundle {bundle_name!r} ends in the external tier {spec.name!r} (labels "
                 f"{spec.labels!r}), which cannot run: give --teacher PATH.gguf or a System One URL "
-                "(teacher=) to answer the questions the lower tiers escalate, or labels= to replay "
-                "recorded answers")
+                "to answer the questions the lower tiers escalate (in the library: teacher=, or "
+                "labels= to replay recorded answers)")
 
     def build(self, spec: ExternalSpec, bundle: BundleParts, build: Build, top: bool) -> Tier:
         if build.labels is not None:

@@ -34,7 +34,8 @@ def read_request(path: Path) -> DecisionRequest:
     from cascade.questions import parse_request
 
     if not path.is_file():
-        raise RequestError(f"request file not found: {path}")
+        raise RequestError(f"request file {path} is a folder" if path.is_dir() else
+                           f"request file not found: {path}")
     try:
         return parse_request(path.read_bytes())
     except RequestError as exc:

@@ -33,8 +33,9 @@ def check_escalations(args: argparse.Namespace, bundle: bool = True) -> None:
     """Refuse what cannot keep escalations: no bundle or store, or a teacher the bundle does not
     name (a store never mixes two teachers)."""
     if args.escalation_share > 0 and (not bundle or args.audit_store is None):
+        missing = "--audit-store" if bundle else "--bundle and --audit-store"
         raise CascadeError("--escalation-share keeps a cascade's escalations in the bundle's label store: "
-                           "give --bundle and --audit-store")
+                           f"give {missing}")
     if args.escalation_share > 0 and args.accept_other_teacher:
         raise CascadeError("--escalation-share keeps the answers of the teacher the bundle names, and "
                            "--accept-other-teacher runs another: give --escalation-share 0")

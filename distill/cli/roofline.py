@@ -37,6 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--device", choices=[*ROOFS, "cpu"], default="cpu", help="device (default: this CPU)"
     )
-    p.add_argument("--tokens", type=whole_number(1), default=512, metavar="N",
-                   help="prompt tokens per decision (default 512)")
+    p.add_argument("--tokens", type=whole_number(1, 10**9), default=512, metavar="N",
+                   help="prompt tokens per decision (default 512; at most 10**9, past any context)")
     p.set_defaults(run=_cmd_roofline)

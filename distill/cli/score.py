@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-branches", type=whole_number(1), default=16, metavar="N",
         help="questions decoded per llama_decode (default 16)",
     )
-    add_placement_arguments(p)
+    add_placement_arguments(p, gpu_default=" 0")
     p.add_argument(
         "--template",
         choices=("auto", "chat", "plain"),

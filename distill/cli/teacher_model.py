@@ -23,6 +23,8 @@ def _cmd_teacher_model(args: argparse.Namespace) -> int:
     from cascade.errors import ModelError
     from distill.labelling.teachers import EMBEDDED, EMBEDDED_NOTE, TEACHERS, teacher_path
 
+    if args.list and args.name is not None:  # the name was ignored: the user meant one or the other
+        args.parser.error(f"--list lists every model: give it alone, or the name {args.name!r} alone")
     if args.list or args.name is None:
         for model in TEACHERS.values():
             print(f"{model.name}  {model.size / 2**20:,.0f} MiB  {model.description}")
@@ -45,4 +47,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache", type=Path, metavar="DIR",
                    help="folder for assembled models (default: $CASCADE_MODEL_CACHE, else "
                    "~/.cache/cascade-router/models)")
-    p.set_defaults(run=_cmd_teacher_model)
+    p.set_defaults(run=_cmd_teacher_model, parser=p)
