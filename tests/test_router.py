@@ -359,7 +359,7 @@ def test_the_teacher_must_be_the_one_the_labels_came_from(
     cases = {"external": variant(trained[2], tmp_path / "ext"),
              "sha256": variant(trained[2], tmp_path / "other", teacher=pinned(tiny)),
              "prompt": variant(trained[2], tmp_path / "old", teacher=pinned(gemma_path, "readout-v0"))}
-    reasons = {"external": "certified against external labels", "sha256": "has sha256",
+    reasons = {"external": "its labels are external labels", "sha256": "has sha256",
                "prompt": "prompt 'readout-v0'"}
     for case, directory in cases.items():
         with pytest.raises(RouterError, match=f"cannot escalate to .*{reasons[case]}.*accept"):

@@ -111,7 +111,7 @@ def _same_teacher(manifest: Manifest, teacher: Path, accept: bool) -> bool:
     pinned = manifest.teacher
     problem = ""
     if pinned.kind != "gguf" or pinned.model_sha256 is None:
-        problem = f"its thresholds were certified against {pinned.kind} labels ({pinned.model!r}), not a GGUF"
+        problem = f"its labels are {pinned.kind} labels ({pinned.model!r}), not a GGUF's"
     elif file_sha256(teacher) != pinned.model_sha256:
         problem = (f"its labels came from {pinned.model!r} (sha256 {pinned.model_sha256[:12]}...), "
                    f"and {teacher.name} has sha256 {file_sha256(teacher)[:12]}...")
