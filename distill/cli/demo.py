@@ -87,11 +87,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with the shipped labels: items the 1.5B scores live beside them, when the "
                    "teachers extra is installed; 0: none (default 3)")
     p.add_argument("--gemma-items", type=whole_number(1), metavar="N",
-                   help="calibration items, each scored by gemma: its main cost (default 300, or 30%% "
-                   "of fewer than 1000 items)")
+                   help="about N calibration items, each scored by gemma: its main cost (default 300, or "
+                   "30%% of fewer than 1000 items; the split draws each item's part by its id's hash, "
+                   "so the count is N give or take a few)")
     p.add_argument("--eval-items", type=whole_number(1), metavar="N",
-                   help="evaluation items routed through the cascade (default 200, or 20%% of fewer than "
-                   "1000 items)")
+                   help="about N evaluation items routed through the cascade (default 200, or 20%% of "
+                   "fewer than 1000 items; drawn by hash as --gemma-items are)")
     target = p.add_argument("--target-agreement", type=probability, metavar="P",
                             help="share of answers that must agree with the teacher, in (0, 1) "
                             "(default 0.95)")
