@@ -20,7 +20,15 @@ from test_audit import record
 from test_store import GGUF, ROOT
 
 from distill.cli import main
-from distill.store import LabelStore, StoreError, StoreURL, Teacher, removed_on_failure, store_location
+from distill.store import (
+    LabelStore,
+    StoreError,
+    StoreUnavailableError,
+    StoreURL,
+    Teacher,
+    removed_on_failure,
+    store_location,
+)
 
 pytest_plugins = ("pgfixtures",)
 Place = Callable[[str], str]
@@ -279,3 +287,18 @@ def test_a_store_in_another_form_is_refused_without_its_password() -> None:
             store_location(given)
         assert "s3cret-pw" not in str(refused.value)
     assert store_location("runs/a=b.sqlite") == Path("runs/a=b.sqlite")
+    # a URL cut short was a SQLite file named after it, password and all, and echoed whole
+    for given in ("postgresql:cascade:s3cret-pw@127.0.0.1:5432", "postgresql//cascade:s3cret-pw@h:5432/s1",
+                  "cascade:s3cret-pw@127.0.0.1:5432/s1", "postgresql:/u:s3cret-pw@h/db"):
+        with pytest.raises(StoreError, match="looks like a PostgreSQL URL cut short") as refused:
+            store_location(given)
+        assert "s3cret-pw" not in str(refused.value)
+    assert store_location("runs/x@y/labels.sqlite") == Path("runs/x@y/labels.sqlite")
+
+
+def test_a_url_no_retry_can_cure_is_invalid_not_unreachable() -> None:
+    """An unencoded space in the password read as "cannot reach ... check the host and port", and
+    cascade loop looked again every poll, forever."""
+    with pytest.raises(StoreError, match=r"invalid store URL .*unexpected spaces") as refused:
+        LabelStore("postgresql://cascade:my secret@127.0.0.1:1/labels", Teacher(kind="external", model="x"))
+    assert not isinstance(refused.value, StoreUnavailableError) and "secret" not in str(refused.value)

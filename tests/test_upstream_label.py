@@ -22,20 +22,24 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from jevcompat.mock import Handler, MockConfig, Running, respond
 from servers import MOCK_MODEL, teacher_server, upstream
 from tinymodels import tiny_llama_path
 
+from cascade.answers import Usage
+from cascade.corpus import CorpusItem
 from cascade.errors import RouterError, TeacherChangedError, UpstreamRefused
 from cascade.questions import Question, parse_request
 from cascade.routing.router import Cascade
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
+from cascade.tiers.upstream import UpstreamAnswers
 from distill.calibration.options import CalibrationOptions
 from distill.calibration.run import calibrate_bundle
 from distill.cli import main
-from distill.labelling.endpoint import EndpointRun, label_through_endpoint
+from distill.labelling.endpoint import EndpointRun, _commit, _Progress, label_through_endpoint
 from distill.options import CorpusInput
 from distill.reports.calibration_report import write_report
 from distill.store import LabelStore, StoreMismatchError, Teacher
@@ -120,6 +124,36 @@ def test_an_edited_item_is_refused_before_any_call_and_old_labels_record_their_t
         with pytest.raises(EditedItemsError, match=r"'e2' \(line 3\)"):
             label(url, corpus, store)
         assert cfg.requests == calls  # refused before the new item e4 was called for
+
+
+def test_a_run_its_store_refuses_commits_none_of_its_answers_and_another_runs_label_stays(
+        tmp_path: Path) -> None:
+    """Two runs starting on an empty store with two wordings of a question: the second's first
+    answer found the store bound to the other one, and the answers it still had in flight were
+    committed anyway (a rerun then counted them done). And an item another run labelled since
+    this one began, with an answer of its own, stopped the run on a "new --store" advice."""
+    identity = EndpointIdentity(model="m")
+    urgent = {"urgent": QUESTIONS["urgent"]}
+    edited = {"urgent": QUESTIONS["urgent"].model_copy(update={"instructions": "Is it URGENT?"})}
+    keys = QUESTIONS["urgent"].option_keys()
+    answers = UpstreamAnswers({"urgent": np.array([0.3, 0.7])}, Usage(questions=1), identity)
+    store = tmp_path / "s.sqlite"
+    with LabelStore(store, Teacher.of_endpoint(identity)) as other:
+        other.bind_questions(urgent)
+    progress = _Progress(tmp_path / "c.jsonl")
+    for _ in range(2):  # the first answer, then one drained after the refusal
+        with pytest.raises(StoreMismatchError, match="another wording"):
+            _commit(answers, CorpusItem("e0", "a state", 1), edited, store, progress)
+    with LabelStore.open_existing(store) as opened:
+        assert len(opened) == 0
+    with LabelStore(store, Teacher.of_endpoint(identity)) as other:
+        other.put_item("e0", {"urgent": dict(zip(keys, [0.9, 0.1], strict=True))})
+    _commit(answers, CorpusItem("e0", "a state", 1), urgent, store, progress)
+    assert (progress.summary.labelled, progress.summary.skipped_done) == (0, 1)
+    assert progress.store is not None
+    progress.store.close()
+    with LabelStore.open_existing(store) as opened:
+        assert opened.labels("urgent")["e0"] == dict(zip(keys, [0.9, 0.1], strict=True))
 
 
 def test_calls_that_waiting_may_cure_are_made_again(tmp_path: Path) -> None:

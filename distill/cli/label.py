@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 DEFAULT_TEACHER_NAME = "external labels"
 DESCRIPTION = """\
 Label every item of a JSONL corpus with a teacher GGUF model (the logit-readout scorer: one
-prefill per item, all questions read in one decode) into a SQLite label store, the training and
-calibration data of the fast tiers. Each item's labels are committed as soon as they exist: stop
-the run at any time (Ctrl-C, a kill) and run the same command again to continue where it stopped.
+prefill per item, all questions read in one decode) into a label store (SQLite or PostgreSQL),
+the training and calibration data of the fast tiers. Each item's labels are committed as soon
+as they exist: stop the run at any time (Ctrl-C, a kill) and run the same command again to
+continue where it stopped.
 A store belongs to one teacher (model sha256 and prompt version) and refuses any other.
 
 One of three modes:
@@ -330,7 +331,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="store these labels ({id, question, answer | probabilities} rows)")
     mode.add_argument("--export", dest="export_path", type=output_file, metavar="OUT.jsonl",
                       help="write the store's labels to this JSONL file")
-    add_store_argument(p, "label store (SQLite); created on first use, resumed after")
+    add_store_argument(p, "label store; created on first use, resumed after")
     add_questions_argument(p, required=False)
     add_corpus_argument(p, required=False)
     add_text_field_argument(p)

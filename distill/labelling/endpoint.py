@@ -48,6 +48,7 @@ from distill.labelling.gguf import LabelSummary
 from distill.labelling.texts import check_texts
 from distill.stopping import StopRequest
 from distill.store import LabelStore, StoreError, StoreMismatchError, Teacher
+from distill.store.records import LabelConflictError
 from distill.store.texts import state_sha256
 
 
@@ -263,13 +264,25 @@ def _commit(answers: UpstreamAnswers, item: CorpusItem, asked: Mapping[str, Ques
             progress: _Progress) -> None:
     """One item's labels in one transaction; the store opened at the first answer, bound to the
     identity that answer stated."""
-    if progress.store is None:
-        progress.store = LabelStore(store_path, Teacher.of_endpoint(answers.identity))
-        progress.store.bind_questions(asked)
+    if progress.store is None:  # bound before it is kept: a refused run commits none of its answers
+        store = LabelStore(store_path, Teacher.of_endpoint(answers.identity))
+        try:
+            store.bind_questions(asked)
+        except BaseException:
+            store.close()
+            raise
+        progress.store = store
     labels = {qid: dict(zip(q.option_keys(), answers.distributions[qid].tolist(), strict=True))
               for qid, q in asked.items()}
     hashes = {qid: sha for qid, sha in answers.identity.templates.items() if qid in asked}
-    progress.store.put_item(item.id, labels, hashes, text_sha256=state_sha256(item.state))
+    try:
+        progress.store.put_item(item.id, labels, hashes, text_sha256=state_sha256(item.state))
+    except LabelConflictError:
+        # done items were left out when the run began: another run sharing the store labelled it
+        # since, with an answer of its own (a teacher that is not deterministic); the first stays
+        progress.summary.skipped_done += 1
+        progress.summary.left -= 1
+        return
     progress.summary.labelled += 1
     progress.summary.left -= 1
 

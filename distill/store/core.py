@@ -40,6 +40,7 @@ from distill.store.records import (
     TEACHER_FIELDS,
     InputPolicy,
     Label,
+    LabelConflictError,
     StoreError,
     StoreMismatchError,
     Teacher,
@@ -273,7 +274,7 @@ class LabelStore:
         with self._transaction():
             conflicts = self._insert(item_id, labels, prompt_hash or {}, letter_mass or {}, text_sha256)
             if conflicts:
-                raise StoreError(conflict_message(item_id, conflicts))
+                raise LabelConflictError(conflict_message(item_id, conflicts))
             self._db.execute("DELETE FROM claims WHERE item_id = ?", (item_id,))
 
     def _insert(

@@ -94,7 +94,18 @@ def store_location(value: str | os.PathLike[str] | StoreURL) -> StoreLocation:
     if CONNINFO.match(text):
         raise StoreError(f"{redact_text(text)} looks like a key=value conninfo: give the PostgreSQL store "
                          "as a URL, postgresql://USER:PASSWORD@HOST:PORT/DATABASE")
+    if _MISSING_SLASHES.match(text.strip()) or _USER_PART.search(text):  # a SQLite file named after it
+        shown = _USER_PART.sub(lambda m: f"{m[1]}{m[2]}:{HIDDEN}@", text.strip())
+        raise StoreError(f"{shown} looks like a PostgreSQL URL cut short: give it whole, "
+                         "postgresql://USER:PASSWORD@HOST:PORT/DATABASE (a SQLite file's path holds no "
+                         "user:password@)")
     return Path(text)
+
+
+_MISSING_SLASHES = re.compile(r"(?i)postgres(ql)?:(?!//)")
+"""``postgresql:`` without its ``//``: a URL mistyped, which was made a SQLite file of its name."""
+_USER_PART = re.compile(r"(^|/)([^/:@]*):[^/@]*@")
+"""A ``user:password@`` part of a path: a URL without its scheme, whose password named a file."""
 
 
 def is_url(location: StoreLocation) -> bool:

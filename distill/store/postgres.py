@@ -22,6 +22,12 @@ from distill.store.records import StoreError, StoreUnavailableError
 
 EXTRA = "pip install -e '.[postgres]'"
 CONNECT_TIMEOUT_S = 10
+TCP_DEFAULTS = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1, "keepalives_idle": 10,
+                "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30_000}
+"""libpq's settings where the URL gives none: a server that went away mid-query (its host down,
+the network cut) ends the query within about 30 s (``tcp_user_timeout``, unacknowledged data;
+keepalives for an idle connection) instead of holding the command forever. A server whose
+process is frozen while its host's kernel still acknowledges is not detected this way."""
 LOCK_KEY = 0x63617363616465  # "cascade": one advisory lock per database, for the store's writers
 _TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -65,10 +71,11 @@ class PostgresBackend(Backend):
             raise StoreError(f"the store {url} is on PostgreSQL, which needs psycopg: {EXTRA}") from None
         self.location, self.read_only, self._psycopg = url, read_only, psycopg
         options: dict[str, Any] = {"autocommit": True, "application_name": "cascade"}
-        if "connect_timeout" not in url.conninfo():
-            options["connect_timeout"] = CONNECT_TIMEOUT_S
+        options |= {key: value for key, value in TCP_DEFAULTS.items() if key not in url.conninfo()}
         try:
             self._conn = psycopg.connect(url.conninfo(), **options)
+        except psycopg.ProgrammingError as exc:  # the URL itself (an unencoded space, say): no retry cures it
+            raise StoreError(f"invalid store URL {url}: {url.scrub(_one_line(exc))}") from None
         except psycopg.Error as exc:
             raise _connect_failure(url, exc) from None
         self._owner = f"pg:{self._conn.info.backend_pid}:{uuid.uuid4().hex[:8]}"

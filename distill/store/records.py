@@ -31,6 +31,10 @@ class StoreUnavailableError(StoreError, StoreUnavailable):
     """The store cannot be reached now (``cascade.errors.StoreUnavailable``): try again later."""
 
 
+class LabelConflictError(StoreError):
+    """An item's label differs from the one the store holds, which is never overwritten."""
+
+
 class StoreMismatchError(StoreError):
     """An existing store was made by a different teacher than the one now writing to it."""
 
