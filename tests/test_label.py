@@ -155,6 +155,16 @@ def test_over_long_items_need_an_excerpt_policy(teacher: Scorer, tmp_path: Path)
     assert (summary.labelled, summary.bad_lines) == (3, [])
 
 
+def test_an_item_another_live_run_is_labelling_is_left_to_it(teacher: Scorer, tmp_path: Path) -> None:
+    """Two runs sharing a store each said "20 left" of a store complete between them: an item
+    another run holds is that run's, and said so."""
+    corpus, path = write_corpus(tmp_path / "c.jsonl", n=3), tmp_path / "s.sqlite"
+    with LabelStore(path, teacher_of(teacher)) as other:
+        assert other.claim("e01", QUESTIONS) == QUESTIONS  # another writer, alive, labelling e01
+        summary = label(teacher, corpus, path)
+    assert (summary.labelled, summary.held, summary.left, summary.skipped_done) == (2, 1, 0, 0)
+
+
 def test_a_store_made_with_another_model_is_refused(teacher: Scorer, tmp_path: Path) -> None:
     corpus, path = write_corpus(tmp_path / "c.jsonl", n=2), tmp_path / "s.sqlite"
     label(teacher, corpus, path)

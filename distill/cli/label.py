@@ -121,8 +121,9 @@ def _label(args: argparse.Namespace) -> int:
     summary = driver(args, questions, excerpt, only)
     for bad in summary.bad_lines:
         print(f"skipped {bad}", file=sys.stderr)
+    held = f", {summary.held} left to another run labelling them" if summary.held else ""
     print(f"labelled {summary.labelled} items, {summary.skipped_done} already done, "
-          f"{len(summary.bad_lines)} bad, {summary.left} left, in {summary.seconds:.1f} s; "
+          f"{len(summary.bad_lines)} bad, {summary.left} left{held}, in {summary.seconds:.1f} s; "
           f"store: {args.store}")
     if summary.interrupted:
         print(f"interrupted: {summary.labelled} items labelled by this run are committed, {summary.left} "

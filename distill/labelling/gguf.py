@@ -46,7 +46,8 @@ class LabelSummary(BaseModel):
     """What a run did. ``items`` counts the valid corpus items it took; bad lines and over-long
     items (skip mode) are in ``bad_lines``; ``left`` the items it took that are still to label;
     ``interrupted`` is True when Ctrl-C or SIGTERM stopped the run, and ``exit_status`` the status
-    the command then exits with (128 plus the signal's number); ``turned_away`` counts the
+    the command then exits with (128 plus the signal's number); ``held`` counts the items another
+    live run sharing the store was labelling, left to it (not in ``left``); ``turned_away`` counts the
     items a URL teacher asked to wait for past the client's retries (429, 503), left for the next
     run."""
 
@@ -57,6 +58,7 @@ class LabelSummary(BaseModel):
     seconds: float = 0.0
     interrupted: bool = False
     exit_status: int = 130
+    held: int = 0
     left: int = 0
     turned_away: int = 0
 
@@ -145,8 +147,11 @@ def label_corpus(
             todo = {qid: q for qid, q in questions.items() if item.id not in done[qid]}
             if todo:  # claimed before the teacher reads it: another run sharing the store may have it
                 claimed = store.claim(item.id, todo)
-                if claimed is None:
-                    continue  # that run is alive and labelling it: left to it
+                if claimed is None:  # that run is alive and labelling it: left to it
+                    summary.held += 1
+                    summary.left -= 1
+                    bar.update()
+                    continue
                 if not claimed:  # labelled by it meanwhile
                     summary.left -= 1
                     bar.update()

@@ -244,7 +244,8 @@ def _todo_rows(
         todo = [qid for qid in questions if item.id not in done[qid]]
         if todo and claim:
             held = store.claim(item.id, dict.fromkeys(todo))
-            if held is None:
+            if held is None:  # another live run is labelling it: left to it
+                summary.held += 1
                 continue
             todo = list(held)
         if not todo:
@@ -308,14 +309,14 @@ def _commit(
     bar: tqdm,
 ) -> None:
     """Store one item's labels (or count those an actor stored), or handle its bad line as
-    ``label_corpus`` does; an item another live run holds stays left, to that run."""
+    ``label_corpus`` does; an item another live run holds is counted ``held``, left to it."""
     if "bad" in result:
         failed = BadLine.model_validate(result["bad"])
         if on_error == "stop":
             raise too_long_error(failed)
         summary.bad_lines.append(failed)
     elif "held" in result:
-        return
+        summary.held += 1
     elif "done" in result:
         summary.skipped_done += 1
     else:

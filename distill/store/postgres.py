@@ -161,8 +161,8 @@ class PostgresBackend(Backend):
 
     def _lost(self, exc: Exception) -> StoreUnavailableError:
         return StoreUnavailableError(f"the PostgreSQL store {self.location} failed: "
-                          f"{self.location.scrub(_one_line(exc))}; what was committed is kept: run again "
-                          "to resume")
+                                     f"{self.location.scrub(_one_line(exc))}; what was committed is kept "
+                                     "(a command run again resumes from it)")
 
     def close(self) -> None:
         self._conn.close()
