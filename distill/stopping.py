@@ -1,5 +1,7 @@
 """Stopping a long run cleanly: the first Ctrl-C or SIGTERM says so at once and ends the run after
-the item in hand (its labels committed), a second Ctrl-C ends it at once."""
+the item in hand (its labels committed), a second Ctrl-C or SIGTERM ends it at once: a run held
+by a store that stopped answering (no item ends) is then ended by a job scheduler's second signal
+too, not only at a terminal."""
 
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None and signum == signal.SIGINT:
+        if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = name
-        print(f"\n{name}: stopping after {self.what} (its labels are committed); Ctrl-C again stops now",
-              file=sys.stderr, flush=True)
+        print(f"\n{name}: stopping after {self.what} (its labels are committed); Ctrl-C or SIGTERM "
+              "again stops now", file=sys.stderr, flush=True)

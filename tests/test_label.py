@@ -418,3 +418,17 @@ def test_a_run_takes_only_the_selected_items_says_its_estimate_and_stops_when_as
         assert (again.labelled, again.skipped_done, again.left, again.interrupted) == (2, 1, 0, False)
         assert store.done_items(list(QUESTIONS)) == {"e01", "e03", "e05"}
     assert len(said) == 1 and said[0].startswith("2 items left, 2 teacher calls (4 readouts); the first took")
+
+
+def test_a_second_sigterm_stops_at_once_as_a_second_ctrl_c_does() -> None:
+    """A run held by a store that stopped answering ends no item, so the first signal's clean stop
+    never comes; a job scheduler's second SIGTERM now ends it, as a second Ctrl-C did."""
+    from distill.stopping import StopRequest
+
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs at the next bytecode boundary
+        assert (stop.requested, stop.exit_status) == ("SIGTERM", 143)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
