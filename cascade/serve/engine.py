@@ -132,9 +132,8 @@ class Job:
 
 @dataclass
 class _Audit:
-    """An answered request the teacher is to audit: the item, its response, its bundle ids, the
-    routed counts when it was answered, and whether the response holds the teacher's answer to
-    every bundle question already (``known``: the audit then asks the teacher nothing)."""
+    """An answered request the teacher is to audit: its item, response, bundle ids and routed counts,
+    and whether it holds the teacher's answer to every bundle question (``known``: nothing to ask)."""
 
     item: Item
     response: DecisionResponse
@@ -152,10 +151,10 @@ class Engine:
     def __init__(self, cascade: Cascade, settings: EngineSettings | None = None,
                  auditor: Auditor | None = None, ledger: UpstreamLedger | None = None,
                  escalations: Collector[EscalationRecord] | None = None) -> None:
-        """``auditor``: audits its sampler's share of the answered requests on the top tier's
-        worker, at the lowest priority, and writes them on a thread of its own (None: no audit).
-        ``ledger``: counts what went upstream and ``escalations`` keeps the teacher's answers to
-        escalated questions (a server keeps both across bundles)."""
+        """``auditor``: audits its sampler's share of the answered requests on the top tier's worker,
+        at the lowest priority, and writes them on a thread of its own (None: no audit). ``ledger``:
+        counts what went upstream and ``escalations`` keeps the teacher's answers to escalated
+        questions (a server keeps both across bundles)."""
         if escalations is not None and not cascade.tiers[-1].reads_any_question:
             raise CascadeError(f"keeping escalations needs a live teacher as the top tier; "
                                f"{cascade.tiers[-1].name!r} replays recorded labels (give --teacher, or "
@@ -241,7 +240,9 @@ class Engine:
         for worker in self.workers:
             worker.stop()
         self.writer.stop(drain=WRITE_DRAIN)
-        self.totals.drop("stopped", len(self.deferred.clear()) + len(self.writes.clear()))
+        if left := len(self.deferred.clear()) + len(self.writes.clear()):  # said: /metrics ends with us
+            log.warning("audits: %d left unwritten at stop (the store took none in %g s)", left, WRITE_DRAIN)
+        self.totals.drop("stopped", left)
 
     def _serving(self, t: int) -> Callable[[list[Job]], None]:
         return lambda jobs: self._serve(t, jobs)
