@@ -32,10 +32,12 @@ from servers import (
 from tinymodels import tiny_llama_path
 
 from cascade.collect.collector import Collector
+from cascade.questions import parse_request
 from cascade.serve.proxy import ProxyConfig, create_proxy_app
 from cascade.teachers.connect import open_client
 from cascade.teachers.settings import UpstreamSettings
 from distill.loop.collected import StoreTraffic, census, collected, training_set
+from distill.store import LabelStore
 
 STATE = "Help! My payouts have been failing for three days."
 URGENT: dict[str, Any] = {"type": "noul", "instructions": "Does this convey urgency?"}
@@ -116,6 +118,27 @@ def test_collected_traffic_is_counted_by_question_content_and_becomes_a_training
     done = subprocess.run([sys.executable, "-m", "distill.cli", "collected", "--store", str(store),
                            "--min-count", "3"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "6 collected request(s), 5 distinct state(s)" in done.stdout
+
+
+def test_a_question_reworded_under_its_id_gets_an_id_of_its_own(tmp_path: Path) -> None:
+    """Clients changed what "urgent" asks: the second training set mapped "urgent" to the new
+    wording while the store held the old wording's labels under it, and training learnt the new
+    question from both."""
+    store, reworded = tmp_path / "traffic.sqlite", {**URGENT, "instructions": "Is the sender happy?"}
+    for n, (question, case, asked) in enumerate(((URGENT, "Case", 3), (reworded, "Other", 5))):
+        with mock_at() as (url, _), proxy(url, store) as base:  # the new wording asked most: "urgent"
+            for k in range(asked):
+                assert httpx.post(f"{base}/v1/systemone", json=body(f"{STATE} {case} {k}.", urgent=question),
+                                  timeout=30).status_code == 200
+        training_set(store, tmp_path / f"w{n}", min_count=3)
+    questions = json.loads((tmp_path / "w1" / "questions.json").read_text())["questions"]
+    ids = {questions[qid]["instructions"]: qid for qid in questions}
+    assert ids[URGENT["instructions"]] != ids[reworded["instructions"]]
+    rows = [json.loads(line) for line in (tmp_path / "w1" / "corpus.jsonl").read_text().splitlines()]
+    new_items = {row["id"] for row in rows if "Other" in row["text"]}
+    with LabelStore.open_existing(store) as opened:
+        assert set(opened.labels(ids[reworded["instructions"]])) == new_items  # none of the old wording's
+        opened.check_questions(parse_request({"state": "-", "questions": questions}).questions)
 
 
 def test_collection_keeps_its_share_and_size_and_stops_at_another_teacher(

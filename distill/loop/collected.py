@@ -143,10 +143,24 @@ def _name(questions: list[CollectedQuestion]) -> None:
     for entry in questions:
         best = entry.ids.most_common(1)[0][0]
         if best in taken:
-            digest = hashlib.sha256(repr(content_key(entry.question)).encode()).hexdigest()[:8]
-            best = f"{best}_{digest}"
+            best = _suffixed(best, entry.question)
         taken.add(best)
         entry.id = best
+
+
+def _suffixed(qid: str, question: Question) -> str:
+    return f"{qid}_{hashlib.sha256(repr(content_key(question)).encode()).hexdigest()[:8]}"
+
+
+def _unlike_stored(store: LabelStore, heads: list[CollectedQuestion]) -> None:
+    """A head whose id the store's labels answer in another wording (clients changed the question
+    under its id) gets its content hash after the id: its labels would otherwise sit beside the old
+    wording's, and train the new question on both."""
+    for head in heads:
+        try:
+            store.check_questions({head.id: head.question})
+        except StoreMismatchError:
+            head.id = _suffixed(head.id, head.question)
 
 
 def item_id(state_sha256: str) -> str:
@@ -161,6 +175,8 @@ def training_set(path: StoreLocation | str, out: Path, min_count: int = DEFAULT_
     each such question as a label in the same store. Returns the census (the rest with counts)."""
     items = list(collected(path))
     found = census(items, min_count)
+    with LabelStore.open_existing(path) as opened:
+        _unlike_stored(opened, found.heads)
     by_key = {content_key(q.question): q for q in found.heads}
     labels: dict[str, dict[str, dict[str, float]]] = {}
     texts: dict[str, object] = {}
@@ -182,5 +198,6 @@ def training_set(path: StoreLocation | str, out: Path, min_count: int = DEFAULT_
         with LabelStore.open_existing(path) as opened:
             teacher = opened.teacher
         with LabelStore(path, teacher) as store:
+            store.bind_questions({head.id: head.question for head in found.heads})
             store.put_many(labels)
     return found
