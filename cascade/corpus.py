@@ -145,6 +145,8 @@ def _parse_line(raw: bytes, number: int, field: str, seen: dict[str, int]) -> Co
     if not isinstance(item_id, str) or not item_id.strip():
         got = "it is missing" if "id" not in row else f"got {item_id!r}"
         raise _BadLine(f"'id' must be a non-empty string; {got}")
+    if (problem := state_problem(item_id)) is not None:  # no store, hash or file takes it
+        raise _BadLine(f"'id': {problem}")
     if item_id in seen:
         raise _BadLine(f"duplicate id {item_id!r} (first on line {seen[item_id]}); ids must be unique")
     return CorpusItem(item_id, _state(row, field, item_id), number)

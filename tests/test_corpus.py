@@ -50,6 +50,7 @@ BAD_LINES = [
     ('{"id": "e2", "text": NaN}', r"not valid JSON \(NaN is not a JSON value\)"),
     # JSON lets a lone surrogate through; the tokenizer then raised a TypeError that lost the run
     ('{"id": "e2", "text": "refund \\ud800 please"}', r"item 'e2': 'text': a key or text holds a lone"),
+    ('{"id": "e\\ud800", "text": "fine"}', r"'id': a key or text holds a lone"),  # a traceback in the store
 ]
 
 

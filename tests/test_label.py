@@ -264,14 +264,16 @@ def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:
     rows = [{"id": "e1", "question": "urgent", "answer": True},
             {"id": "e1", "question": "team", "probabilities": {"billing": 0.25, "technical": 0.75}},
             {"id": "e2", "question": "team", "answer": "billing"},
-            {"id": "e3", "question": "nope", "answer": True}]
+            {"id": "e3", "question": "nope", "answer": True},
+            {"id": "e\ud800", "question": "urgent", "answer": True}]  # a traceback in SQLite before
     labels = tmp_path / "gold.jsonl"
     labels.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["label", "--questions", str(questions), "--store", store, "--import", str(labels)]
     assert main([*argv, "--on-error", "skip", "--teacher-name", "gold"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("imported 3 of 4 rows, 1 skipped")
+    assert out.startswith("imported 3 of 5 rows, 2 skipped")
     assert f"skipped {labels}:4: unknown question 'nope'" in err
+    assert f"skipped {labels}:5: id: a key or text holds a lone surrogate" in err
 
     exported = tmp_path / "out.jsonl"
     assert main(["label", "--store", store, "--export", str(exported)]) == 0

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, Literal
 from pydantic import BaseModel
 
 from cascade.atomic import write_atomically
-from cascade.questions import Question
+from cascade.questions import Question, state_problem
 from distill.store import LabelStore, StoreError, check_probabilities, conflict_message
 
 IMPORT_BATCH_ITEMS = 500
@@ -81,6 +81,8 @@ def _parse_row(line: bytes, questions: Mapping[str, Question]) -> tuple[str, str
     allowed = ("id", "question", "answer", "probabilities")
     if not isinstance(row, dict) or set(row) - set(allowed):
         raise StoreError(f"a row must be a JSON object with only the fields {allowed}")
+    if (problem := state_problem(row)) is not None:  # a lone surrogate in an id: no store takes it
+        raise StoreError(problem)
     item, qid = row.get("id"), row.get("question")
     if not isinstance(item, str) or not item:
         raise StoreError(f"'id' must be a non-empty string, got {item!r}")
