@@ -289,11 +289,17 @@ def test_a_store_in_another_form_is_refused_without_its_password() -> None:
     assert store_location("runs/a=b.sqlite") == Path("runs/a=b.sqlite")
     # a URL cut short was a SQLite file named after it, password and all, and echoed whole
     for given in ("postgresql:cascade:s3cret-pw@127.0.0.1:5432", "postgresql//cascade:s3cret-pw@h:5432/s1",
-                  "cascade:s3cret-pw@127.0.0.1:5432/s1", "postgresql:/u:s3cret-pw@h/db"):
+                  "cascade:s3cret-pw@127.0.0.1:5432/s1", "postgresql:/u:s3cret-pw@h/db",
+                  "bob:s3cret/pw@127.0.0.1/db", "postgresql//bob:s3cret/pw@h/db",  # a / in the password
+                  "bob@127.0.0.1:5432", "bob@dbhost", "127.0.0.1:5432/labels"):  # no password: a file still
         with pytest.raises(StoreError, match="looks like a PostgreSQL URL cut short") as refused:
             store_location(given)
-        assert "s3cret-pw" not in str(refused.value)
-    assert store_location("runs/x@y/labels.sqlite") == Path("runs/x@y/labels.sqlite")
+        assert "s3cret" not in str(refused.value)
+    with pytest.raises(StoreError, match="has an @ in its user or password: percent-encode it") as refused:
+        store_location("postgresql://bob:s3c@ret@127.0.0.1:1/db")  # libpq quoted "ret@127.0.0.1"
+    assert "ret" not in str(refused.value).replace("percent", "")
+    for path in ("runs/x@y/labels.sqlite", "a@b.sqlite", "runs/v1:2.sqlite", "postgresql-labels.db"):
+        assert store_location(path) == Path(path)
 
 
 def test_a_url_no_retry_can_cure_is_invalid_not_unreachable() -> None:

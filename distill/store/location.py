@@ -31,6 +31,10 @@ class StoreURL:
     def __init__(self, url: str) -> None:
         if not url.startswith(SCHEMES):
             raise StoreError(f"a store URL must start with postgresql://; got {redact_url(url)!r}")
+        rest = url.partition("://")[2]
+        if "@" in rest[:rest.rfind("@")]:  # libpq cut it at the first @ and quoted the password's end
+            raise StoreError(f"{redact_url(url)} has an @ in its user or password: percent-encode it "
+                             "as %40")
         try:
             urlsplit(url)
         except ValueError as exc:  # "Invalid IPv6 URL", say: never echoed with the URL's password
@@ -94,18 +98,32 @@ def store_location(value: str | os.PathLike[str] | StoreURL) -> StoreLocation:
     if CONNINFO.match(text):
         raise StoreError(f"{redact_text(text)} looks like a key=value conninfo: give the PostgreSQL store "
                          "as a URL, postgresql://USER:PASSWORD@HOST:PORT/DATABASE")
-    if _MISSING_SLASHES.match(text.strip()) or _USER_PART.search(text):  # a SQLite file named after it
-        shown = _USER_PART.sub(lambda m: f"{m[1]}{m[2]}:{HIDDEN}@", text.strip())
+    if (shown := _cut_short(text.strip())) is not None:  # made a SQLite file named after it
         raise StoreError(f"{shown} looks like a PostgreSQL URL cut short: give it whole, "
                          "postgresql://USER:PASSWORD@HOST:PORT/DATABASE (a SQLite file's path holds no "
-                         "user:password@)")
+                         "user@host or host:port)")
     return Path(text)
 
 
-_MISSING_SLASHES = re.compile(r"(?i)postgres(ql)?:(?!//)")
-"""``postgresql:`` without its ``//``: a URL mistyped, which was made a SQLite file of its name."""
-_USER_PART = re.compile(r"(^|/)([^/:@]*):[^/@]*@")
-"""A ``user:password@`` part of a path: a URL without its scheme, whose password named a file."""
+_PREFIX = re.compile(r"(?i)^postgres(ql)?:?/*")
+_HOST_ONLY = re.compile(r"^([\w.-]+@)?[\w.-]+:\d+(/[\w.-]*)?$|^[\w.-]+@[\w.-]+(/[\w.-]*)?$")
+"""``user@host``, ``host:port`` (``/database`` after either): a URL without its scheme."""
+_FILES = (".sqlite", ".sqlite3", ".db")
+
+
+def _cut_short(text: str) -> str | None:
+    """``text`` shown without its password if it is a PostgreSQL URL cut short (``postgresql:`` with
+    no ``//``, or no scheme: a ``user:password@`` before its host, ``user@host``, ``host:port``),
+    which was taken for a SQLite file's name, password and all; None for a path."""
+    prefix = _PREFIX.match(text)
+    body = text[prefix.end():] if prefix else text
+    at = body.rfind("@")
+    colon = body.find(":", 0, at) if at > 0 else -1
+    if colon >= 0:
+        return f"{text[:len(text) - len(body)]}{body[:colon]}:{HIDDEN}{body[at:]}"
+    if (prefix and ":" in prefix.group(0)) or (_HOST_ONLY.match(text) and not text.endswith(_FILES)):
+        return text
+    return None
 
 
 def is_url(location: StoreLocation) -> bool:
