@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from cascade.serve.engine import EngineSettings
 from cascade.tiers.base import Item
 from distill.cli import main
 from distill.loop.auditing import StoreSink, auditor_for, bundle_teacher, stored_audits
-from distill.store import LabelStore, Teacher
+from distill.store import LabelStore, StoreError, Teacher
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,15 @@ def test_audits_go_into_the_label_store_as_teacher_labels_tagged_as_audits(
         assert set(store.labels(KEPT)) == {"audit:0", "audit:1", "audit:2"}
         created = [label.created_at for label in store.iter_labels()]
     assert all(c > 1e9 for c in created)  # with the time they were written
+    # a row damaged by hand or by a disk: one line naming it, not a JSONDecodeError from cascade audit
+    for column, value in (("system", "{"), ("state", "not json")):
+        with sqlite3.connect(tmp_path / "labels.sqlite") as db:
+            kept = db.execute(f"SELECT {column} FROM audits WHERE item_id = 'audit:1'").fetchone()[0]
+            db.execute(f"UPDATE audits SET {column} = ? WHERE item_id = 'audit:1'", (value,))
+        with pytest.raises(StoreError, match=r"the audit 'audit:1' in .* is damaged \(JSONDecodeError"):
+            stored_audits(tmp_path / "labels.sqlite")
+        with sqlite3.connect(tmp_path / "labels.sqlite") as db:
+            db.execute(f"UPDATE audits SET {column} = ? WHERE item_id = 'audit:1'", (kept,))
 
 
 KILL_WRITER = """\

@@ -22,10 +22,11 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
-from cascade.audit.record import AuditRecord, SystemAnswer
+from cascade.audit.record import AuditRecord
 from cascade.collect.escalation import EscalationRecord
 from cascade.collect.record import CollectedItem
 from cascade.questions import Question, wording_sha256
+from distill.store.audit_rows import audit_records
 from distill.store.backend import foreign_tables
 from distill.store.escalations import (
     ESCALATION_PAGE,
@@ -350,16 +351,8 @@ class LabelStore:
         return records
 
     def _records(self, rows: list[tuple]) -> list[AuditRecord]:
-        """Audit rows (item, state, version, system, time, inclusion, routed) as records, their
-        labels looked up."""
-        labels = self._labels_of([r[0] for r in rows])
-        return [AuditRecord(
-            item_id=item_id, state=json.loads(state), calibration_version=version, at=created,
-            teacher={q: json.loads(p) for q, p, _ in labels.get(item_id, [])},
-            prompt_hashes={q: h for q, _, h in labels.get(item_id, []) if h},
-            system={q: SystemAnswer.model_validate(a) for q, a in json.loads(system).items()},
-            inclusion=inclusion, routed=json.loads(routed) if routed else {})
-            for item_id, state, version, system, created, inclusion, routed in rows]
+        """Audit rows as records, their labels looked up (``distill.store.audit_rows``)."""
+        return audit_records(rows, self._labels_of([r[0] for r in rows]), self.path)
 
     def _labels_of(self, items: list[str]) -> dict[str, list[tuple[str, str, str | None]]]:
         """Per item, its label rows (question, probabilities JSON, prompt hash) by question id."""
