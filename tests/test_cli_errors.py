@@ -4,6 +4,7 @@ traceback. Each case runs the real ``cascade`` console command in a subprocess."
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -78,6 +79,9 @@ def test_a_request_folder_is_said_to_be_a_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["teacher-model", "--list", "extra"], "--list lists every model: give it alone, or the name 'extra'"),
     (["roofline", "--tokens", "9" * 20], "--tokens: must be at most 1000000000"),  # a floor of 5.7e33 ms
+    # refused when the loop's first retrain loaded a model, hours later
+    (["loop", "--bundle", "b", "--store", "s.sqlite", "--every", "5",
+      "--threads", str((os.cpu_count() or 1) + 1)], "--threads: threads"),
 ])
 def test_a_usage_mistake_once_ignored_or_absurd_is_refused(args: list[str], message: str) -> None:
     result = run(*args)

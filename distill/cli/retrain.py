@@ -23,7 +23,7 @@ from distill.cli.common import (
     optional_corpus_input,
     run_options,
 )
-from distill.cli.values import probability, whole_number
+from distill.cli.values import local_threads, probability, whole_number
 
 if TYPE_CHECKING:
     from distill.loop.retrain import RetrainResult
@@ -135,7 +135,7 @@ def add_retrain_arguments(p: argparse.ArgumentParser, *, certificate: bool, fine
     p.add_argument("--finetune", action="store_true", help=finetune_help)
     p.add_argument("--epochs", type=whole_number(1), metavar="N", help="with --finetune: most epochs")
     p.add_argument("--seed", type=whole_number(0), metavar="S", help="with --finetune: the seed")
-    p.add_argument("--threads", type=whole_number(1), metavar="N",
+    p.add_argument("--threads", type=local_threads, metavar="N",
                    help=f"CPU threads of every model {THREADS_DEFAULT}")
     add_device_argument(p)
     add_cache_dir_argument(p)

@@ -66,6 +66,17 @@ def seconds_or_zero(text: str) -> float:
     return value
 
 
+def local_threads(text: str) -> int:
+    """CPU threads of models this process runs: 1 up to the machine's CPUs, refused now rather
+    than when a model first loads (``cascade loop``'s first retrain, hours later)."""
+    from cascade.checks import threads_beyond_cores
+
+    value = whole_number(1)(text)
+    if (beyond := threads_beyond_cores(value)) is not None:
+        raise argparse.ArgumentTypeError(beyond)
+    return value
+
+
 def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """A count: a whole number in [minimum, maximum] (no upper bound where None)."""
     def parse(text: str) -> int:
