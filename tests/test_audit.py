@@ -231,8 +231,11 @@ def test_decide_audits_its_sample_and_cascade_audit_reports_it(
     again = stored_audits(store)
     assert len(again) == 24 and len({a.item_id for a in again}) == 24
     assert main(["audit", "--bundle", str(bundle_dir), "--store", str(store)]) == 0
-    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith(KEPT))
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith(KEPT))
     assert line.split()[1] == "12"
+    assert "24 audits in the store: 0 of other calibrations set aside (the alarm watches this one), " \
+        "12 repeated states counted once" in out
     # a mistyped store said "0 audited ... quiet", and another teacher's store was read as this bundle's
     assert main(["audit", "--bundle", str(bundle_dir), "--store", str(tmp_path / "typo.sqlite")]) == 2
     assert "no label store at" in capsys.readouterr().err and not (tmp_path / "typo.sqlite").exists()
@@ -245,6 +248,13 @@ def test_decide_audits_its_sample_and_cascade_audit_reports_it(
     assert main(["audit", "--bundle", str(bundle_dir), "--store", str(store), "--plot",
                  str(tmp_path / "new" / "p.png")]) == 0
     assert (tmp_path / "new" / "p.png").stat().st_size > 1000
+    # all of another calibration (the usual case after a recalibration): it said "0 ... quiet", exit 0
+    with sqlite3.connect(store) as db:
+        db.execute("UPDATE audits SET calibration_version = 'an-older-one'")
+    assert main(["audit", "--bundle", str(bundle_dir), "--store", str(store)]) == 1
+    out, err = capsys.readouterr()
+    assert "24 audits in the store: 24 of other calibrations set aside" in out
+    assert "the figures above watch nothing" in err
 
 
 def test_the_server_audits_at_the_lowest_priority_and_counts_what_it_drops(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from distill.cli.common import STORE_METAVAR, store_argument
@@ -25,7 +26,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
     manifest = Bundle.load(args.bundle).manifest
     version = manifest.calibration.version()
-    rows = audit_report(manifest, version, args.store)
+    report = audit_report(manifest, version, args.store)
+    rows = report.questions
     target = manifest.calibration.target
     assert target is not None  # audit_report refuses an uncalibrated bundle
     print(f"bundle {manifest.name!r}, calibration {version}, target {target}, delta "
@@ -40,6 +42,12 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         bounds = f"[{m.lower:.3f}, {m.upper:.3f}]"
         print(f"{row.question:<18} {m.items:>8} {agreement:>10} {bounds:>15} {target:>7} {m.wealth:>9.3g}  "
               f"{alarm}")
+    print(f"{report.stored} audits in the store: {report.other_calibrations} of other calibrations set "
+          f"aside (the alarm watches this one), {report.repeated} repeated states counted once")
+    if report.stored == report.other_calibrations:  # every row above is empty: nothing was watched
+        print(f"no audit of calibration {version} in {args.store}: the figures above watch nothing; a "
+              "server writes its audits under the calibration it serves", file=sys.stderr)
+        return 1
     if any(row.monitor.alarm for row in rows):
         print(f"to certify on what the audit saw: cascade calibrate --bundle {args.bundle} --store "
               f"{args.store} --calibrate-on traffic --report REPORT_DIR (add --audits-since TIME to keep "

@@ -159,18 +159,29 @@ class QuestionAudit:
     agreements: list[float]
 
 
-def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocation | str
-                 ) -> list[QuestionAudit]:
+@dataclass(frozen=True)
+class AuditReport:
+    """Each question's audit, and what the store held besides: audits of other calibrations (set
+    aside: the alarm watches one calibration), and states audited again (counted once)."""
+
+    questions: list[QuestionAudit]
+    stored: int
+    other_calibrations: int
+    repeated: int
+
+
+def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocation | str) -> AuditReport:
     """Each bundle question's audited items of this calibration, replayed through its alarm."""
     target, delta = manifest.calibration.target, manifest.calibration.delta
     if target is None or delta is None:
         raise StoreError(f"bundle {manifest.name!r} has no calibration target to audit against; "
                          "run cascade calibrate first")
-    records, seen = [], set()
-    for record in _bundle_audits(manifest, path):  # each state once, as the live watch counts it
+    records, seen, stored = [], set(), _bundle_audits(manifest, path)
+    for record in stored:  # each state once, as the live watch counts it
         if record.calibration_version == calibration_version and record.state_sha256 not in seen:
             seen.add(record.state_sha256)
             records.append(record)
+    other = sum(record.calibration_version != calibration_version for record in stored)
     out = []
     for qid in manifest.questions:
         monitor = AgreementMonitor(target, delta)
@@ -181,7 +192,7 @@ def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocati
                 lowers.append(monitor.lower)
                 agreements.append(monitor.agreement or 0.0)
         out.append(QuestionAudit(qid, monitor, lowers, agreements))
-    return out
+    return AuditReport(out, len(stored), other, len(stored) - other - len(records))
 
 
 def _bundle_audits(manifest: Manifest, path: StoreLocation | str) -> list[AuditRecord]:
