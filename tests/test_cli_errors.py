@@ -177,9 +177,11 @@ def test_an_output_path_that_is_a_folder_or_an_overflowing_label_is_one_line(tmp
     for out, said in ((tmp_path / "adir", "is a folder"), (tmp_path / "nodir" / "x.jsonl", "does not exist")):
         result = run("label", "--export", str(out), *store)  # refused before the work
         assert result.returncode == 2 and said in result.stderr.splitlines()[-1], result.stderr
-    (tmp_path / "afile").write_text("")  # a folder to make where a file is: said when it is made
-    result = run("collected", *store, "--out", str(tmp_path / "afile"))
-    assert_one_clear_line(result, "FileExistsError", "check the paths given")
+    # a store that collected no traffic: an empty questions file and corpus were written, then
+    # "next: cascade train" on them
+    result = run("collected", *store, "--out", str(tmp_path / "set"))
+    assert_one_clear_line(result, "CascadeError", "there is nothing to train a head on")
+    assert not (tmp_path / "set").exists()
 
 
 def test_a_bundle_from_a_newer_schema(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade.collect.record import CollectedItem
+from cascade.errors import CascadeError
 from cascade.private import private_text
 from cascade.questions import Question
 from cascade.serve.matching import content_key
@@ -175,6 +176,10 @@ def training_set(path: StoreLocation | str, out: Path, min_count: int = DEFAULT_
     each such question as a label in the same store. Returns the census (the rest with counts)."""
     items = list(collected(path))
     found = census(items, min_count)
+    if not found.heads:  # an empty questions file and corpus, then "next: cascade train" on them
+        raise CascadeError(f"no question of the {found.items} request(s) collected in {path} was asked "
+                           f"{min_count} times or more: there is nothing to train a head on; collect more "
+                           "traffic, or lower --min-count")
     with LabelStore.open_existing(path) as opened:
         _unlike_stored(opened, found.heads)
     by_key = {content_key(q.question): q for q in found.heads}
