@@ -114,8 +114,10 @@ def test_every_reader_of_the_corpus_refuses_an_item_edited_since_its_labels(
     store_path, corpus = tmp_path / "s.sqlite", tmp_path / "edited.jsonl"
     shutil.copy(trained[1], store_path)
     rows = [json.loads(line) for line in trained[0].read_text(encoding="utf-8").splitlines()]
-    with LabelStore(store_path, TEACHER) as store:  # imported labels record no text: as read now
-        store.record_texts({row["id"]: state_sha256(row["text"]) for row in rows})
+    with LabelStore.open_existing(store_path) as store:  # imported labels record no text, until the
+        assert store.text_hashes() == {}  # first reading of the corpus (a retrain's, or training's)
+        gather(store, trained[2].manifest.parsed_questions(), CorpusInput(trained[0]))
+        assert store.text_hashes()[rows[4]["id"]] == state_sha256(rows[4]["text"])
     rows[4]["text"] += " (edited)"
     corpus.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     bundle = Bundle.load(variant(trained[2], tmp_path / "b"))

@@ -46,7 +46,7 @@ from cascade.questions import Question, State
 from distill.loop.escalations import escalations
 from distill.options import CorpusInput
 from distill.store import LabelStore
-from distill.store.texts import checked
+from distill.store.first_reading import read_recorded
 
 Origin = Literal["corpus", "audit", "collected", "escalation", "census escalation"]
 ORIGINS: dict[str, Origin] = {"audit:": "audit", "traffic:": "collected", "escalation:": "escalation"}
@@ -138,8 +138,9 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
                             f"{sorted(questions)}; label a corpus or audit traffic first")
     met: list[EvidenceItem] = []
     if corpus is not None:
+        rows = read_recorded(store, corpus.read(trained_field), corpus.path)
         met += [EvidenceItem(row.id, row.state, origin_of(row.id, "corpus"))
-                for row in checked(store, corpus.read(trained_field), corpus.path) if row.id in labelled]
+                for row in rows if row.id in labelled]
     met += [EvidenceItem(r.item_id, r.state, origin_of(r.item_id), r.inclusion) for r in store.audits()
             if r.item_id in labelled]
     met += [EvidenceItem(ident, state, "collected", inclusion)

@@ -52,7 +52,7 @@ from cascade.tiers.gguf import GgufSpec
 from cascade.tiers.kinds import AnyTierSpec
 from distill.options import CorpusInput, RunOptions, default_cache_dir, option
 from distill.store import InputPolicy, LabelStore, Teacher
-from distill.store.texts import checked
+from distill.store.first_reading import read_recorded
 from distill.training.finetune import FinetuneConfig
 from distill.training.finetune_base import check_installed
 from distill.training.head_rule import MIN_TRAIN_LABELS, why_no_head
@@ -129,7 +129,7 @@ def train_bundle(
                              "GGUF teacher")
         layers_of(mid_layer, Path(top.model.path))
     labels = {qid: store.labels(qid) for qid in questions}
-    texts = _labelled_texts(checked(store, corpus.read(), corpus.path), corpus.path, labels, store.path)
+    texts = _labelled_texts(read_recorded(store, corpus.read(), corpus.path), corpus.path, labels, store.path)
     parts = split_ids(texts, fractions, DEFAULT_SALT) if parts is None else _given(parts, texts)
     encoder = encoder if encoder is not None else Encoder(device=run.device, threads=run.threads)
     bundle_dir = Path(bundle_dir)
