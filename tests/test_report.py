@@ -168,6 +168,22 @@ def test_without_matplotlib_the_command_writes_the_report_without_figures_and_sa
     assert all(f'id="q-{qid}"' in page for qid in HEADED)  # each question's outcome is still there
 
 
+def test_a_report_that_cannot_be_written_is_refused_before_the_bundle_changes(
+    trained: Bundle, inputs: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A report folder holding a report.html folder, or "" (the current folder), failed after the
+    new thresholds were saved, or wrote the report where it was not asked to."""
+    bundle = copy_bundle(trained, tmp_path / "bundle")
+    manifest = (bundle.directory / "manifest.json").read_bytes()
+    (tmp_path / "taken" / "report.html").mkdir(parents=True)
+    base = ["calibrate", "--bundle", str(bundle.directory), "--corpus", str(inputs[0]), "--store",
+            str(inputs[1]), "--target-agreement", "0.85", "--delta", "0.1", "--report"]
+    for report, said in ((str(tmp_path / "taken"), "report.html is a folder"), ("", "must name a folder")):
+        assert main([*base, report]) == 2
+        assert said in capsys.readouterr().err
+        assert (bundle.directory / "manifest.json").read_bytes() == manifest
+
+
 HOSTILE = """<script>alert(1)</script>"onmouseover=alert(2) x='"""
 """Markup a question id, an option, instructions and a bundle's name may hold: shown as text."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -93,9 +94,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.audits_since is not None and args.calibrate_on == "corpus":
         raise CascadeError("--audits-since selects audited items, and --calibrate-on corpus certifies on the "
                            "corpus alone; add --calibrate-on traffic (or all)")
-    if args.report.exists() and not args.report.is_dir():
-        raise CascadeError(f"--report {args.report} is a file; give a folder for report.html and "
-                           "report.json (checked before the bundle is changed)")
+    _check_report(args.report)
     bundle = Bundle.load(args.bundle)
     with LabelStore.open_existing(args.store) as store:
         options = CalibrationOptions(
@@ -182,6 +181,22 @@ def _scope(result: CalibrationResult) -> str:
                 f"with probability >= {1 - result.delta:.1%}")
     return (f"guarantee per question: each meets the target with probability >= {1 - result.delta:.1%} "
             "on its own, not all at once (--family-wise for that)")
+
+
+def _check_report(folder: Path) -> None:
+    """The report's folder made, and checked writable, before the bundle is changed: a report that
+    failed after the thresholds were saved left a changed bundle behind an exit status of 2."""
+    if str(folder) in ("", "."):  # Path("") is the current folder: the report went there, unasked
+        raise CascadeError("--report must name a folder for report.html and report.json")
+    if folder.exists() and not folder.is_dir():
+        raise CascadeError(f"--report {folder} is a file; give a folder for report.html and "
+                           "report.json (checked before the bundle is changed)")
+    folder.mkdir(parents=True, exist_ok=True)  # an OSError (a folder no one may make) is one line
+    taken = [name for name in ("report.html", "report.json") if (folder / name).is_dir()]
+    if taken or not os.access(folder, os.W_OK):
+        raise CascadeError(f"--report {folder}: {taken[0] + ' is a folder' if taken else 'not writable'}; "
+                           "give a folder the report can be written to (checked before the bundle is "
+                           "changed)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
