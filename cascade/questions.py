@@ -426,7 +426,7 @@ def invalid_value(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ..
     """The path of the first key or text no UTF-8 can hold (a lone surrogate: a pair of escapes
     parses to one character, which passes) or number that is not finite (NaN, which JSON has no
     word for), and why; None when there is none. A state built in Python (the library, a corpus
-    line) may hold either, which no tokenizer takes: ``check_state`` refuses it. Walked without
+    line) may hold either, which no tokenizer takes: ``state_problem`` says so. Walked without
     recursion."""
     stack = [(value, path)]
     while stack:
