@@ -342,6 +342,8 @@ def test_bad_questions_and_states_are_refused(replay: Any) -> None:
         cascade.decide("hello", questions=["nope"])
     with pytest.raises(RequestError, match=r"list of question ids; got the string 'urgent'"):
         cascade.decide("hello", questions="urgent")  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=r"list of question ids; got a mapping"):  # its keys were read
+        cascade.decide("hello", questions={"urgent": {"type": "noul", "instructions": "x"}})  # type: ignore[arg-type]
     with pytest.raises(RequestError, match=r"items\[0\] \(id 'state'\): state must be non-empty"):
         cascade.decide("   ")
 

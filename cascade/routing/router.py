@@ -229,8 +229,9 @@ class Cascade:
     def _question_ids(self, questions: Sequence[str] | None) -> list[str]:
         if questions is None:
             return list(self.questions)
-        if isinstance(questions, str):
-            raise RequestError(f"questions must be a list of question ids; got the string {questions!r}")
+        if isinstance(questions, str | Mapping):  # a mapping's definitions were ignored, its keys read
+            got = f"the string {questions!r}" if isinstance(questions, str) else "a mapping"
+            raise RequestError(f"questions must be a list of question ids; got {got}")
         questions = list(questions)  # a generator, read once (it read as empty in the message)
         unknown = [q for q in questions if q not in self.questions]
         if unknown or not questions:
