@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -64,6 +64,15 @@ def count_items(path: Path) -> int:
     """Non-blank lines: the progress total, without parsing (bad lines are counted too)."""
     with _open(Path(path)) as handle:
         return sum(1 for line in handle if line.strip())
+
+
+def count_among(path: Path, text_field: str, ids: Collection[str]) -> int:
+    """The corpus's items whose id is in ``ids``: a resumed run's items done. Not ``len(ids)``: a
+    store holds ids the corpus may no longer have (an edited id), which made the count of items
+    left go below 0. Bad lines are passed over: the run's own reading reports them."""
+    if not ids:
+        return 0
+    return sum(1 for item in read_corpus(path, text_field, "skip", lambda _: None) if item.id in ids)
 
 
 def read_corpus(

@@ -165,6 +165,16 @@ def test_an_item_another_live_run_is_labelling_is_left_to_it(teacher: Scorer, tm
     assert (summary.labelled, summary.held, summary.left, summary.skipped_done) == (2, 1, 0, 0)
 
 
+def test_a_renamed_id_leaves_one_item_not_minus_one(teacher: Scorer, tmp_path: Path) -> None:
+    """The items left were the corpus's lines less every id the store held: an id the corpus no
+    longer has (here one that gained a trailing space) made a resumed run end "-1 left"."""
+    corpus, path = write_corpus(tmp_path / "c.jsonl", n=3), tmp_path / "s.sqlite"
+    label(teacher, corpus, path)
+    corpus.write_text(corpus.read_text().replace('"e01"', '"e01 "'))
+    summary = label(teacher, corpus, path)
+    assert (summary.labelled, summary.left, summary.skipped_done) == (1, 0, 2)
+
+
 def test_a_store_made_with_another_model_is_refused(teacher: Scorer, tmp_path: Path) -> None:
     corpus, path = write_corpus(tmp_path / "c.jsonl", n=2), tmp_path / "s.sqlite"
     label(teacher, corpus, path)

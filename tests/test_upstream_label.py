@@ -7,6 +7,7 @@ skipped or stopping the run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import signal
@@ -33,6 +34,7 @@ from cascade.corpus import CorpusItem
 from cascade.errors import RouterError, TeacherChangedError, UpstreamRefused
 from cascade.questions import Question, parse_request
 from cascade.routing.router import Cascade
+from cascade.teachers.client import header_value
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.upstream import UpstreamAnswers
@@ -89,6 +91,28 @@ def test_a_corpus_is_labelled_through_the_endpoint_and_resumed_without_calls(tmp
                                    "questions": QUESTIONS_JSON["questions"]})["answers"]["team"]
     assert team == pytest.approx(truth["probabilities"])
 
+
+def test_a_renamed_id_is_one_call_to_make_and_any_id_goes_up(tmp_path: Path) -> None:
+    """An id the store holds but the corpus no longer has was subtracted from the calls to make.
+    And an item's id is its request's X-Request-Id: sent raw, a trailing space failed every try
+    as "unreachable" and a non-ASCII letter raised UnicodeEncodeError."""
+    corpus, store = write_corpus(tmp_path / "c.jsonl", 4), tmp_path / "labels.sqlite"
+    with Running(MockConfig()) as server:
+        label(f"{server.url}/v1/systemone", corpus, store)
+        corpus.write_text(corpus.read_text().replace('"e1"', '"e1 "'))
+        summary, said = label(f"{server.url}/v1/systemone", corpus, store)
+        assert said[0].startswith("1 items to label: 1 calls")
+        assert (summary.labelled, summary.left, summary.skipped_done) == (1, 0, 3)
+        odd = ["caf\u00e9", "line\nbreak", "x" * 5000, "100%"]
+        corpus = write_corpus(tmp_path / "odd.jsonl", 0, [{"id": i, "text": "Payout failed."} for i in odd])
+        summary, _ = label(f"{server.url}/v1/systemone", corpus, tmp_path / "odd.sqlite")
+    assert (summary.labelled, summary.left, summary.bad_lines) == (4, 0, [])
+
+
+def test_a_header_value_is_what_http_allows() -> None:
+    assert header_value("req-1/a:b") == "req-1/a:b"
+    assert header_value(" caf\u00e9 100%") == "%20caf%C3%A9%20100%25"
+    assert header_value("x" * 201) == "sha256-" + hashlib.sha256(b"x" * 201).hexdigest()
 
 def test_a_new_question_is_labelled_alone_for_the_items_that_lack_it(tmp_path: Path) -> None:
     corpus, store = write_corpus(tmp_path / "c.jsonl", 5), tmp_path / "labels.sqlite"

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import email.utils
 import gzip
+import hashlib
 import importlib.util
 import json
 import logging
@@ -43,7 +44,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -108,6 +109,21 @@ class _Call:
         return self.ends - time.monotonic()
 
 
+HEADER_LIMIT = 200
+"""The longest header value sent as given; a longer one goes as its sha256."""
+
+
+def header_value(value: str) -> str:
+    """``value`` as HTTP allows it in a header: anything outside visible ASCII (a space at an end,
+    a non-ASCII letter, a newline) percent-encoded, and a value longer than ``HEADER_LIMIT`` as
+    its sha256. Why: a request id is an item's id, which a corpus may spell any way; sent raw, a
+    trailing space failed every try as "upstream unreachable" and a letter like 'é' raised
+    UnicodeEncodeError out of the client."""
+    quoted = quote(value, safe="".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%"))
+    if len(quoted) > HEADER_LIMIT:
+        return "sha256-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    return quoted
+
 class UpstreamClient:
     """The pooled client of one upstream; thread-safe, shared by every call to it."""
 
@@ -153,7 +169,8 @@ class UpstreamClient:
         authorization = self._authorization(authorization)
         self.refuse_rejected(authorization)
         seconds = self.settings.deadline if deadline is None else min(deadline, self.settings.deadline)
-        call = _Call(payload, authorization, time.monotonic() + seconds, dict(headers or {}))
+        call = _Call(payload, authorization, time.monotonic() + seconds,
+                     {name: header_value(value) for name, value in (headers or {}).items()})
         if not self._slots.acquire(timeout=max(0.0, call.left())):
             raise UpstreamFailed(f"{self.settings.max_in_flight} calls to the upstream {self.settings.shown} "
                                  f"were in flight for the whole {seconds:g} s deadline; retry shortly",

@@ -31,7 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cascade.corpus import BadLine, CorpusItem, OnError, count_items, read_corpus
+from cascade.corpus import BadLine, CorpusItem, OnError, count_among, count_items, read_corpus
 from cascade.errors import (
     UpstreamAnswerError,
     UpstreamFailed,
@@ -111,7 +111,7 @@ def label_through_endpoint(settings: UpstreamSettings, questions: Mapping[str, Q
     run = run or EndpointRun()
     expected, done = _stored(store_path, questions, Path(corpus), run.text_field)
     progress = _Progress(Path(corpus))
-    calls = _count_calls(corpus, done, questions, run.only)
+    calls = _count_calls(corpus, done, questions, run.only, run.text_field)
     progress.summary.left = calls
     if say is not None:
         limit = f", at most {run.rate:g} a second" if run.rate else ""
@@ -159,12 +159,12 @@ def _stored(path: Path, questions: Mapping[str, Question], corpus: Path, text_fi
 
 
 def _count_calls(corpus: Path, done: Mapping[str, set[str]], questions: Mapping[str, Question],
-                 only: Collection[str] | None) -> int:
+                 only: Collection[str] | None, text_field: str) -> int:
     """Items still lacking a label: one call each."""
     finished = set.intersection(*(done[qid] for qid in questions)) if questions else set()
     if only is not None:
         return len(set(only) - finished)
-    return max(0, count_items(corpus) - len(finished))
+    return count_items(corpus) - count_among(corpus, text_field, finished)
 
 
 def _call_all(tier: UpstreamTier, questions: Mapping[str, Question], corpus: Path, store_path: Path,

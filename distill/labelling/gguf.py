@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from cascade.checks import is_int
-from cascade.corpus import BadLine, CorpusItem, OnError, check_on_error, count_items, read_corpus
+from cascade.corpus import BadLine, CorpusItem, OnError, check_on_error, count_among, count_items, read_corpus
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.questions import DecisionRequest, Question
@@ -128,7 +128,7 @@ def label_corpus(
     wanted = set(only) if only is not None else None
     total = len(wanted) if wanted is not None else count_items(corpus_path)
     finished = store.done_items(list(questions))
-    already = len(finished & wanted) if wanted is not None else min(len(finished), total)
+    already = len(finished & wanted) if wanted is not None else count_among(corpus_path, text_field, finished)
     summary.left = total - already
     bar = tqdm(total=total, initial=already, unit="item", desc="labelling", disable=not progress,
                dynamic_ncols=True)
