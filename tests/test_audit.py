@@ -26,10 +26,10 @@ from cascade.answers import NoulAnswer
 from cascade.audit.auditor import Auditor
 from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.audit.sample import AuditSampler
-from cascade.bundle.manifest import Bundle
+from cascade.bundle.manifest import Bundle, Manifest
 from cascade.errors import CascadeError
 from cascade.routing.router import Cascade
-from cascade.serve.app import ServeConfig
+from cascade.serve.app import ServeConfig, _model_entry
 from cascade.serve.engine import EngineSettings
 from cascade.tiers.base import Item
 from distill.cli import main
@@ -255,6 +255,33 @@ def test_decide_audits_its_sample_and_cascade_audit_reports_it(
     out, err = capsys.readouterr()
     assert "24 audits in the store: 24 of other calibrations set aside" in out
     assert "the figures above watch nothing" in err
+
+
+def test_a_budget_mode_bundle_is_watched_against_no_target(
+    bundle_dir: Path, gemma_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Budget mode certifies nothing, yet the target it was given (0.98 by default) was watched:
+    the drift alarm demoted its questions, `cascade audit` reported against it, and the server's
+    /v1/models said "certified at 0.98"."""
+    bundle = Bundle.load(bundle_dir)
+    data = bundle.manifest.model_dump(mode="json")
+    data["calibration"].update(mode="budget", escalation_fraction=0.3)
+    budget = tmp_path / "budget"
+    Bundle(Manifest.model_validate(data), bundle.directory).save(budget)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i.id, "text": i.state}) + "\n" for i in items(12)))
+    store = tmp_path / "labels.sqlite"
+    assert main(["decide", "--bundle", str(budget), "--corpus", str(corpus), "--out",
+                 str(tmp_path / "d.jsonl"), "--teacher", str(gemma_path), "--threads", "2",
+                 "--audit-store", str(store), "--audit-share", "1", "--batch-size", "2"]) == 0
+    assert "audited 12 by the teacher" in capsys.readouterr().out
+    decided = [json.loads(line) for line in (tmp_path / "d.jsonl").open()]
+    assert not any(row["answers"][KEPT]["x_routing"]["demoted"] for row in decided)  # 2 were
+    assert main(["audit", "--bundle", str(budget), "--store", str(store)]) == 2
+    assert "calibrated in budget mode (--escalation-fraction), which certifies no agreement" \
+        in capsys.readouterr().err
+    entry = _model_entry(Cascade.load(budget, teacher=gemma_path))["description"]
+    assert "budget mode: each cheap tier escalates 0.3" in entry and "certified at" not in entry
 
 
 def test_the_server_audits_at_the_lowest_priority_and_counts_what_it_drops(

@@ -57,8 +57,8 @@ class Auditor:
         self.cascade, self.sampler, self.sink = cascade, sampler, sink
         calibration = cascade.manifest.calibration
         self.watch = None
-        if calibration.target is not None and calibration.delta is not None:
-            self.watch = DriftWatch(cascade.questions, calibration.target, calibration.delta,
+        if calibration.certified_target is not None and calibration.delta is not None:
+            self.watch = DriftWatch(cascade.questions, calibration.certified_target, calibration.delta,
                                     cascade.calibration_version, on_drift)
             cascade.demoted = self.watch.demoted
         self.follower: StreamFollower | None = None

@@ -182,6 +182,13 @@ class CalibrationSection(_Section):
         digest = hashlib.sha256(self.model_dump_json(exclude=unset).encode()).hexdigest()
         return f"{self.calibrated_at}+{digest[:12]}"
 
+    @property
+    def certified_target(self) -> float | None:
+        """The agreement the thresholds certify, which a drift alarm may watch and a server may
+        promise: None before calibration and in budget mode, which sets the thresholds by the share
+        escalated and certifies nothing (it still records the ``target`` it was given)."""
+        return None if self.mode == "budget" else self.target
+
     def dropped(self) -> set[str]:
         """Cheap tiers calibration took out of the cascade: they cost more than they saved."""
         return dropped_tiers(self.payoffs)

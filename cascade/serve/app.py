@@ -340,8 +340,14 @@ def _not_in_bundle(cascade: Cascade, matched: Matched) -> HttpProblem:
 def _model_entry(cascade: Cascade) -> dict[str, str]:
     manifest = cascade.manifest
     tiers = " -> ".join(tier.name for tier in cascade.tiers)
-    target = manifest.calibration.target
-    promise = f", agreement with the teacher certified at {target}" if target else ", not calibrated"
+    calibration = manifest.calibration
+    if calibration.mode == "budget":
+        promise = (f", budget mode: each cheap tier escalates {calibration.escalation_fraction} of the "
+                   "items that reach it, no agreement certified")
+    elif calibration.target:
+        promise = f", agreement with the teacher certified at {calibration.target}"
+    else:
+        promise = ", not calibrated"
     return {"name": manifest.name, "description": f"cascade {tiers} over {len(cascade.questions)} "
             f"question(s){promise}", "release_date": manifest.created_at.date().isoformat()}
 

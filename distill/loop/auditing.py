@@ -172,7 +172,11 @@ class AuditReport:
 
 def audit_report(manifest: Manifest, calibration_version: str, path: StoreLocation | str) -> AuditReport:
     """Each bundle question's audited items of this calibration, replayed through its alarm."""
-    target, delta = manifest.calibration.target, manifest.calibration.delta
+    target, delta = manifest.calibration.certified_target, manifest.calibration.delta
+    if manifest.calibration.mode == "budget":
+        raise StoreError(f"bundle {manifest.name!r} is calibrated in budget mode (--escalation-fraction), "
+                         "which certifies no agreement: there is no target for a drift alarm to watch; "
+                         "measure its agreement with `cascade evaluate`")
     if target is None or delta is None:
         raise StoreError(f"bundle {manifest.name!r} has no calibration target to audit against; "
                          "run cascade calibrate first")
@@ -216,9 +220,10 @@ def drift_alarms(manifest: Manifest, records: list[AuditRecord]) -> dict[str, Au
     """Per question, the audit at which its drift alarm rose under this bundle's calibration, as
     the server's watch raises it (``records`` in the store's order): none where no alarm rose."""
     calibration = manifest.calibration
-    if calibration.target is None or calibration.delta is None:
+    if calibration.certified_target is None or calibration.delta is None:
         return {}
-    watch = DriftWatch(manifest.questions, calibration.target, calibration.delta, calibration.version())
+    watch = DriftWatch(manifest.questions, calibration.certified_target, calibration.delta,
+                       calibration.version())
     return {qid: record for record in records for qid in watch.observe(record)}
 
 
