@@ -287,6 +287,9 @@ def test_budget_mode_sets_each_tier_on_what_reaches_it(
                                                        if i in store_labels[qid]) <= n
         assert fits[qid, "small"].n_threshold == reached
         assert round(shares.answered_by["teacher"] * n) == math.floor(fraction * reached + 1e-9)
+    # the target it was given is recorded, not certified: what evaluate, audits and serve read
+    calibrated = Bundle.load(bundle.directory).manifest.calibration
+    assert (calibrated.mode, calibrated.certified_target) == ("budget", None) and calibrated.target
 
 
 def test_evaluate_puts_predicted_and_spent_cost_side_by_side(

@@ -62,6 +62,7 @@ class QuestionEvaluation(BaseModel):
     tiers: list[TierShare]
     budget_limited: float
     target: float | None
+    """The agreement certified; None in budget mode (nothing certified) and uncalibrated."""
     threshold: dict[str, float | None]
 
 
@@ -238,7 +239,7 @@ def _question(manifest: Manifest, qid: str, rows: list[tuple[bool, str, bool]],
         agreement=_mean(row[0] for row in rows),
         tiers=_shares(tier_names, rows),
         budget_limited=_mean(row[2] for row in rows),
-        target=manifest.calibration.target,
+        target=manifest.calibration.certified_target,
         threshold={name: manifest.threshold(qid, name) for name in tier_names[:-1]},
     )
 
