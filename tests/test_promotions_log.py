@@ -213,3 +213,69 @@ def test_now_tries_again_at_once_what_failed(trained_bundle: Bundle, labelled: t
     said = capsys.readouterr().out
     assert "attempt 1: 0 new teacher labels" in said and "failed: " in said
     assert f"tried again after {EVERY} more teacher labels, or at once by a loop run with --now" in said
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(two: tuple[Path, Bundle, Bundle]) -> None:
+    """Counted as a decision when read, yet cut as torn by the next append: a hand edit that
+    dropped the last newline lost a promotion and lowered the attempt count."""
+    link, v1, v2 = two
+    log = promotions_log(link)
+    first = decision(v1, v2, promoted=False)
+    log.write_text(first.model_dump_json(), encoding="utf-8")
+    with promoting(link):
+        carry_out(link, log, decision(v1, v2, at="2026-12-07T13:00:00+00:00"))
+    assert [r.promoted for r in records(log)] == [False, True]
+
+
+def test_a_log_that_cannot_be_written_is_refused_before_the_gate(
+        two: tuple[Path, Bundle, Bundle], labelled: tuple[Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A --log under a file failed after the pending file named it (relative), and every later
+    promote and loop then failed finishing it, or finished it into another folder's file."""
+    link, _, v2 = two
+    (tmp_path / "afile").write_text("x")
+    for log in (tmp_path / "afile" / "log.jsonl", tmp_path, Path("/dev/full")):
+        assert main(["promote", "--bundle", str(link), "--candidate", str(v2.directory), "--store",
+                     str(labelled[1]), "--log", str(log)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("PromotionsLogError: "), err
+    assert not list(tmp_path.glob("*.pending.json")) and not list(tmp_path.glob("*.lock*"))[1:]
+    assert main(["promote", "--bundle", str(tmp_path / "suport"), "--candidate", str(v2.directory),
+                 "--store", str(labelled[1])]) == 2  # mistyped: refused, no lock file left beside it
+    assert "no bundle at" in capsys.readouterr().err and not (tmp_path / "suport.promote.lock").exists()
+
+
+def test_a_pending_decision_that_cannot_be_finished_says_so_in_one_line(
+        two: tuple[Path, Bundle, Bundle], labelled: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    link, _, v2 = two
+    pending = link.parent / "support.promote.pending.json"
+    pending.write_text('{"log": "x"', encoding="utf-8")
+    assert main(["promote", "--bundle", str(link), "--candidate", str(v2.directory), "--store",
+                 str(labelled[1])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{pending} holds a decision an earlier promotion" in err[0], err
+
+
+
+def test_a_damaged_loop_state_is_one_line_not_a_traceback(
+        trained_bundle: Bundle, labelled: tuple[Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    link, store = setup(trained_bundle, labelled, tmp_path)
+    LoopPaths(link).state.write_text("", encoding="utf-8")
+    assert loop_once(link, store) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("LoopStateError: ") and "delete it" in err[0], err
+
+
+def test_an_os_error_in_an_attempt_is_a_failed_decision_not_the_loops_end(
+        trained_bundle: Bundle, labelled: tuple[Path, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk or a path that is a file ended the loop process, and its restart logged the
+    attempt as "discarded: the loop was stopped"."""
+    link, store = setup(trained_bundle, labelled, tmp_path)
+    LoopPaths(link).versions.write_text("x", encoding="utf-8")
+    assert loop_once(link, store, "--now") == 1
+    said = capsys.readouterr().out
+    assert "attempt 1: " in said and "failed: " in said and "Error" in said, said
+    assert LoopState.model_validate_json(LoopPaths(link).state.read_text()).pending is None

@@ -209,7 +209,9 @@ def test_a_tie_is_kept_aside_and_each_attempt_spends_less_delta(
         retrained: RetrainResult, served: Path, encoder: Encoder, embedding_cache: Path,
         tmp_path: Path) -> None:
     serving = copied(retrained.bundle, tmp_path / "serving")  # the same heads: every item scores the same
-    candidate = copied(retrained.bundle, tmp_path / "candidate")
+    candidate = copied(retrained.bundle, tmp_path / "candidate")  # renamed: an identical copy is refused
+    renamed = retrained.bundle.manifest.model_copy(update={"name": "candidate"})
+    Bundle(renamed, candidate).save()
     log = tmp_path / "promotions.jsonl"
     with LabelStore.open_existing(served) as store:
         first, second = (promote(serving, candidate, store, run=run(embedding_cache), encoder=encoder,
@@ -221,10 +223,24 @@ def test_a_tie_is_kept_aside_and_each_attempt_spends_less_delta(
         assert gate.attempt == attempt and gate.certificate_delta == certificate_delta(gate.delta, attempt)
     assert second.gate.certificate_delta is not None and first.gate.certificate_delta is not None
     assert second.gate.certificate_delta == pytest.approx(first.gate.certificate_delta / 4)
-    assert Bundle.load(candidate).manifest == retrained.bundle.manifest  # not rewritten when refused
+    assert Bundle.load(candidate).manifest == renamed  # not rewritten when refused
     assert Bundle.load(serving).manifest == retrained.bundle.manifest  # it keeps something: never refreshed
     assert first.refreshed is None and second.refreshed is None
     assert latest_promotion(log) is None
+
+
+def test_a_folder_promoted_from_a_candidate_refuses_that_candidate_again(
+        retrained: RetrainResult, served: Path, tmp_path: Path) -> None:
+    """Serving from a folder (a copy of the candidate it promoted), the same candidate again was
+    weighed against its own copy: a tie kept aside, an attempt's delta spent, and a
+    promotion.json in the bundle serving saying it was not promoted."""
+    serving = copied(retrained.bundle, tmp_path / "serving")
+    candidate = copied(retrained.bundle, tmp_path / "candidate")
+    log = tmp_path / "promotions.jsonl"
+    with LabelStore.open_existing(served) as store, \
+            pytest.raises(PromoteError, match=r"is the bundle serving already \(a copy of it\)"):
+        promote(serving, candidate, store, log=log)
+    assert not log.exists()
 
 
 def test_a_serving_bundle_that_keeps_nothing_serves_the_gates_certificate_when_kept_serving(

@@ -57,9 +57,10 @@ from typing import Any
 
 import numpy as np
 
-from cascade.bundle.manifest import Bundle
+from cascade.bundle.manifest import MANIFEST_NAME, Bundle
 from cascade.encoder.onnx_encoder import Encoder
 from cascade.errors import CascadeError, CorpusError
+from cascade.hashing import file_sha256
 from cascade.serve.swap import resolve
 from cascade.thresholds import CERTIFIED_SCORE
 from distill.calibration.manifest import updated_manifest
@@ -78,6 +79,7 @@ from distill.loop.promotions import (
     promotions_log,
     records,
     replaced_at,
+    writable_log,
 )
 from distill.loop.retrain import EVIDENCE_NAME, LINEAGE_NAME
 from distill.options import CorpusInput, RunOptions
@@ -100,8 +102,13 @@ def promote(serving_path: Path, candidate_dir: Path, store: LabelStore, *, run: 
     if not path.parent.is_dir():
         raise PromoteError(f"no bundle at {path}: the folder {path.parent} does not exist; give the path "
                            "`cascade serve --bundle` serves")
+    try:
+        resolve(path)  # before the lock: a mistyped --bundle left a lock file beside it
+    except CascadeError as exc:
+        raise PromoteError(str(exc)) from None
+    log = writable_log(log or promotions_log(path))
     with promoting(path):
-        return _promote(path, Path(candidate_dir), store, run, encoder, log or promotions_log(path))
+        return _promote(path, Path(candidate_dir), store, run, encoder, log)
 
 
 def _promote(serving_path: Path, candidate_dir: Path, store: LabelStore, run: RunOptions | None,
@@ -115,6 +122,8 @@ def _promote(serving_path: Path, candidate_dir: Path, store: LabelStore, run: Ru
     serving, candidate = Bundle.load(serving_dir), Bundle.load(candidate_dir)
     attempt = _attempt(log, serving)  # the log read first: one damaged is said before the gate's work
     held, evaluated, excluded = _evidence(serving, candidate)
+    if _same_bundle(serving_dir, Path(candidate_dir)):
+        raise PromoteError(f"the candidate {candidate_dir} is the bundle serving already (a copy of it)")
     after, alarmed, labelled = _evidence_after(serving, store)
     held, evaluated, set_aside = _since(after, alarmed, held, evaluated, labelled)
     target, delta = _level(candidate)
@@ -158,6 +167,17 @@ def _promote(serving_path: Path, candidate_dir: Path, store: LabelStore, run: Ru
                                                            encoding="utf-8")
     carry_out(serving_path, log, record)
     return record
+
+
+def _same_bundle(serving_dir: Path, candidate_dir: Path) -> bool:
+    """Whether the candidate is a copy of the bundle serving (its manifest and evidence): a folder
+    ``--bundle`` holds a copy of the candidate it promoted, so the same candidate again was
+    weighed against itself, spending an attempt's delta on a tie."""
+    for name in (MANIFEST_NAME, EVIDENCE_NAME):
+        ours, theirs = serving_dir / name, candidate_dir / name
+        if not (ours.is_file() and theirs.is_file()) or file_sha256(ours) != file_sha256(theirs):
+            return False
+    return True
 
 
 def _refresh(serving: Bundle, result: CalibrationResult, gate: Gate) -> Refresh | None:

@@ -16,8 +16,8 @@ promote`` beside ``cascade loop`` is refused in one line rather than swapping a 
 loop's gate then replaces unweighed. On taking it, a pending file a killed run left is finished
 first: its line appended where missing, and the swap made where the serving path still serves the
 bundle the gate weighed (one changed by hand since is never undone). A log's torn last line (a
-kill or a full disk mid-write: no newline) is not a decision, and is cut before the next line is
-appended; any other line that is not a record is refused, naming it.
+kill or a full disk mid-write: no newline, not a whole record) is not a decision, and is cut before
+the next line is appended; any other line that is not a record is refused, naming it.
 """
 
 from __future__ import annotations
@@ -204,6 +204,25 @@ def promoting(serving: Path) -> Iterator[Promotion | None]:
         yield _finish(serving)
 
 
+def writable_log(log: Path) -> Path:
+    """``log`` as an absolute path, checked before any gate's work: a writable regular file, or
+    none yet in a writable folder. Why: a log that could not be written failed after the pending file
+    named it, and every later promotion then failed finishing it; a relative path was finished
+    against whatever folder the next run started in; and a device (``/dev/full``) read as an empty
+    log, so the gate ran as a first attempt."""
+    path = Path(os.path.abspath(log))
+    if path.exists() and not path.is_file():
+        raise PromotionsLogError(f"the promotions log {log} is not a regular file; give --log a file path")
+    if path.exists():
+        writable = os.access(path, os.W_OK)
+    else:  # not made here: a refused promotion leaves no empty log behind
+        writable = path.parent.is_dir() and os.access(path.parent, os.W_OK | os.X_OK)
+    if not writable:
+        raise PromotionsLogError(f"cannot write the promotions log {log}; give --log a file in a folder "
+                                 "that exists and is writable")
+    return path
+
+
 def carry_out(serving: Path, log: Path, record: Promotion) -> None:
     """Log ``record`` and make the swap it decides, write-ahead (see the module); the caller holds
     ``promoting``. Refused, with nothing logged, where PATH no longer serves the bundle weighed."""
@@ -221,11 +240,18 @@ def _finish(serving: Path) -> Promotion | None:
     pending = _beside(serving, ".promote.pending.json")
     if not pending.is_file():
         return None
-    unfinished = Unfinished.model_validate_json(pending.read_text(encoding="utf-8"))
-    log, record = Path(unfinished.log), unfinished.record
-    if not any(logged.model_dump_json() == record.model_dump_json() for logged in records(log)[-1:]):
-        _append(log, record)
-    _serve(serving, record)
+    try:
+        unfinished = Unfinished.model_validate_json(pending.read_text(encoding="utf-8"))
+        log, record = Path(unfinished.log), unfinished.record
+        if not any(logged.model_dump_json() == record.model_dump_json() for logged in records(log)[-1:]):
+            _append(log, record)
+        _serve(serving, record)
+    except (OSError, ValidationError, PromotionsLogError) as exc:
+        why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise PromotionsLogError(f"{pending} holds a decision an earlier promotion of {serving} left "
+                                 f"unfinished, and finishing it failed ({why}); mend what it names, or "
+                                 "delete that file (its decision then stays unlogged, and its swap "
+                                 "unmade where it was not made)") from None
     pending.unlink()
     return record
 
@@ -259,12 +285,21 @@ def _append(log: Path, record: Promotion) -> None:
 
 
 def _cut_torn(log: Path) -> None:
+    """A last line without its newline is ended where it is a whole record (an edit that dropped
+    the newline: ``records`` counts it, so it must stay), and cut where it is not (torn)."""
     if not log.is_file() or log.stat().st_size == 0:
         return
     with log.open("rb+") as handle:
         content = handle.read()
-        if not content.endswith(b"\n"):
-            handle.truncate(content.rfind(b"\n") + 1)
+        if content.endswith(b"\n"):
+            return
+        start = content.rfind(b"\n") + 1
+        try:
+            Promotion.model_validate_json(content[start:])
+        except ValidationError:
+            handle.truncate(start)
+            return
+        handle.write(b"\n")
 
 
 def replaced_at(path: Path, serving_dir: Path) -> Path:

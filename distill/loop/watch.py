@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from cascade.atomic import write_atomically
 from cascade.bundle.manifest import Bundle
@@ -51,6 +51,10 @@ from distill.training.run import restore_interrupted
 
 VERSION = re.compile(r"v-(\d+)")
 Outcome = Literal["promoted", "kept aside", "failed", "discarded"]
+
+
+class LoopStateError(CascadeError, ValueError):
+    """PATH.loop.json is not a loop's state: damaged or written by hand."""
 
 
 class LoopBusyError(CascadeError, RuntimeError):
@@ -157,7 +161,13 @@ class Loop:
     def _load(self) -> LoopState:
         if not self.paths.state.is_file():
             return LoopState()
-        return LoopState.model_validate_json(self.paths.state.read_text(encoding="utf-8"))
+        try:
+            return LoopState.model_validate_json(self.paths.state.read_text(encoding="utf-8"))
+        except ValidationError as exc:
+            raise LoopStateError(f"{self.paths.state} is not a loop's state ({exc.errors()[0]['msg']}); "
+                                 "`cascade loop` alone writes it: restore it, or delete it (the loop "
+                                 "then counts every teacher label as new and retrains at its first "
+                                 "poll)") from None
 
     def _save(self) -> None:
         write_atomically(self.paths.state, self.state.model_dump_json(indent=2) + "\n")
@@ -181,8 +191,8 @@ class Loop:
             reason = decided.reason if decided else "the serving path names it"
             decision = self._decision(pending, "promoted" if promoted else "kept aside", reason)
             self.state.mark, self.state.pending = sum(pending.seen.values()), None
-        self._save()
         self._record(decision)
+        self._save()
         return decision
 
     def step(self, now: bool = False) -> Decision | None:
@@ -200,9 +210,9 @@ class Loop:
             self.state.pending = pending
             self._save()
             decision = self._retrain_and_promote(store, pending)
+        self._record(decision)  # before the state moves on: a record that fails is made again on restart
         self.state.mark, self.state.pending = sum(seen.values()), None
         self._save()
-        self._record(decision)
         return decision
 
     def _retrain_and_promote(self, store: LabelStore, pending: Pending) -> Decision:
@@ -218,7 +228,7 @@ class Loop:
                              log=promotions_log(self.paths.serving))
         except StoreUnavailable:  # not a decision: the attempt is settled and made again when it answers
             raise
-        except CascadeError as exc:
+        except (CascadeError, OSError) as exc:  # OSError: a full disk, a path that is a file
             again = f"tried again after {self.every} more teacher labels, or at once by a loop run with --now"
             return self._decision(pending, "failed", f"{type(exc).__name__}: {exc} ({again})")
         return self._decision(pending, "promoted" if record.promoted else "kept aside", record.reason)
