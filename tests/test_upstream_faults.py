@@ -116,6 +116,35 @@ def test_a_body_dripped_past_the_deadline_ends_at_the_deadline(upstream: Callabl
         ask(upstream(drip), deadline=1.5, read_timeout=1.0)
 
 
+def test_headers_dripped_past_the_deadline_end_at_the_deadline(upstream: Callable[[Behaviour], str]) -> None:
+    """The deadline was checked only while the body came: a status line and headers dripped a
+    byte at a time held the call (and its slot) for minutes, then called it late. The drip here
+    would take 30 s; the call must end with the upstream still dripping."""
+    sent: list[int] = []
+
+    def drip(handler: BaseHTTPRequestHandler) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + b"X-Pad: y\r\n" * 14
+        for byte in head:
+            try:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            except OSError:  # the client gave up
+                return
+            sent.append(byte)
+            time.sleep(0.15)
+
+    with pytest.raises(UpstreamTimeout):
+        ask(upstream(drip), deadline=1.5, read_timeout=1.0)
+    assert len(sent) < 200
+
+
+def test_a_zstd_answer_is_refused_unread(upstream: Callable[[Behaviour], str]) -> None:
+    """Never asked for, yet inflated a whole chunk at once: 32 KB of zeros took 2.3 GB."""
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"0" * (64 * 2 ** 20))
+    with pytest.raises(UpstreamAnswerError, match="a body in 'zstd', which this client never asks for"):
+        ask(upstream(answer(200, bomb, **{"Content-Encoding": "zstd"})))
+
+
 def test_an_answer_nested_past_any_parser_is_a_502_not_a_bug(upstream: Callable[[Behaviour], str]) -> None:
     with pytest.raises(UpstreamAnswerError, match="not JSON"):
         ask(upstream(answer(200, b"[" * 200_000 + b"]" * 200_000)))

@@ -12,12 +12,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cascade.errors import QueueFullError, TeacherChangedError, UpstreamAnswerError, WorkTooLargeError
+from cascade.errors import (
+    CascadeError,
+    QueueFullError,
+    TeacherChangedError,
+    UpstreamAnswerError,
+    WorkTooLargeError,
+)
 from cascade.questions import parse_request
 from cascade.teachers.admission import Admission, work_of
-from cascade.teachers.client import retry_after
+from cascade.teachers.client import UpstreamClient, retry_after
 from cascade.teachers.identity import EndpointIdentity, IdentityWatch, identity_of
 from cascade.teachers.keys import AcceptedKeys, KeySource, Pauses
+from cascade.teachers.settings import UpstreamSettings
 from cascade.teachers.wire import distributions, read_response
 
 QUESTIONS = parse_request({"state": "x", "questions": {
@@ -172,6 +179,23 @@ def test_keys_come_from_a_variable_or_a_file_reread_when_it_changes(tmp_path: Pa
     assert source.read() == "second-key"
     monkeypatch.delenv("UPSTREAM_KEY")
     assert KeySource(env="UPSTREAM_KEY").read() is None
+
+
+def test_a_key_a_header_cannot_carry_or_a_missing_key_file_is_refused_unquoted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key with a line break went into the header, and httpx's error quoted it, key and all, in
+    a 502 a client got; a non-ASCII one was a 500 on every call; a mistyped key file fell back to
+    the environment's key, unsaid."""
+    for key in ("s3cr3t-key\nrotated", "s3cr3t-k\u00e9y", "s3cr3t key"):
+        monkeypatch.setenv("UPSTREAM_KEY", key)
+        with pytest.raises(CascadeError, match=r"an HTTP header cannot carry") as caught:
+            UpstreamClient(UpstreamSettings(url="http://127.0.0.1:9/v1/systemone",
+                                            key=KeySource(env="UPSTREAM_KEY")))
+        assert "s3cr3t" not in str(caught.value)
+    monkeypatch.setenv("UPSTREAM_KEY", "good-key")
+    with pytest.raises(CascadeError, match=r"upstream key file .*typo.key does not exist"):
+        UpstreamClient(UpstreamSettings(url="http://127.0.0.1:9/v1/systemone",
+                                        key=KeySource(env="UPSTREAM_KEY", file=tmp_path / "typo.key")))
 
 
 def test_accepted_keys_expire_and_are_revoked_at_once() -> None:

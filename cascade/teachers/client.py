@@ -59,6 +59,7 @@ from cascade.errors import (
     UpstreamUnreachable,
 )
 from cascade.private import redact_url
+from cascade.teachers.call_deadline import DeadlineBackend, until
 from cascade.teachers.keys import AcceptedKeys, Clock, Pauses, Refusal, RejectedKeys, is_loopback
 from cascade.teachers.settings import UPSTREAM_EXTRA, UpstreamSettings
 
@@ -72,6 +73,9 @@ MAX_REPLY_BYTES = 32 * 1024 * 1024
 """Bytes of the largest answer read from an upstream (after inflating): a System One answer is a
 few KB per question, and an upstream must not hold this server's memory (502 past it)."""
 _FALLBACK = {"zstd": "gzip", "gzip": "identity"}
+_INFLATED = {"identity", "gzip", "deflate", ""}
+"""Answer encodings taken: httpx inflates a zstd answer a whole chunk at once, so 32 KB of one
+took a server to 2.3 GB before the size bound saw it; gzip inflates at most about 1,000-fold."""
 _REREAD = ("content-encoding", "content-length")
 """Headers of an answer that no longer describe its body once it is read and inflated."""
 log = logging.getLogger("cascade.upstream")
@@ -138,6 +142,8 @@ class UpstreamClient:
         self._taken = False  # whether the upstream answered a body in ``_encoding`` (auto: settled)
         if settings.compress == "auto":
             self._encoding = "zstd" if importlib.util.find_spec("zstandard") is not None else "gzip"
+        if settings.key is not None:
+            settings.key.check()
         parts = urlsplit(settings.url)
         self._in_clear = parts.scheme == "http" and not is_loopback(parts.hostname)
         if settings.forward_auth or (settings.key is not None and self._in_clear and settings.key.read()):
@@ -149,7 +155,11 @@ class UpstreamClient:
         limits = httpx.Limits(max_connections=settings.max_in_flight,
                               max_keepalive_connections=settings.max_in_flight)
         self._http = httpx.Client(limits=limits, follow_redirects=False,
-                                  headers={"Content-Type": "application/json"})
+                                  headers={"Content-Type": "application/json", "Accept-Encoding": "gzip"})
+        for transport in (self._http._transport, *self._http._mounts.values()):  # env proxies' too
+            pool = getattr(transport, "_pool", None)
+            if pool is not None:  # the call's deadline over its status line and headers too
+                pool._network_backend = DeadlineBackend()
 
     def close(self) -> None:
         self._http.close()
@@ -306,7 +316,7 @@ class UpstreamClient:
     def _read(self, method: str, url: str, call: _Call, timeout: httpx.Timeout,
               **request: Any) -> httpx.Response:
         """One request, its answer read whole (``_body``) and returned as an answer in hand."""
-        with self._http.stream(method, url, timeout=timeout, **request) as response:
+        with until(call.ends), self._http.stream(method, url, timeout=timeout, **request) as response:
             body = self._body(response, call)
         kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _REREAD]
         return httpx.Response(response.status_code, headers=kept, content=body, request=response.request)
@@ -314,6 +324,11 @@ class UpstreamClient:
     def _body(self, response: httpx.Response, call: _Call) -> bytes:
         """The answer's body, inflated, as it comes: past the call's deadline a read timeout (504),
         past ``MAX_REPLY_BYTES`` a 502."""
+        coding = response.headers.get("content-encoding", "identity").lower()
+        if any(part.strip() not in _INFLATED for part in coding.split(",")):
+            raise UpstreamAnswerError(f"the upstream {self.settings.shown} answered {response.status_code} "
+                                      f"with a body in {coding!r}, which this client never asks for "
+                                      "(it takes gzip or none); check what it serves at this URL")
         chunks, size = [], 0
         for chunk in response.iter_bytes():
             size += len(chunk)

@@ -47,11 +47,26 @@ class KeySource:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def read(self) -> str | None:
-        """The key now, None where neither source holds one."""
+        """The key now, None where neither source holds one; refused where it holds a character
+        a header cannot carry (httpx quoted such a header, key and all, in a message a client
+        got; a non-ASCII letter was a 500 on every call), never quoting it."""
         if self.file is not None and self.file.exists():
-            return self._from_file(self.file)
-        value = os.environ.get(self.env, "").strip() if self.env else ""
-        return value or None
+            key, source = self._from_file(self.file), f"the file {self.file}"
+        else:
+            key, source = (os.environ.get(self.env, "").strip() if self.env else "") or None, f"${self.env}"
+        if key is not None and not all("!" <= c <= "~" for c in key):
+            raise CascadeError(f"the upstream key in {source} holds a character an HTTP header cannot "
+                               "carry (a line break, a space, a non-ASCII letter); write the key alone, "
+                               "on one line")
+        return key
+
+    def check(self) -> None:
+        """At start: a key file given must exist (a mistyped path fell back to the environment's
+        key, or to none, unsaid), and the key must be one a header carries (``read``)."""
+        if self.file is not None and not self.file.exists():
+            raise CascadeError(f"the upstream key file {self.file} does not exist; give the file holding "
+                               "the key")
+        self.read()
 
     def _from_file(self, path: Path) -> str | None:
         try:
