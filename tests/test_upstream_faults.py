@@ -25,6 +25,7 @@ from cascade.errors import (
     UpstreamTimeout,
 )
 from cascade.teachers.client import MAX_REPLY_BYTES, MAX_RETRY_AFTER, UpstreamClient, retry_after
+from cascade.teachers.keys import KeySource
 from cascade.teachers.settings import UpstreamSettings
 
 ANSWER = json.dumps({"model": "m", "answers": {"q": {"type": "noul", "noul": 0.5}}}).encode()
@@ -143,6 +144,39 @@ def test_a_zstd_answer_is_refused_unread(upstream: Callable[[Behaviour], str]) -
     bomb = zstandard.ZstdCompressor(level=19).compress(b"0" * (64 * 2 ** 20))
     with pytest.raises(UpstreamAnswerError, match="a body in 'zstd', which this client never asks for"):
         ask(upstream(answer(200, bomb, **{"Content-Encoding": "zstd"})))
+
+
+def echo(status: int) -> Behaviour:
+    """An upstream that quotes the request's headers in its refusal, as some debug pages do."""
+    def reply(handler: BaseHTTPRequestHandler) -> None:
+        answer(status, f"refused; you sent {handler.headers}".encode())(handler)
+    return reply
+
+
+@pytest.mark.parametrize("status", [500, 422, 401])
+def test_the_servers_own_key_echoed_by_the_upstream_reaches_no_client(
+        upstream: Callable[[Behaviour], str], monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    """A 5xx was quoted (200 characters) and a 4xx relayed whole into what the client gets, key
+    and all. And a 401/403 of the server's own key was passed on as the client's: typesafe-sdk
+    raised PermissionDenied for a client whose key was valid."""
+    monkeypatch.setenv("OWN_KEY", "own-s3cr3t-key")
+    client = UpstreamClient(UpstreamSettings(url=upstream(echo(status)), key=KeySource(env="OWN_KEY"),
+                                             retries=0))
+    body = {"state": "x", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}
+    try:
+        for _ in range(2):  # the second: the refusal remembered, no call
+            with pytest.raises((UpstreamFailed, UpstreamRefused)) as caught:
+                client.post(body)
+            error = caught.value
+            seen = str(error) + (getattr(error, "body", None) or b"").decode()
+            assert "own-s3cr3t-key" not in seen and (status == 401 or "***" in seen), seen
+            if status == 401:
+                assert isinstance(error, UpstreamFailed) and error.status == 502
+                assert "refused this server's own upstream key" in str(error)
+            if status != 401:
+                break
+    finally:
+        client.close()
 
 
 def test_an_answer_nested_past_any_parser_is_a_502_not_a_bug(upstream: Callable[[Behaviour], str]) -> None:

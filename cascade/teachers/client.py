@@ -13,9 +13,10 @@ an ``UpstreamError`` whose status a server can pass on (``cascade.errors``):
   deadline, then passed on: 429 as 429 with the upstream's Retry-After, 503 with its Retry-After,
   the others as 502;
 - a 429 also pauses every call with that key until its Retry-After: none is sent before;
-- any other 4xx is passed back unchanged (status and body), never retried; a 401 or 403 revokes
-  the key (``AcceptedKeys``), and for ``reject_for`` seconds every call with it gets that same
-  refusal at once, without an upstream call or slot (``RejectedKeys``);
+- any other 4xx is passed back (status and body, the key sent hidden where the body quotes it),
+  never retried; a 401 or 403 revokes the key (``AcceptedKeys``), and for ``reject_for`` seconds
+  every call with it gets that same refusal at once, without an upstream call or slot
+  (``RejectedKeys``); a refusal of the server's own key (not a forwarded one) is a 502 saying so;
 - at most ``max_in_flight`` calls are upstream at once; one that finds no slot before its
   deadline is refused with 503.
 
@@ -58,7 +59,7 @@ from cascade.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from cascade.private import redact_url
+from cascade.private import HIDDEN, redact_url
 from cascade.teachers.call_deadline import DeadlineBackend, until
 from cascade.teachers.keys import AcceptedKeys, Clock, Pauses, Refusal, RejectedKeys, is_loopback
 from cascade.teachers.settings import UPSTREAM_EXTRA, UpstreamSettings
@@ -222,6 +223,8 @@ class UpstreamClient:
         """Raise the upstream's refusal of this key where it refused it within ``reject_for``
         seconds (``UpstreamRefused``, its status and body): no call, no slot."""
         refusal = self.rejected.refusal(authorization)
+        if refusal is not None and not self.settings.forward_auth:
+            raise self._own_key_refused(refusal.status, f"within the last {self.settings.reject_for:g} s")
         if refusal is not None:
             raise UpstreamRefused(f"the upstream {self.settings.shown} refused this key "
                                   f"({refusal.status}) within the last {self.settings.reject_for:g} s",
@@ -252,6 +255,14 @@ class UpstreamClient:
             return caller
         key = self.settings.key.read() if self.settings.key is not None else None
         return f"Bearer {key}" if key else None
+
+    def _own_key_refused(self, status: int, what: str) -> UpstreamFailed:
+        """A 401 or 403 of the key this server sends on its own behalf: the operator's to fix, so
+        a 502 saying so. Passed on as the upstream's 401/403, a client's SDK reported its own,
+        valid key as refused."""
+        return UpstreamFailed(f"the upstream {self.settings.shown} refused this server's own upstream key "
+                              f"({status} {what}); its operator must check the key given by "
+                              "--upstream-key-env or --upstream-key-file", status=502)
 
     def _refused(self, authorization: str | None, response: httpx.Response) -> None:
         """A 401 or 403: the key is no longer accepted, and is refused here for ``reject_for`` s."""
@@ -352,6 +363,7 @@ class UpstreamClient:
                                  time.monotonic() - call.started, call.tries, response.content, status)
         if call.encoding != "identity" and self._declined_encoding(response, call):
             return None
+        quoted = _snippet(response, call.authorization)
         wait = retry_after(response.headers.get("retry-after"))
         if status == 429:
             self.pauses.pause(call.authorization, wait if wait is not None else 1.0)
@@ -362,23 +374,26 @@ class UpstreamClient:
         if status in _RETRIED:
             passed = 503 if status == 503 and wait is not None else 502
             self._backoff_or_raise(call, wait, UpstreamFailed(
-                f"the upstream {url} answered {status} {_snippet(response)} after {call.tries} "
+                f"the upstream {url} answered {status} {quoted} after {call.tries} "
                 f"tr{'y' if call.tries == 1 else 'ies'}", retry_after=_whole(wait) if wait else None,
                 status=passed))
             return None
         if status in (401, 403):
             self._refused(call.authorization, response)
+            if not self.settings.forward_auth:
+                raise self._own_key_refused(status, quoted)
         if call.declined is not None and status in (400, 422):  # plain got it too: the body's fault
             self._encoding = call.declined
         if 400 <= status < 500:
-            raise UpstreamRefused(f"the upstream {url} refused the request: {status} {_snippet(response)}",
-                                  status=status, body=response.content,
+            raise UpstreamRefused(f"the upstream {url} refused the request: {status} "
+                                  f"{quoted}",
+                                  status=status, body=_scrubbed(response.content, call.authorization),
                                   content_type=response.headers.get("content-type"),
                                   retry_after=_whole(wait) if wait is not None else None,
                                   passed=passed_headers(response.headers))
         where = f" (redirected to {response.headers.get('location')}; give that URL)" if 300 <= status < 400 \
             else ""
-        raise UpstreamFailed(f"the upstream {url} answered {status} {_snippet(response)}{where}")
+        raise UpstreamFailed(f"the upstream {url} answered {status} {quoted}{where}")
 
     def _declined_encoding(self, response: httpx.Response, call: _Call) -> bool:
         """Whether the upstream does not take the compressed body: a 415, or (``auto``, before it
@@ -463,9 +478,21 @@ def passed_headers(headers: Mapping[str, str], also: tuple[str, ...] = ()) -> di
             if name in also or name.startswith(("x-", "ratelimit"))}
 
 
-def _snippet(response: httpx.Response) -> str:
-    text = response.text.strip().replace("\n", " ")
+def _snippet(response: httpx.Response, authorization: str | None) -> str:
+    """The start of an upstream's refusal, quoted in a message, the key it was sent with hidden
+    (an upstream that echoes the request's headers handed it to the client)."""
+    text = _scrubbed(response.content, authorization).decode("utf-8", "replace").strip().replace("\n", " ")
     return text[:200] + ("..." if len(text) > 200 else "")
+
+
+def _scrubbed(body: bytes, authorization: str | None) -> bytes:
+    """``body`` with the ``Authorization`` value it answered, and its credential alone, as ***."""
+    if not authorization:
+        return body
+    for secret in sorted({authorization, authorization.split(" ", 1)[-1]}, key=len, reverse=True):
+        if len(secret) >= 4:
+            body = body.replace(secret.encode("utf-8", "replace"), HIDDEN.encode())
+    return body
 
 
 def _compressed(payload: bytes, encoding: str) -> bytes:
