@@ -28,10 +28,12 @@ from urllib.parse import unquote
 
 HIDDEN = "***"
 PRIVATE_MODE = 0o600
-_PAIR = re.compile(r"(?i)(?<!\w)(\w*(?:password|passwd|secret|token|key|signature|sig)\s*=\s*)"
+_PAIR = re.compile(r"(?i)(?<!\w)(\w*(?:password|passwd|secret|token|key|signature|sig|auth\w*|credential\w*)"
+                   r"\s*=\s*)"
                    r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s&#'\"]*)")
 """A secret's pair, in a URL's query or a conninfo (its value quoted or not): ``password=``,
-``sslpassword=``, and the ``api_key=``, ``token=``, ``secret=``, ``sig=`` an upstream's URL may carry."""
+``sslpassword=``, and the ``api_key=``, ``token=``, ``secret=``, ``sig=``, ``auth=`` an upstream's URL
+may carry."""
 _URL = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s'\"<>]*)")
 """A URL in free text: its scheme, then everything up to a space or a quote."""
 
@@ -42,14 +44,14 @@ def redact_url(url: str) -> str:
     conninfo's pairs too). Never raises."""
     scheme, sep, rest = url.partition("://")
     if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
-        url = f"{scheme}://{_without_password(rest)}"
+        url = f"{scheme}://{_without_password(rest, scheme)}"
     return _PAIR.sub(lambda m: m[1] + HIDDEN, url)
 
 
 def redact_text(text: str) -> str:
     """``text`` (a driver's or a library's message, say) with every URL in it redacted as
     ``redact_url`` does, and every ``*password=`` pair's value hidden."""
-    text = _URL.sub(lambda m: m[1] + _without_password(m[2]), text)
+    text = _URL.sub(lambda m: m[1] + _without_password(m[2], m[1][:-3]), text)
     return _PAIR.sub(lambda m: m[1] + HIDDEN, text)
 
 
@@ -63,18 +65,29 @@ def url_secrets(url: str) -> set[str]:
         user_part = rest[:rest.rfind("@")]
         if ":" in user_part:
             found.add(user_part.split(":", 1)[1])
+        elif _token_user(url.partition("://")[0]):
+            found.add(user_part)
     found.update(m[2].strip("'\"") for m in _PAIR.finditer(url))
     forms = {form for secret in found if secret for form in (secret, unquote(secret))}
     return forms | {piece for form in forms for piece in re.split(r"[@/:?#]", form) if len(piece) >= 3}
 
 
-def _without_password(rest: str) -> str:
-    """What follows a URL's ``://`` with the password of its user part hidden (the user is kept)."""
+def _without_password(rest: str, scheme: str) -> str:
+    """What follows a URL's ``://`` with the password of its user part hidden (the user is kept),
+    and an http(s) user part with no password hidden whole: there it is a token
+    (``https://TOKEN@host``), where a database URL's lone user is a name."""
     at = rest.rfind("@")
     if at < 0:
         return rest
     user, colon, _ = rest[:at].partition(":")
-    return f"{user}:{HIDDEN}@{rest[at + 1:]}" if colon else rest
+    if colon:
+        return f"{user}:{HIDDEN}@{rest[at + 1:]}"
+    return f"{HIDDEN}@{rest[at + 1:]}" if _token_user(scheme) else rest
+
+
+def _token_user(scheme: str) -> bool:
+    """Whether a lone user part of a ``scheme`` URL is a credential (http, https, ws, wss)."""
+    return scheme.lower() in ("http", "https", "ws", "wss")
 
 
 class RedactingFilter(logging.Filter):

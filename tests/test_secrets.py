@@ -39,7 +39,7 @@ from servers import free_port, serving, until
 from cascade.collect.collector import Collector, size_of
 from cascade.collect.record import CollectedItem, collected_item
 from cascade.errors import UpstreamError
-from cascade.private import HIDDEN, redact_text, redact_url
+from cascade.private import HIDDEN, redact_text, redact_url, url_secrets
 from cascade.questions import parse_request
 from cascade.serve.edge import add_wire
 from cascade.serve.proxy import create_proxy_app
@@ -292,10 +292,16 @@ def test_redaction_covers_urls_conninfo_and_text() -> None:
         # an upstream's key in its query: echoed whole by "the upstream ... is unreachable" before
         f"http://h:9/v1/systemone?api_key={TEACHER_PW}&model=m": "http://h:9/v1/systemone?api_key=***&model=m",
         f"https://h/v1/systemone?token={TEACHER_PW}&sig={TEACHER_PW}": "https://h/v1/systemone?token=***&sig=***",
+        # a token as the user part, and an auth= pair: echoed in the log, every 502 and /openapi.json
+        f"http://{TEACHER_PW}@127.0.0.1:9/v1/systemone": "http://***@127.0.0.1:9/v1/systemone",
+        f"https://h/v1/systemone?auth={TEACHER_PW}": "https://h/v1/systemone?auth=***",
+        "postgresql://u@h/db": "postgresql://u@h/db",  # a database's lone user is a name
     }
     assert {url: redact_url(url) for url in cases} == cases
     text = f"got 'postgresql://u:{PG_PW}@h/db' and PGPASSWORD=\"{PG_SSL}\" from http://u:{TEACHER_PW}@h/v1)"
     assert _leaks(redact_text(text)) == [] and "postgresql://u:***@h/db" in redact_text(text)
+    assert _leaks(redact_text(f"cannot reach http://{TEACHER_PW}@h/v1 now")) == []
+    assert TEACHER_PW in url_secrets(f"https://{TEACHER_PW}@h/v1")
     url = StoreURL(f"postgresql://u:{PG_PW}@h/db?sslpassword={PG_SSL}")
     assert _leaks(str(url), repr(url), url.scrub(f"FATAL: bad {PG_PW} and {PG_SSL}")) == []
     with pytest.raises(StoreError, match=r"is not a valid URL") as caught:
