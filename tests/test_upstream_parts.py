@@ -198,6 +198,15 @@ def test_a_key_a_header_cannot_carry_or_a_missing_key_file_is_refused_unquoted(
                                         key=KeySource(env="UPSTREAM_KEY", file=tmp_path / "typo.key")))
 
 
+def test_the_models_route_keeps_the_query_after_its_path() -> None:
+    """"/models" went after the query: the upstream read GET /v1/systemone?api_key=K/models."""
+    for url, models in (("http://h:9/v1/systemone?api_key=K", "http://h:9/v1/models?api_key=K"),
+                        ("https://h/v1/systemone/", "https://h/v1/models")):
+        client = UpstreamClient(UpstreamSettings(url=url))
+        assert client.models_url == models
+        client.close()
+
+
 def test_accepted_keys_expire_and_are_revoked_at_once() -> None:
     clock = Clock()
     keys = AcceptedKeys(remember=60, clock=clock)

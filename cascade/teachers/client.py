@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 
@@ -216,8 +216,12 @@ class UpstreamClient:
 
     @property
     def models_url(self) -> str:
-        """The upstream's ``/v1/models``, beside its System One route."""
-        return self.settings.url.rstrip("/").removesuffix("/systemone") + "/models"
+        """The upstream's ``/v1/models``, beside its System One route, with the route's query (a
+        key there goes along): "/models" was put after the query, so the upstream read it as part
+        of the key."""
+        parts = urlsplit(self.settings.url)
+        path = parts.path.rstrip("/").removesuffix("/systemone") + "/models"
+        return urlunsplit(parts._replace(path=path))
 
     def refuse_rejected(self, authorization: str | None) -> None:
         """Raise the upstream's refusal of this key where it refused it within ``reject_for``
