@@ -179,6 +179,18 @@ def test_the_servers_own_key_echoed_by_the_upstream_reaches_no_client(
         client.close()
 
 
+def test_a_wrong_route_is_a_502_and_a_5xx_carries_retry_after(upstream: Callable[[Behaviour], str]) -> None:
+    """A 404 was relayed as the client's own "no route /v1/systemone", and a 500 (or a 503 with
+    no Retry-After) was a 502 with none, where an unreachable upstream said 1 s."""
+    with pytest.raises(UpstreamFailed, match="has no System One route there") as caught:
+        ask(upstream(answer(404, b"No route /v1/systemone")))
+    assert caught.value.status == 502
+    for status in (500, 503):
+        with pytest.raises(UpstreamFailed) as caught:
+            ask(upstream(answer(status, b"boom")), deadline=1.0)
+        assert (caught.value.status, caught.value.retry_after) == (502, 1)
+
+
 def test_an_answer_nested_past_any_parser_is_a_502_not_a_bug(upstream: Callable[[Behaviour], str]) -> None:
     with pytest.raises(UpstreamAnswerError, match="not JSON"):
         ask(upstream(answer(200, b"[" * 200_000 + b"]" * 200_000)))

@@ -379,9 +379,12 @@ class UpstreamClient:
             passed = 503 if status == 503 and wait is not None else 502
             self._backoff_or_raise(call, wait, UpstreamFailed(
                 f"the upstream {url} answered {status} {quoted} after {call.tries} "
-                f"tr{'y' if call.tries == 1 else 'ies'}", retry_after=_whole(wait) if wait else None,
+                f"tr{'y' if call.tries == 1 else 'ies'}", retry_after=_whole(wait) if wait else 1,
                 status=passed))
             return None
+        if status in (404, 405):  # the route is not there: the URL given is wrong, not the request
+            raise UpstreamFailed(f"the upstream {url} has no System One route there ({status} {quoted}); "
+                                 "its operator must check the URL given (--teacher)", status=502)
         if status in (401, 403):
             self._refused(call.authorization, response)
             if not self.settings.forward_auth:
@@ -397,7 +400,8 @@ class UpstreamClient:
                                   passed=passed_headers(response.headers))
         where = f" (redirected to {response.headers.get('location')}; give that URL)" if 300 <= status < 400 \
             else ""
-        raise UpstreamFailed(f"the upstream {url} answered {status} {quoted}{where}")
+        raise UpstreamFailed(f"the upstream {url} answered {status} {quoted}{where}",
+                             retry_after=1 if status >= 500 else None)
 
     def _declined_encoding(self, response: httpx.Response, call: _Call) -> bool:
         """Whether the upstream does not take the compressed body: a 415, or (``auto``, before it
