@@ -79,6 +79,20 @@ def test_the_upstreams_answers_come_back_unchanged(tmp_path: Path) -> None:
     assert models.status_code == 200 and cfg.requests >= 2
 
 
+def test_a_request_naming_no_model_is_sent_with_the_upstream_model() -> None:
+    """--upstream-model was ignored by the pass-through: a client whose SDK names no model (as
+    avrik-sdk's) got the 422 of an upstream that requires one. One naming a model keeps it."""
+    nameless = {k: v for k, v in body().items() if k != "model"}
+    with mock_at() as (url, _):
+        with proxy(url) as base:
+            assert httpx.post(f"{base}/v1/systemone", json=nameless, timeout=30).status_code == 422
+        with proxy(url, model=MOCK_MODEL) as base:
+            through = httpx.post(f"{base}/v1/systemone", json=nameless, timeout=30)
+            named = httpx.post(f"{base}/v1/systemone", json={**body(), "model": "no-such-model"}, timeout=30)
+    assert through.status_code == 200 and set(through.json()["answers"]) == {"urgent", "team"}
+    assert named.status_code == 400
+
+
 def test_a_published_sdk_calls_the_proxy(tmp_path_factory: pytest.TempPathFactory) -> None:
     from avrik_sdk import Client, choice, noul
 

@@ -5,7 +5,8 @@ Every request is validated and bounded first, as the cascade reads one
 (``cascade.serve.limits.read_request``): one that is not a System One request, or one past a
 limit, is refused with 422 or 413 in the cascade's error shape and never sent. A valid one is
 forwarded as the client sent it (its body, inflated, then compressed as the upstream client
-compresses every body it sends: ``UpstreamSettings.compress``; its request id),
+compresses every body it sends: ``UpstreamSettings.compress``; its request id; the settings'
+``model`` added where it names none),
 and the upstream's answer comes back unchanged: status, body, and the upstream's own request-id
 and rate-limit headers. Auth is this server's key (``api_key``; ``/metrics`` takes
 ``metrics_key`` where given), or with forwarded auth the upstream's check of each caller's key
@@ -23,6 +24,7 @@ and identity, to train a cascade from (``cascade.collect``).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -149,7 +151,8 @@ def create_proxy_app(client: UpstreamClient, config: ProxyConfig | None = None) 
         try:
             authorization = await _caller(request, config, forwarding)
             body = await request_body(request, config.max_body, config.receive_timeout)
-            asked, work = await asyncio.to_thread(_validated, body, config.limits)
+            model = client.settings.model
+            asked, work, body = await asyncio.to_thread(_validated, body, config.limits, model)
             reply = await _forwarded(request, body, work, authorization, client, admission, pool)
         except HttpProblem as problem:
             metrics.requests.labels(str(problem.status)).inc()
@@ -178,15 +181,19 @@ async def _caller(request: Request, config: ProxyConfig, forwarding: UpstreamCli
     return request.headers.get("authorization") if forwarding is not None else None
 
 
-def _validated(body: bytes, limits: RequestLimits) -> tuple[int, float]:
+def _validated(body: bytes, limits: RequestLimits, model: str | None) -> tuple[int, float, bytes]:
     """The number of questions and the work (units) of a body that reads as a System One request
-    within the limits, as the cascade reads one; else the 422 or 413 the cascade answers (nothing
-    invalid is sent upstream). CPU work: on a thread."""
+    within the limits, as the cascade reads one, and the body to forward: as sent, or with
+    ``model`` (``--upstream-model``) where it names none (a client whose SDK names no model, as
+    avrik-sdk's, got the 422 of an upstream that requires one). Else the 422 or 413 the cascade
+    answers (nothing invalid is sent upstream). CPU work: on a thread."""
     try:
         request = read_request(body, limits)
     except RequestError as exc:
         raise unprocessable(exc) from None
-    return len(request.questions), work_of(read_chars(request.state, request.questions.values()))
+    if model is not None and request.model is None:
+        body = json.dumps({**json.loads(body), "model": model}, ensure_ascii=False).encode()
+    return len(request.questions), work_of(read_chars(request.state, request.questions.values())), body
 
 
 async def _forwarded(request: Request, body: bytes, work: float, authorization: str | None,
