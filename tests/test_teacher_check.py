@@ -97,11 +97,13 @@ def test_calibration_refuses_a_collapsed_question_and_the_report_leads_with_it_w
     it certifies and the report puts the finding above the guarantee."""
     from corpora import QUESTIONS, corpus_items, label_rows, train, write_jsonl
 
+    from cascade.bundle.manifest import Bundle
     from distill.calibration.maths import CalibrationError
     from distill.calibration.options import CalibrationOptions
     from distill.calibration.run import calibrate_bundle
     from distill.demo.synthetic import write_corpus
     from distill.labelling.transfer import import_labels
+    from distill.loop.retrain import retrain_bundle
     from distill.options import CorpusInput, RunOptions
     from distill.reports.calibration_report import write_report
 
@@ -127,3 +129,11 @@ def test_calibration_refuses_a_collapsed_question_and_the_report_leads_with_it_w
     assert [c.question for c in result.teacher_checks if c.flagged] == ["department"]
     page = write_report(result, bundle, tmp_path / "report").read_text()
     assert page.index("The teacher check: DEGENERATE LABELS") < page.index("What the guarantee means")
+    # the acceptance sticks to the bundle: its retrain refused every attempt before, advising a
+    # flag `cascade retrain` does not take, and `cascade loop` logged that failure for ever
+    accepted = Bundle.load(bundle.directory)
+    assert accepted.manifest.calibration.degenerate_accepted is True
+    with LabelStore.open_existing(tmp_path / "labels.sqlite") as store:
+        retrained = retrain_bundle(accepted, store, tmp_path / "retrained", CorpusInput(corpus), run=run,
+                                   encoder=encoder, teacher_items=0)  # type: ignore[arg-type]
+    assert retrained.bundle.manifest.calibration.degenerate_accepted is True

@@ -143,6 +143,9 @@ class CalibrationSection(_Section):
     is what was asked). ``evidence_after``: where a drift alarm refuted a certificate before this
     one, when it rose (ISO 8601, UTC): these thresholds rest only on items labelled after it, and a
     gate against this bundle weighs only those (None: no alarm came before).
+    ``degenerate_accepted``: certified although the teacher check flagged its labels (``cascade
+    calibrate --accept-degenerate-teacher``); a retrain and a promotion gate of it accept them too,
+    where they refused every attempt before (None: nothing flagged, or before it was recorded).
     """
 
     calibrated_at: str | None = None
@@ -170,6 +173,7 @@ class CalibrationSection(_Section):
     certificate: Literal["joint", "split"] | None = None
     asked_delta: float | None = None
     evidence_after: Instant | None = None
+    degenerate_accepted: bool | None = None
 
     def version(self) -> str:
         """When the thresholds were certified and a digest of the calibration that certified them:
@@ -177,7 +181,7 @@ class CalibrationSection(_Section):
         are left out where unset, so that a bundle calibrated before keeps its version."""
         if self.calibrated_at is None:
             return "uncalibrated"
-        added = ("source", "audits", "certificate", "asked_delta", "evidence_after")
+        added = ("source", "audits", "certificate", "asked_delta", "evidence_after", "degenerate_accepted")
         unset = {name for name in added if getattr(self, name) is None}
         digest = hashlib.sha256(self.model_dump_json(exclude=unset).encode()).hexdigest()
         return f"{self.calibrated_at}+{digest[:12]}"

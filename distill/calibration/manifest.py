@@ -36,6 +36,8 @@ def calibration_section(result: CalibrationResult) -> CalibrationSection:
         flops_per_second=result.flops_per_second, payoffs=result.payoffs,
         source=None if result.source == "calibration" else result.source, audits=result.audits,
         certificate=result.certificate,
+        degenerate_accepted=True if result.mode == "agreement" and any(
+            check.flagged for check in result.teacher_checks) else None,
     )
 
 

@@ -105,8 +105,9 @@ def refusal(checks: list[QuestionCheck]) -> str:
     found = "; ".join(f"{c.question}: {' / '.join(c.findings)}" for c in checks)
     return (f"the teacher's labels are degenerate, so a certificate against them would say nothing: "
             f"{found}. Label with a teacher that reads the inputs (a larger model, --permutations to "
-            f"cancel position bias), or certify anyway with {ACCEPT_FLAG} "
-            "(accept_degenerate_teacher=True): the report then puts this finding above the guarantee")
+            f"cancel position bias), or certify anyway with `cascade calibrate {ACCEPT_FLAG}` "
+            "(accept_degenerate_teacher=True): the report then puts this finding above the guarantee, "
+            "and a retrain or promotion gate of that bundle accepts it too")
 
 
 def _check(qid: str, question: Question, labels: Mapping[str, Mapping[str, float]],

@@ -132,8 +132,10 @@ def _promote(serving_path: Path, candidate_dir: Path, store: LabelStore, run: Ru
     certificate = section.certificate or "split"
     states = CorpusInput(Path(candidate_dir) / EVIDENCE_NAME)
     weighed = sorted(held) + sorted(evaluated)
+    accepted = bool(section.degenerate_accepted or serving.manifest.calibration.degenerate_accepted)
     options = CalibrationOptions(target=target, delta=level, family_wise=section.family_wise,
-                                 certificate=certificate, held_out=weighed, teacher_items=0, save=False)
+                                 certificate=certificate, held_out=weighed, teacher_items=0, save=False,
+                                 accept_degenerate_teacher=accepted)
     try:
         results = {name: calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
                    for name, bundle in {"serving": serving, "candidate": candidate}.items()}

@@ -103,7 +103,9 @@ def retrain_bundle(serving: Bundle, store: LabelStore, out: Path, corpus: Corpus
     with exclusive(out.parent / f".{out.name}.retrain.lock", _busy(out)):
         return _retrain_into(serving, store, out, evidence, parts, held, run, finetune, encoder,
                              CalibrationOptions(target=target, delta=delta, certificate=certificate,
-                                                held_out=held, teacher_items=teacher_items), calibrate_on)
+                                                held_out=held, teacher_items=teacher_items,
+                                                accept_degenerate_teacher=bool(section.degenerate_accepted)),
+                             calibrate_on)
 
 
 def _busy(out: Path) -> Callable[[str], RetrainError]:
