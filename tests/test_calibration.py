@@ -456,8 +456,8 @@ def test_a_store_of_another_teacher_is_refused(trained: Bundle, inputs: tuple[Pa
     other = Teacher(kind="external", model="someone else's labels")
     with LabelStore(tmp_path / "other.sqlite", other):
         pass
-    with pytest.raises(CalibrationError, match=r"holds labels of the teacher .*someone else's.*calibrate "
-                       r"with the store the bundle was trained from"):
+    with pytest.raises(CalibrationError, match=r"holds labels of the teacher .*someone else's.*give "
+                       r"the store the bundle was trained from"):
         calibrate(trained, inputs[0], tmp_path / "other.sqlite", encoder)
 
 

@@ -424,23 +424,27 @@ def test_promote_refuses_a_bundle_retrain_did_not_make(trained_bundle: Bundle, s
                                                         tmp_path: Path) -> None:
     copy = Bundle(trained_bundle.manifest, trained_bundle.directory).save(tmp_path / "copy")
     with (LabelStore.open_existing(served) as store,
-          pytest.raises(PromoteError, match="made by `cascade retrain`")):
+          pytest.raises(PromoteError, match=r"has no lineage.json and no evidence.jsonl: .*cascade retrain")):
         promote(trained_bundle.directory, copy.directory, store)
 
 
-@pytest.mark.parametrize("damage", ["lineage not JSON", "lineage a list", "evidence not JSON"])
+@pytest.mark.parametrize("damage", ["lineage not JSON", "lineage a list", "evidence not JSON",
+                                    "evidence cut"])
 def test_promote_refuses_a_damaged_candidate_in_one_line(retrained: RetrainResult, served: Path, damage: str,
                                                          tmp_path: Path) -> None:
-    """Each was a traceback (JSONDecodeError, AttributeError), or advice (--on-error skip) that
-    promote does not take."""
+    """Each was a traceback (JSONDecodeError, AttributeError), or advice (--on-error skip, give
+    the corpus) that promote does not take."""
     serving = copied(retrained.bundle, tmp_path / "serving")
     candidate = copied(retrained.bundle, tmp_path / "candidate")
+    first = (candidate / "evidence.jsonl").read_text(encoding="utf-8").splitlines()[0] + "\n"
     name, content = {"lineage not JSON": ("lineage.json", "{\"certified_on\": [\"a\""),
                      "lineage a list": ("lineage.json", "[]"),
-                     "evidence not JSON": ("evidence.jsonl", "{not json\n")}[damage]
+                     "evidence not JSON": ("evidence.jsonl", "{not json\n"),
+                     "evidence cut": ("evidence.jsonl", first)}[damage]
     (candidate / name).write_text(content, encoding="utf-8")
     why = r"is damaged \(not the lineage" if name == "lineage.json" else \
-        "evidence.jsonl is damaged: .*retrain it$"
+        r"evidence.jsonl is damaged: \d+ of the items it was certified on are not in it .*retrain it$" \
+        if damage == "evidence cut" else "evidence.jsonl is damaged: .*retrain it$"
     with LabelStore.open_existing(served) as store, pytest.raises(PromoteError, match=why):
         promote(serving, candidate, store)
 

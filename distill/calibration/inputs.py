@@ -35,13 +35,21 @@ Source = Literal["calibration", "audit", "both"]
 SOURCES: tuple[Source, ...] = ("calibration", "audit", "both")
 
 
+class MissingItemsError(CalibrationError):
+    """Items to calibrate on that the corpus does not hold: ``count`` of them, ``example`` one."""
+
+    def __init__(self, message: str, count: int, example: str) -> None:
+        super().__init__(message)
+        self.count, self.example = count, example
+
+
 def check_teacher(manifest: Manifest, store: LabelStore) -> None:
     """Thresholds certify agreement with ONE teacher: the one whose labels trained the bundle."""
     ours, theirs = manifest.teacher.model_dump(), store.teacher.model_dump()
     if ours != theirs:
         raise CalibrationError(f"label store {store.path} holds labels of the teacher {theirs}, but "
-                               f"bundle {manifest.name!r} was trained on labels of {ours}; calibrate "
-                               "with the store the bundle was trained from")
+                               f"bundle {manifest.name!r} was trained on labels of {ours}; give the "
+                               "store the bundle was trained from")
 
 
 def calibration_labels(
@@ -80,9 +88,9 @@ def calibration_items(
             unlabelled += 1
     missing = wanted - {item.id for item in items}
     if missing:
-        raise CalibrationError(f"{len(missing)} of the {len(wanted)} calibration items are not in "
-                               f"corpus {corpus.path} (for example {min(missing)!r}); give the corpus "
-                               "the bundle was trained on")
+        raise MissingItemsError(f"{len(missing)} of the {len(wanted)} calibration items are not in "
+                                f"corpus {corpus.path} (for example {min(missing)!r}); give the corpus "
+                                "the bundle was trained on", len(missing), min(missing))
     return items, unlabelled
 
 

@@ -63,6 +63,7 @@ from cascade.errors import CascadeError, CorpusError
 from cascade.hashing import file_sha256
 from cascade.serve.swap import resolve
 from cascade.thresholds import CERTIFIED_SCORE
+from distill.calibration.inputs import MissingItemsError
 from distill.calibration.manifest import updated_manifest
 from distill.calibration.options import CalibrationOptions
 from distill.calibration.results import CalibrationResult
@@ -142,6 +143,9 @@ def _promote(serving_path: Path, candidate_dir: Path, store: LabelStore, run: Ru
     except CorpusError as exc:  # its advice (--on-error skip) is labelling's, which the gate does not take
         why = str(exc).partition(" (--on-error")[0]
         raise PromoteError(f"the candidate's {EVIDENCE_NAME} is damaged: {why}; retrain it") from None
+    except MissingItemsError as exc:  # its advice (give the corpus) is calibrate's: the gate takes none
+        raise PromoteError(f"the candidate's {EVIDENCE_NAME} is damaged: {exc.count} of the items it was "
+                           f"certified on are not in it (for example {exc.example!r}); retrain it") from None
     scores = {name: result.item_scores for name, result in results.items()}
     comparison = _compare(results, scores, weighed, band(target, len(weighed), level))
     gate = _gate(results, comparison, delta, attempt, len(held), excluded, len(evaluated),
@@ -281,9 +285,10 @@ def _evidence(serving: Bundle, candidate: Bundle) -> tuple[list[str], list[str],
     and its evaluation part's (none in a lineage from before they were recorded); and how many
     of the certifying ones the serving bundle trained on."""
     lineage_path = candidate.directory / LINEAGE_NAME
-    if not lineage_path.is_file() or not (candidate.directory / EVIDENCE_NAME).is_file():
-        raise PromoteError(f"{candidate.directory} has no {LINEAGE_NAME} and {EVIDENCE_NAME}: promote a "
-                           "bundle made by `cascade retrain`, which holds the evidence it is weighed on")
+    missing = [name for name in (LINEAGE_NAME, EVIDENCE_NAME) if not (candidate.directory / name).is_file()]
+    if missing:
+        raise PromoteError(f"{candidate.directory} has no {' and no '.join(missing)}: promote a bundle made "
+                           "by `cascade retrain`, which holds the evidence it is weighed on")
     ours, theirs = serving.manifest, candidate.manifest
     if ours.teacher != theirs.teacher or ours.questions != theirs.questions:
         raise PromoteError(f"bundles {ours.name!r} and {theirs.name!r} differ in their teacher or their "

@@ -70,13 +70,13 @@ EPILOG = """\
 examples:
   cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --port 8080 \\
       --gpu-layers 99 --device cuda
-  CASCADE_API_KEY=$(cat teacher.key) cascade serve --teacher qwen3.5-4b-q4_k_m.gguf --port 9000 \
+  CASCADE_API_KEY=$(cat teacher.key) cascade serve --teacher qwen3.5-4b-q4_k_m.gguf --port 9000 \\
       --gpu-layers 99   # on a GPU box: on loopback, behind TLS (or reached by an ssh tunnel)
-  CASCADE_UPSTREAM_KEY=$(cat teacher.key) cascade serve --bundle models/support-v1 \
+  CASCADE_UPSTREAM_KEY=$(cat teacher.key) cascade serve --bundle models/support-v1 \\
       --teacher https://gpu-box.example.com/v1/systemone
-  CASCADE_API_KEY=$(cat serve.key) cascade serve --bundle models/support-v1 --host 0.0.0.0 \
+  CASCADE_API_KEY=$(cat serve.key) cascade serve --bundle models/support-v1 --host 0.0.0.0 \\
       --teacher https://decide.example.com/v1/systemone   # an open port checks a key
-  cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --audit-store labels.sqlite \
+  cascade serve --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --audit-store labels.sqlite \\
       --escalation-share 1   # audits 2% and keeps every escalation, to retrain on
   cascade serve --teacher https://decide.example.com/v1/systemone --collect traffic.sqlite   # pass-through
   curl -s localhost:8080/v1/systemone -d '{"state": "Charged twice!", "questions": {...}}'"""
