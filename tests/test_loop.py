@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from contextlib import redirect_stdout
+from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -30,7 +30,7 @@ from cascade.collect.escalation import EscalationRecord
 from distill.cli import main
 from distill.demo.synthetic import SyntheticItem, generate
 from distill.loop.promotions import promotions_log
-from distill.loop.watch import VERSION, LoopPaths, LoopState, Pending, loop_lock
+from distill.loop.watch import VERSION, LoopBusyError, LoopPaths, LoopState, Pending, _lock_served, loop_lock
 from distill.store import LabelStore
 
 pytest_plugins = ("pgfixtures",)  # halting_postgres
@@ -195,6 +195,16 @@ def test_a_second_loop_on_the_same_path_is_refused_with_one_line(
     assert len(err) == 1 and err[0].startswith("LoopBusyError: another `cascade loop` (pid ")
     assert f"holds {LoopPaths(link).lock}" in err[0]
     assert not LoopPaths(link).log.exists() and not LoopPaths(link).state.exists()
+    # a loop on the folder the link names: each held its own lock and both retrained one bundle
+    folder = link.resolve()
+    with loop_lock(LoopPaths(folder)):
+        assert loop(link, store, labelled[0], embedding_cache) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"holds {LoopPaths(folder).lock}" in err[0], err
+    with ExitStack() as stack:  # and the other way round: the link's loop holds the folder's lock
+        assert _lock_served(link, stack, None) == folder
+        with pytest.raises(LoopBusyError, match="another `cascade loop`"), loop_lock(LoopPaths(folder)):
+            pass
 
 
 def test_a_loop_rides_out_its_postgresql_store_restarting(

@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -273,16 +273,34 @@ def watch(serving: Path, store: StoreLocation | str, every: int, settings: Retra
     decisions made (a caller of ``once`` reads them). A serving path that names no bundle is
     refused before anything is written beside it (a mistyped --bundle)."""
     _check_serving(Path(serving))
-    with loop_lock(LoopPaths(serving)):
+    with loop_lock(LoopPaths(serving)), ExitStack() as served:
         loop = Loop(serving, store, every, settings, say)
+        held = _lock_served(serving, served, None)
         decisions = [d for d in [loop.recover()] if d is not None]
         while True:
+            held = _lock_served(serving, served, held)
             decision = _step(loop, poll, once, now)
             now = False
             decisions += [decision] if decision is not None else []
             if once:
                 return decisions
             time.sleep(poll)
+
+
+def _lock_served(serving: Path, served: ExitStack, held: Path | None) -> Path | None:
+    """Hold the loop lock of the folder ``serving`` names now (where it is a link or a pointer
+    file), as a loop given that folder itself holds it: a loop on a link and one on its folder each
+    held their own lock, and retrained and gated the same bundle at once, each counting its own
+    attempts. Moved on to the folder a promotion swapped in; None where ``serving`` is the folder."""
+    try:
+        folder = resolve(Path(serving))
+    except CascadeError:
+        return held  # a swap in progress or a damaged pointer: the step says so
+    if folder == Path(os.path.abspath(serving)) or folder == held:
+        return held
+    served.close()  # the folder served before: another loop may take it now
+    served.enter_context(loop_lock(LoopPaths(folder)))
+    return folder
 
 
 def _check_serving(serving: Path) -> None:
