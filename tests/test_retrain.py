@@ -22,6 +22,7 @@ from cascade.audit.record import AuditRecord, SystemAnswer
 from cascade.bundle.manifest import Bundle
 from cascade.collect.escalation import EscalationRecord
 from cascade.encoder.onnx_encoder import Encoder
+from cascade.errors import CascadeError
 from cascade.locks import exclusive
 from distill.cli import main
 from distill.demo.synthetic import SyntheticItem, generate
@@ -82,6 +83,18 @@ def retrained(trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path],
               embedding_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> RetrainResult:
     out = tmp_path_factory.mktemp("retrained") / "support-r2"
     return retrain(trained_bundle, served, out, labelled[0], encoder, embedding_cache)
+
+
+def test_a_refused_retrain_leaves_no_customer_text_beside_out(
+        trained_bundle: Bundle, served: Path, labelled: tuple[Path, Path], encoder: Encoder,
+        embedding_cache: Path, tmp_path: Path) -> None:
+    """An --out that is a file: training failed, and the states it was to train on stayed beside
+    it, in a hidden file nothing removes."""
+    out = tmp_path / "pointer"
+    out.write_text("support-v1\n", encoding="utf-8")
+    with pytest.raises((CascadeError, OSError)):
+        retrain(trained_bundle, served, out, labelled[0], encoder, embedding_cache)
+    assert not evidence_beside(out).exists()
 
 
 def test_every_labelled_state_counts_once_and_keeps_its_part(retrained: RetrainResult,

@@ -123,10 +123,14 @@ def _retrain_into(serving: Bundle, store: LabelStore, out: Path, evidence: Evide
     questions = manifest.parsed_questions()
     written = evidence.write(evidence_beside(out))
     training = replace(run, placement=None, flops_per_second=None)  # what training takes of it
-    bundle = train_bundle(questions, CorpusInput(written), store, out, encoder, manifest.split.fractions,
-                          manifest.training.C or 1.0, run=training, finetune=finetune, parts=parts,
-                          ngrams=manifest.training.ngrams is not False, **_tiers_of(serving))
-    os.replace(written, out / EVIDENCE_NAME)
+    try:
+        bundle = train_bundle(questions, CorpusInput(written), store, out, encoder, manifest.split.fractions,
+                              manifest.training.C or 1.0, run=training, finetune=finetune, parts=parts,
+                              ngrams=manifest.training.ngrams is not False, **_tiers_of(serving))
+        os.replace(written, out / EVIDENCE_NAME)
+    except BaseException:  # refused or stopped: its customer text is not left beside --out
+        written.unlink(missing_ok=True)
+        raise
     states = CorpusInput(out / EVIDENCE_NAME)
     calibration = calibrate_bundle(bundle, states, store, options, run=run, encoder=encoder)
     evaluated = sorted(set(parts["evaluation"]) & evidence.ids(CERTIFYING[calibrate_on]))
