@@ -28,12 +28,12 @@ from urllib.parse import unquote
 
 HIDDEN = "***"
 PRIVATE_MODE = 0o600
-_PAIR = re.compile(r"(?i)(?<!\w)(\w*(?:password|passwd|secret|token|key|signature|sig|auth\w*|credential\w*)"
-                   r"\s*=\s*)"
+_PAIR = re.compile(r"(?i)(?<!\w)(\w*(?:password|passwd|secret|token|key|signature|sig|code|auth\w*"
+                   r"|credential\w*)\s*=\s*)"
                    r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s&#'\"]*)")
 """A secret's pair, in a URL's query or a conninfo (its value quoted or not): ``password=``,
-``sslpassword=``, and the ``api_key=``, ``token=``, ``secret=``, ``sig=``, ``auth=`` an upstream's URL
-may carry."""
+``sslpassword=``, and the ``api_key=``, ``token=``, ``secret=``, ``sig=``, ``auth=``, ``code=`` (an
+Azure Functions key) an upstream's URL may carry."""
 _URL = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s'\"<>]*)")
 """A URL in free text: its scheme, then everything up to a space or a quote."""
 

@@ -258,14 +258,28 @@ def test_a_pending_decision_that_cannot_be_finished_says_so_in_one_line(
 
 
 
+@pytest.mark.parametrize("state", [b"", b"\xff\xfe\x85", b'{"mark": -5}'])
 def test_a_damaged_loop_state_is_one_line_not_a_traceback(
         trained_bundle: Bundle, labelled: tuple[Path, Path], tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], state: bytes) -> None:
+    """Empty, not text, or a mark below 0 (read as more new labels than the store holds)."""
     link, store = setup(trained_bundle, labelled, tmp_path)
-    LoopPaths(link).state.write_text("", encoding="utf-8")
+    LoopPaths(link).state.write_bytes(state)
     assert loop_once(link, store) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("LoopStateError: ") and "delete it" in err[0], err
+
+
+def test_a_file_that_is_not_text_given_as_the_log_or_the_bundle_is_one_line(
+        two: tuple[Path, Bundle, Bundle], labelled: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store given as --log, or as --bundle: a UnicodeDecodeError traceback, exit 1 (which
+    promote means as "kept aside")."""
+    link, _, v2 = two
+    for flags in (["--bundle", str(link), "--log", str(labelled[1])], ["--bundle", str(labelled[1])]):
+        assert main(["promote", *flags, "--candidate", str(v2.directory), "--store", str(labelled[1])]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("not UTF-8 text" in err[0] or "it is not text" in err[0]), err
 
 
 def test_an_os_error_in_an_attempt_is_a_failed_decision_not_the_loops_end(

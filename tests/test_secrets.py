@@ -296,6 +296,7 @@ def test_redaction_covers_urls_conninfo_and_text() -> None:
         f"http://{TEACHER_PW}@127.0.0.1:9/v1/systemone": "http://***@127.0.0.1:9/v1/systemone",
         f"https://h/v1/systemone?auth={TEACHER_PW}": "https://h/v1/systemone?auth=***",
         "postgresql://u@h/db": "postgresql://u@h/db",  # a database's lone user is a name
+        f"https://f.azurewebsites.net/api/v1/systemone?code={TEACHER_PW}": "https://f.azurewebsites.net/api/v1/systemone?code=***",
     }
     assert {url: redact_url(url) for url in cases} == cases
     text = f"got 'postgresql://u:{PG_PW}@h/db' and PGPASSWORD=\"{PG_SSL}\" from http://u:{TEACHER_PW}@h/v1)"

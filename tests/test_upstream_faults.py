@@ -179,6 +179,32 @@ def test_the_servers_own_key_echoed_by_the_upstream_reaches_no_client(
         client.close()
 
 
+def test_the_key_echoed_in_a_header_or_json_escaped_reaches_no_client(
+        upstream: Callable[[Behaviour], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An x- header of a refusal is passed on: one echoing the key handed it over; and a key with
+    a "/" echoed by a JSON encoder that writes it "\\/" was not masked."""
+    monkeypatch.setenv("OWN_KEY", "own/s3cr3t/key")
+
+    def reply(handler: BaseHTTPRequestHandler) -> None:
+        sent = handler.headers["Authorization"]
+        echoed = b'{"auth": "' + sent.replace("/", "\\/").encode() + b'"}'  # as PHP's json_encode
+        answer(400, echoed, **{"X-Debug-Auth": sent})(handler)
+
+    client = UpstreamClient(UpstreamSettings(url=upstream(reply), key=KeySource(env="OWN_KEY"), retries=0))
+    try:
+        with pytest.raises(UpstreamRefused) as caught:
+            client.post({"state": "x", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}})
+    finally:
+        client.close()
+    seen = f"{caught.value} {caught.value.body!r} {caught.value.passed}"
+    assert "s3cr3t" not in seen and caught.value.passed.get("x-debug-auth") == "***", seen
+
+
+def test_a_refusal_of_a_call_sent_with_no_key_says_so(upstream: Callable[[Behaviour], str]) -> None:
+    with pytest.raises(UpstreamFailed, match="refused a call this server sent with no key"):
+        ask(upstream(answer(401, b"no key")))
+
+
 def test_a_wrong_route_is_a_502_and_a_5xx_carries_retry_after(upstream: Callable[[Behaviour], str]) -> None:
     """A 404 was relayed as the client's own "no route /v1/systemone", and a 500 (or a 503 with
     no Retry-After) was a 502 with none, where an unreachable upstream said 1 s."""

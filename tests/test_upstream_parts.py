@@ -17,6 +17,7 @@ from cascade.errors import (
     QueueFullError,
     TeacherChangedError,
     UpstreamAnswerError,
+    UpstreamFailed,
     WorkTooLargeError,
 )
 from cascade.questions import parse_request
@@ -196,6 +197,26 @@ def test_a_key_a_header_cannot_carry_or_a_missing_key_file_is_refused_unquoted(
     with pytest.raises(CascadeError, match=r"upstream key file .*typo.key does not exist"):
         UpstreamClient(UpstreamSettings(url="http://127.0.0.1:9/v1/systemone",
                                         key=KeySource(env="UPSTREAM_KEY", file=tmp_path / "typo.key")))
+
+
+def test_a_key_file_rotated_to_something_unsendable_is_a_502_not_a_bug(tmp_path: Path) -> None:
+    """The file is re-read when it changes: rewritten with a line break, or in bytes that are not
+    UTF-8, every call was a 500 "this is a bug" (or a UnicodeDecodeError traceback at start); an
+    empty key file started the server with no key, unsaid."""
+    key = tmp_path / "key"
+    key.write_text("good-key\n")
+    source = KeySource(file=key)
+    source.check()
+    key.write_text("s3cr3t\nrotated\n")
+    with pytest.raises(UpstreamFailed, match="holds a character an HTTP header cannot carry") as caught:
+        source.read()
+    assert caught.value.status == 502 and "s3cr3t" not in str(caught.value)
+    key.write_bytes(b"\xff\xfes3cr3t-bin-key")
+    with pytest.raises(UpstreamFailed, match="is not UTF-8 text"):
+        source.read()
+    key.write_text("\n")
+    with pytest.raises(CascadeError, match="holds no key"):
+        KeySource(file=key).check()
 
 
 def test_the_models_route_keeps_the_query_after_its_path() -> None:

@@ -54,7 +54,11 @@ def resolve(path: Path) -> Path:
     path = Path(path)
     target = path
     if path.is_file():
-        lines = path.read_text(encoding="utf-8").splitlines()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise CascadeError(f"{path} is not a bundle: not a folder, a link to one, nor a pointer file "
+                               "naming one (it is not text)") from None
         named = lines[0].strip() if lines else ""
         if not named:
             raise CascadeError(f"the bundle pointer file {path} is empty; its first line must name a "

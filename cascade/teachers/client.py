@@ -228,7 +228,8 @@ class UpstreamClient:
         seconds (``UpstreamRefused``, its status and body): no call, no slot."""
         refusal = self.rejected.refusal(authorization)
         if refusal is not None and not self.settings.forward_auth:
-            raise self._own_key_refused(refusal.status, f"within the last {self.settings.reject_for:g} s")
+            raise self._own_key_refused(refusal.status, f"within the last {self.settings.reject_for:g} s",
+                                        authorization)
         if refusal is not None:
             raise UpstreamRefused(f"the upstream {self.settings.shown} refused this key "
                                   f"({refusal.status}) within the last {self.settings.reject_for:g} s",
@@ -260,13 +261,14 @@ class UpstreamClient:
         key = self.settings.key.read() if self.settings.key is not None else None
         return f"Bearer {key}" if key else None
 
-    def _own_key_refused(self, status: int, what: str) -> UpstreamFailed:
-        """A 401 or 403 of the key this server sends on its own behalf: the operator's to fix, so
-        a 502 saying so. Passed on as the upstream's 401/403, a client's SDK reported its own,
-        valid key as refused."""
-        return UpstreamFailed(f"the upstream {self.settings.shown} refused this server's own upstream key "
-                              f"({status} {what}); its operator must check the key given by "
-                              "--upstream-key-env or --upstream-key-file", status=502)
+    def _own_key_refused(self, status: int, what: str, authorization: str | None) -> UpstreamFailed:
+        """A 401 or 403 of the key this server sends on its own behalf (or of a call it sent with
+        none): the operator's to fix, so a 502 saying so. Passed on as the upstream's 401/403, a
+        client's SDK reported its own, valid key as refused."""
+        sent = "this server's own upstream key" if authorization else "a call this server sent with no key"
+        return UpstreamFailed(f"the upstream {self.settings.shown} refused {sent} ({status} {what}); its "
+                              "operator must check the key given by --upstream-key-env or "
+                              "--upstream-key-file", status=502)
 
     def _refused(self, authorization: str | None, response: httpx.Response) -> None:
         """A 401 or 403: the key is no longer accepted, and is refused here for ``reject_for`` s."""
@@ -333,7 +335,8 @@ class UpstreamClient:
         """One request, its answer read whole (``_body``) and returned as an answer in hand."""
         with until(call.ends), self._http.stream(method, url, timeout=timeout, **request) as response:
             body = self._body(response, call)
-        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _REREAD]
+        kept = [(k, _scrubbed(v.encode(), call.authorization).decode("utf-8", "replace"))
+                for k, v in response.headers.multi_items() if k.lower() not in _REREAD]
         return httpx.Response(response.status_code, headers=kept, content=body, request=response.request)
 
     def _body(self, response: httpx.Response, call: _Call) -> bytes:
@@ -388,7 +391,7 @@ class UpstreamClient:
         if status in (401, 403):
             self._refused(call.authorization, response)
             if not self.settings.forward_auth:
-                raise self._own_key_refused(status, quoted)
+                raise self._own_key_refused(status, quoted, call.authorization)
         if call.declined is not None and status in (400, 422):  # plain got it too: the body's fault
             self._encoding = call.declined
         if 400 <= status < 500:
@@ -494,10 +497,13 @@ def _snippet(response: httpx.Response, authorization: str | None) -> str:
 
 
 def _scrubbed(body: bytes, authorization: str | None) -> bytes:
-    """``body`` with the ``Authorization`` value it answered, and its credential alone, as ***."""
+    """``body`` (or a header's value) with the ``Authorization`` value it answered, and its
+    credential alone, as ***: as sent, and as a JSON encoder may have escaped it (``\\/``)."""
     if not authorization:
         return body
-    for secret in sorted({authorization, authorization.split(" ", 1)[-1]}, key=len, reverse=True):
+    secrets = {authorization, authorization.split(" ", 1)[-1]}
+    secrets |= {json.dumps(s)[1:-1] for s in secrets} | {s.replace("/", "\\/") for s in secrets}
+    for secret in sorted(secrets, key=len, reverse=True):
         if len(secret) >= 4:
             body = body.replace(secret.encode("utf-8", "replace"), HIDDEN.encode())
     return body

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, UpstreamFailed
 
 Clock = Callable[[], float]
 V = TypeVar("V")
@@ -55,9 +55,9 @@ class KeySource:
         else:
             key, source = (os.environ.get(self.env, "").strip() if self.env else "") or None, f"${self.env}"
         if key is not None and not all("!" <= c <= "~" for c in key):
-            raise CascadeError(f"the upstream key in {source} holds a character an HTTP header cannot "
-                               "carry (a line break, a space, a non-ASCII letter); write the key alone, "
-                               "on one line")
+            raise UpstreamFailed(f"the upstream key in {source} holds a character an HTTP header cannot "
+                                 "carry (a line break, a space, a non-ASCII letter); write the key alone, "
+                                 "on one line", status=502)
         return key
 
     def check(self) -> None:
@@ -66,7 +66,8 @@ class KeySource:
         if self.file is not None and not self.file.exists():
             raise CascadeError(f"the upstream key file {self.file} does not exist; give the file holding "
                                "the key")
-        self.read()
+        if self.read() is None and self.file is not None:
+            raise CascadeError(f"the upstream key file {self.file} holds no key; write the key in it")
 
     def _from_file(self, path: Path) -> str | None:
         try:
@@ -76,6 +77,9 @@ class KeySource:
                 if mark != self._seen:
                     self._key, self._seen = path.read_text(encoding="utf-8").strip() or None, mark
                 return self._key
+        except UnicodeDecodeError:
+            raise UpstreamFailed(f"the upstream key file {path} is not UTF-8 text; write the key alone, on "
+                                 "one line", status=502) from None
         except OSError as exc:
             raise CascadeError(f"cannot read the upstream key file {path}: {exc}; give a readable "
                                "file holding the key") from exc

@@ -160,7 +160,11 @@ def records(log: Path) -> list[Promotion]:
     skipped)."""
     if not Path(log).is_file():
         return []
-    text = Path(log).read_text(encoding="utf-8")
+    try:
+        text = Path(log).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise PromotionsLogError(f"{log} is not a promotions log (not UTF-8 text): give the log "
+                                 "`cascade promote` writes, or a path where none is yet") from None
     lines = text.splitlines()
     found = []
     for number, line in enumerate(lines, 1):
@@ -212,7 +216,8 @@ def writable_log(log: Path) -> Path:
     log, so the gate ran as a first attempt."""
     path = Path(os.path.abspath(log))
     if path.exists() and not path.is_file():
-        raise PromotionsLogError(f"the promotions log {log} is not a regular file; give --log a file path")
+        raise PromotionsLogError(f"the promotions log {log} is not a regular file; move it aside, or give "
+                                 "`cascade promote --log` a file path")
     if path.exists():
         writable = os.access(path, os.W_OK)
     else:  # not made here: a refused promotion leaves no empty log behind
@@ -246,7 +251,7 @@ def _finish(serving: Path) -> Promotion | None:
         if not any(logged.model_dump_json() == record.model_dump_json() for logged in records(log)[-1:]):
             _append(log, record)
         _serve(serving, record)
-    except (OSError, ValidationError, PromotionsLogError) as exc:
+    except (OSError, ValueError, PromotionsLogError) as exc:  # ValueError: ValidationError, not UTF-8
         why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         raise PromotionsLogError(f"{pending} holds a decision an earlier promotion of {serving} left "
                                  f"unfinished, and finishing it failed ({why}); mend what it names, or "

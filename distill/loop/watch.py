@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from cascade.atomic import write_atomically
 from cascade.bundle.manifest import Bundle
@@ -72,8 +72,8 @@ class LoopState(BaseModel):
     """What a restarted loop needs: the label count at the last retrain, the last attempt's
     number, and the candidate in the making (None between retrains)."""
 
-    mark: int = 0
-    attempts: int = 0
+    mark: int = Field(default=0, ge=0)
+    attempts: int = Field(default=0, ge=0)
     pending: Pending | None = None
 
 
@@ -163,8 +163,9 @@ class Loop:
             return LoopState()
         try:
             return LoopState.model_validate_json(self.paths.state.read_text(encoding="utf-8"))
-        except ValidationError as exc:
-            raise LoopStateError(f"{self.paths.state} is not a loop's state ({exc.errors()[0]['msg']}); "
+        except (ValidationError, UnicodeDecodeError) as exc:
+            why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else "not UTF-8 text"
+            raise LoopStateError(f"{self.paths.state} is not a loop's state ({why}); "
                                  "`cascade loop` alone writes it: restore it, or delete it (the loop "
                                  "then counts every teacher label as new and retrains at its first "
                                  "poll)") from None
