@@ -34,8 +34,8 @@ from cascade.corpus import CorpusItem
 from cascade.errors import RouterError, TeacherChangedError, UpstreamRefused
 from cascade.questions import Question, parse_request
 from cascade.routing.router import Cascade
-from cascade.teachers.client import header_value
 from cascade.teachers.identity import EndpointIdentity
+from cascade.teachers.sendable import header_value
 from cascade.teachers.settings import UpstreamSettings
 from cascade.tiers.upstream import UpstreamAnswers
 from distill.calibration.options import CalibrationOptions

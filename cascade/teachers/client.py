@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import email.utils
 import gzip
-import hashlib
 import importlib.util
 import json
 import logging
@@ -45,7 +44,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -59,9 +58,10 @@ from cascade.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from cascade.private import HIDDEN, redact_url
+from cascade.private import redact_url
 from cascade.teachers.call_deadline import DeadlineBackend, until
 from cascade.teachers.keys import AcceptedKeys, Clock, Pauses, Refusal, RejectedKeys, is_loopback
+from cascade.teachers.sendable import header_value, scrubbed
 from cascade.teachers.settings import UPSTREAM_EXTRA, UpstreamSettings
 
 COMPRESS_FROM = 1024
@@ -113,21 +113,6 @@ class _Call:
     def left(self) -> float:
         return self.ends - time.monotonic()
 
-
-HEADER_LIMIT = 200
-"""The longest header value sent as given; a longer one goes as its sha256."""
-
-
-def header_value(value: str) -> str:
-    """``value`` as HTTP allows it in a header: anything outside visible ASCII (a space at an end,
-    a non-ASCII letter, a newline) percent-encoded, and a value longer than ``HEADER_LIMIT`` as
-    its sha256. Why: a request id is an item's id, which a corpus may spell any way; sent raw, a
-    trailing space failed every try as "upstream unreachable" and a letter like 'é' raised
-    UnicodeEncodeError out of the client."""
-    quoted = quote(value, safe="".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%"))
-    if len(quoted) > HEADER_LIMIT:
-        return "sha256-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
-    return quoted
 
 class UpstreamClient:
     """The pooled client of one upstream; thread-safe, shared by every call to it."""
@@ -335,7 +320,7 @@ class UpstreamClient:
         """One request, its answer read whole (``_body``) and returned as an answer in hand."""
         with until(call.ends), self._http.stream(method, url, timeout=timeout, **request) as response:
             body = self._body(response, call)
-        kept = [(k, _scrubbed(v.encode(), call.authorization).decode("utf-8", "replace"))
+        kept = [(k, scrubbed(v.encode(), call.authorization).decode("utf-8", "replace"))
                 for k, v in response.headers.multi_items() if k.lower() not in _REREAD]
         return httpx.Response(response.status_code, headers=kept, content=body, request=response.request)
 
@@ -397,7 +382,7 @@ class UpstreamClient:
         if 400 <= status < 500:
             raise UpstreamRefused(f"the upstream {url} refused the request: {status} "
                                   f"{quoted}",
-                                  status=status, body=_scrubbed(response.content, call.authorization),
+                                  status=status, body=scrubbed(response.content, call.authorization),
                                   content_type=response.headers.get("content-type"),
                                   retry_after=_whole(wait) if wait is not None else None,
                                   passed=passed_headers(response.headers))
@@ -492,21 +477,8 @@ def passed_headers(headers: Mapping[str, str], also: tuple[str, ...] = ()) -> di
 def _snippet(response: httpx.Response, authorization: str | None) -> str:
     """The start of an upstream's refusal, quoted in a message, the key it was sent with hidden
     (an upstream that echoes the request's headers handed it to the client)."""
-    text = _scrubbed(response.content, authorization).decode("utf-8", "replace").strip().replace("\n", " ")
+    text = scrubbed(response.content, authorization).decode("utf-8", "replace").strip().replace("\n", " ")
     return text[:200] + ("..." if len(text) > 200 else "")
-
-
-def _scrubbed(body: bytes, authorization: str | None) -> bytes:
-    """``body`` (or a header's value) with the ``Authorization`` value it answered, and its
-    credential alone, as ***: as sent, and as a JSON encoder may have escaped it (``\\/``)."""
-    if not authorization:
-        return body
-    secrets = {authorization, authorization.split(" ", 1)[-1]}
-    secrets |= {json.dumps(s)[1:-1] for s in secrets} | {s.replace("/", "\\/") for s in secrets}
-    for secret in sorted(secrets, key=len, reverse=True):
-        if len(secret) >= 4:
-            body = body.replace(secret.encode("utf-8", "replace"), HIDDEN.encode())
-    return body
 
 
 def _compressed(payload: bytes, encoding: str) -> bytes:

@@ -122,7 +122,7 @@ def plugin_share(scores: np.ndarray, correct: np.ndarray, target: float) -> floa
     """The largest share kept, most confident first and ties whole, with agreement >= target on
     these items (escalated items agree: the teacher answers them)."""
     weights = np.ones((1, len(scores)))
-    return float(_shares(weights, scores, correct, np.arange(len(scores)), target)[0])
+    return float(weighted_shares(weights, scores, correct, np.arange(len(scores)), target)[0])
 
 
 def compare(serving: Sequence[Question], candidate: Sequence[Question], items: int,
@@ -142,7 +142,7 @@ def compare(serving: Sequence[Question], candidate: Sequence[Question], items: i
     weights[0] = 1  # row 0: the items as they are; the others: how often each item was drawn
     means = {}
     for name, questions in (("serving", serving), ("candidate", candidate)):
-        means[name] = np.mean([_shares(weights, q.scores, q.correct, q.items, target)
+        means[name] = np.mean([weighted_shares(weights, q.scores, q.correct, q.items, target)
                                for q in questions for target in targets], axis=0)
     difference = means["candidate"] - means["serving"]
     return Comparison(serving_share=float(means["serving"][0]), candidate_share=float(means["candidate"][0]),
@@ -150,7 +150,7 @@ def compare(serving: Sequence[Question], candidate: Sequence[Question], items: i
                       alpha=alpha, resamples=resamples, targets=tuple(targets))
 
 
-def _shares(weights: np.ndarray, scores: np.ndarray, correct: np.ndarray, items: np.ndarray,
+def weighted_shares(weights: np.ndarray, scores: np.ndarray, correct: np.ndarray, items: np.ndarray,
             target: float) -> np.ndarray:
     """Per row of item weights (a resample), the plug-in share: cut only between distinct scores,
     before the tie group of the first disagreement that takes the weighted disagreements past
