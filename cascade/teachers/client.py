@@ -142,7 +142,8 @@ class UpstreamClient:
                               max_keepalive_connections=settings.max_in_flight)
         self._http = httpx.Client(limits=limits, follow_redirects=False,
                                   headers={"Content-Type": "application/json", "Accept-Encoding": "gzip"})
-        for transport in (self._http._transport, *self._http._mounts.values()):  # env proxies' too
+        mounts = getattr(self._http, "_mounts", {})  # env proxies' pools too; tests catch a rename
+        for transport in (getattr(self._http, "_transport", None), *mounts.values()):
             pool = getattr(transport, "_pool", None)
             if pool is not None:  # the call's deadline over its status line and headers too
                 pool._network_backend = DeadlineBackend()
@@ -331,7 +332,7 @@ class UpstreamClient:
         if any(part.strip() not in _INFLATED for part in coding.split(",")):
             raise UpstreamAnswerError(f"the upstream {self.settings.shown} answered {response.status_code} "
                                       f"with a body in {coding!r}, which this client never asks for "
-                                      "(it takes gzip or none); check what it serves at this URL")
+                                      "(it takes gzip, deflate or none); check what it serves at this URL")
         chunks, size = [], 0
         for chunk in response.iter_bytes():
             size += len(chunk)
@@ -380,8 +381,7 @@ class UpstreamClient:
         if call.declined is not None and status in (400, 422):  # plain got it too: the body's fault
             self._encoding = call.declined
         if 400 <= status < 500:
-            raise UpstreamRefused(f"the upstream {url} refused the request: {status} "
-                                  f"{quoted}",
+            raise UpstreamRefused(f"the upstream {url} refused the request: {status} {quoted}",
                                   status=status, body=scrubbed(response.content, call.authorization),
                                   content_type=response.headers.get("content-type"),
                                   retry_after=_whole(wait) if wait is not None else None,
