@@ -39,7 +39,8 @@ def differences(everything: list[tuple[np.ndarray, np.ndarray]], targets: tuple[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 300])
     parser.add_argument("--seed", type=int, default=1)

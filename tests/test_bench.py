@@ -25,12 +25,13 @@ OPTIONAL = ("torch", "ray")
 SCRIPT_IMPORTS = {"gguf_features": {"cascade_goals"}, "joint_chain": {"mid_layer"},
                   "rayserve_scaling": {"serve_load"}, "serve_growth": {"serve_upstream"},
                   "regate_growth": {"serve_growth"}, "swap_memory": {"serve_growth"},
-                  "gate_after_alarm": {"gate_replay"}}
+                  "gate_after_alarm": {"gate_replay"}, "gate_level": {"promotion_gate"}}
 """Scripts that import another script: gguf_features reruns cascade_goals' library run with other
 features, joint_chain reads mid_layer's cached layer states and head, rayserve_scaling drives its
 servers with serve_load's clients, serve_growth starts serve_upstream's server command and reads
 its metrics, regate_growth decides serve_growth's held-out items as it does, swap_memory serves
-serve_growth's seed bundle, gate_after_alarm gates gate_replay's bundles as it does. Everything else
+serve_growth's seed bundle, gate_after_alarm gates gate_replay's bundles as it does, gate_level
+draws promotion_gate's scenarios as it does. Everything else
 shared sits in bench.common (the committed labels and the teacher they came from among it)."""
 
 DRIVER = r"""
