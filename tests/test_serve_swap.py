@@ -246,6 +246,8 @@ def test_repeated_promotions_leave_no_model_connection_nor_thread_behind(
                 assert http.post(f"{base}/v1/systemone", json=body).status_code == 200
                 until(lambda n=swap: f'cascade_audits_total{{outcome="audited"}} {float(n + 1)}'
                       in http.get(f"{base}/metrics").text, "its audit written")
+                # the watch counts the swap once swap() returned, its retiring thread started
+                until(lambda n=swap: app.state.loaded.watch.swaps == n + 1, "the swap counted")
                 until(lambda: not any(t.name.startswith("cascade-retire") for t in threading.enumerate()),
                       "the retired bundle's engine stopped")
                 held.append((sum(ref() is not None for ref in loaded), *_held(store)))

@@ -181,9 +181,12 @@ def create_app(load: Callable[[], Cascade] | None, config: ServeConfig | None = 
         log.info(json.dumps({"event": "bundle_swapped", "from": str(before), "to": str(version.directory),
                              "calibration_version": new.engine.cascade.calibration_version}))
         # the requests it took finish on it (none is refused), on a thread of its own, so that the
-        # swap counts as taken now and the watch can take the next one meanwhile
+        # swap counts as taken now and the watch can take the next one meanwhile; this frame lets it
+        # go first: the retiring thread's collection would otherwise find it still held here (a
+        # thread slow to return from swap) and leave it to live on in its cycles
         retiring = threading.Thread(target=memory.retire, args=([old.engine],), name="cascade-retire",
                                     daemon=True)
+        del old
         retiring.start()
         loaded.retiring = [*(t for t in loaded.retiring if t.is_alive()), retiring]
 
