@@ -113,7 +113,8 @@ def test_a_body_dripped_past_the_deadline_ends_at_the_deadline(upstream: Callabl
             handler.wfile.flush()
             time.sleep(0.2)
 
-    with pytest.raises(UpstreamTimeout):  # without the deadline: the whole answer, after 10 s or more
+    # without the deadline: the whole answer, after 10 s or more; said as the read's 1 s before
+    with pytest.raises(UpstreamTimeout, match=r"within the call's deadline of 1\.5 s \(\d+\.\d s spent\)"):
         ask(upstream(drip), deadline=1.5, read_timeout=1.0)
 
 
@@ -134,9 +135,26 @@ def test_headers_dripped_past_the_deadline_end_at_the_deadline(upstream: Callabl
             sent.append(byte)
             time.sleep(0.15)
 
-    with pytest.raises(UpstreamTimeout):
+    with pytest.raises(UpstreamTimeout, match=r"within the call's deadline of 1\.5 s"):
         ask(upstream(drip), deadline=1.5, read_timeout=1.0)
     assert len(sent) < 200
+
+
+@pytest.mark.parametrize("head", [b"HTTP/1.1 200 OK\r\nX-Pad: " + b"y" * 200_000 + b"\r\n\r\n",
+                                  b"ICY 200 OK\r\n\r\n"])
+def test_an_answer_that_is_not_readable_http_is_a_502_sent_once(upstream: Callable[[Behaviour], str],
+                                                                 head: bytes) -> None:
+    """A head over httpcore's 100 KiB, or a status line that is not HTTP: it was sent three times
+    and said "unreachable; check that it runs" of an upstream that had answered each."""
+    sent: list[int] = []
+
+    def reply(handler: BaseHTTPRequestHandler) -> None:
+        sent.append(1)
+        handler.wfile.write(head)
+
+    with pytest.raises(UpstreamAnswerError, match="answered with HTTP this client cannot read") as caught:
+        ask(upstream(reply))
+    assert caught.value.status == 502 and sent == [1]
 
 
 def test_a_zstd_answer_is_refused_unread(upstream: Callable[[Behaviour], str]) -> None:

@@ -7,6 +7,8 @@ an ``UpstreamError`` whose status a server can pass on (``cascade.errors``):
 - refused or dropped connection, or none taken within the connect timeout (a busy upstream's
   full accept queue drops the connect): retried with a short backoff while the deadline allows (a
   System One call is a pure function of its body, so a resend changes no answer), then 502;
+- an answer that is not HTTP this client reads (a head over httpcore's 100 KiB, a broken status
+  line): 502, never retried (the upstream computed it, and would send it alike);
 - no answer within the read timeout: 504, never retried (the upstream is computing; a resend
   would double its load);
 - 502, 503, 504 and 429: retried after their ``Retry-After`` (or the backoff) where that fits the
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import h11
 import httpx
 
 from cascade.errors import (
@@ -291,6 +294,10 @@ class UpstreamClient:
                 raise UpstreamAnswerError(f"the upstream {self.settings.shown} answered with a body that "
                                           f"does not decode ({exc}); check its Content-Encoding") from None
             except httpx.TransportError as exc:  # refused, reset, dropped: safe to send again
+                if _unreadable(exc):
+                    raise UpstreamAnswerError(f"the upstream {self.settings.shown} answered with HTTP this "
+                                              f"client cannot read ({exc}: a head over 100 KiB, or not "
+                                              "HTTP/1.1); check what it serves at this URL") from None
                 self._backoff_or_raise(call, None, UpstreamUnreachable(
                     f"the upstream {self.settings.shown} is unreachable ({type(exc).__name__}: {exc}) "
                     f"after {call.tries} tr{'y' if call.tries == 1 else 'ies'}; check that it runs",
@@ -434,9 +441,26 @@ class UpstreamClient:
         if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
             return self._unreachable(call)
         return UpstreamTimeout(f"the upstream {self.settings.shown} did not answer within "
-                               f"{min(self.settings.read_timeout, self.settings.deadline):g} s "
-                               f"({type(exc).__name__}); retry later, or raise its timeout",
-                               retry_after=1)
+                               f"{self._limit_hit(call)} ({type(exc).__name__}); retry later, or raise "
+                               "its timeout", retry_after=1)
+
+    def _limit_hit(self, call: _Call) -> str:
+        """The limit a timed-out try ran into: a read's wait, or the whole call's deadline (an
+        upstream dripping its answer waits less than a read's timeout each time, and said the read's
+        2 s where the call had run its 9 s)."""
+        settings = self.settings
+        if call.left() > 0.01 and settings.read_timeout < settings.deadline:
+            return f"{settings.read_timeout:g} s"
+        spent = time.monotonic() - call.started
+        return f"the call's deadline of {settings.deadline:g} s ({spent:.1f} s spent)"
+
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """Whether a transport error is h11 refusing the bytes the upstream sent, not a connection
+    lost: those were retried three times and said "unreachable; check that it runs"."""
+    cause = exc.__cause__ or exc.__context__  # httpx chains httpcore's by cause, httpcore h11's by context
+    return isinstance(cause, h11.RemoteProtocolError) or (cause is not None and _unreadable(cause))
 
 
 def retry_after(value: str | None) -> float | None:

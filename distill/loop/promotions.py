@@ -216,15 +216,15 @@ def writable_log(log: Path) -> Path:
     log, so the gate ran as a first attempt."""
     path = Path(os.path.abspath(log))
     if path.exists() and not path.is_file():
-        raise PromotionsLogError(f"the promotions log {log} is not a regular file; move it aside, or give "
-                                 "`cascade promote --log` a file path")
+        raise PromotionsLogError(f"the promotions log {log} is not a regular file; move it aside (or give "
+                                 "`cascade promote --log` a file path)")
     if path.exists():
         writable = os.access(path, os.W_OK)
     else:  # not made here: a refused promotion leaves no empty log behind
         writable = path.parent.is_dir() and os.access(path.parent, os.W_OK | os.X_OK)
     if not writable:
-        raise PromotionsLogError(f"cannot write the promotions log {log}; give --log a file in a folder "
-                                 "that exists and is writable")
+        raise PromotionsLogError(f"cannot write the promotions log {log}: its folder must exist and be "
+                                 "writable (`cascade promote --log` takes another file)")
     return path
 
 
