@@ -217,6 +217,16 @@ def test_a_key_file_rotated_to_something_unsendable_is_a_502_not_a_bug(tmp_path:
     key.write_text("\n")
     with pytest.raises(CascadeError, match="holds no key"):
         KeySource(file=key).check()
+    # emptied or removed while serving: calls went out with no key, unsaid
+    with pytest.raises(UpstreamFailed, match="holds no key") as caught:
+        source.read()
+    assert caught.value.status == 502
+    key.unlink()
+    with pytest.raises(UpstreamFailed, match=r"upstream key file .*key is gone; put the key back"):
+        source.read()
+    key.mkdir()
+    with pytest.raises(UpstreamFailed, match=r"cannot read the upstream key file .*Is a directory"):
+        source.read()
 
 
 def test_the_models_route_keeps_the_query_after_its_path() -> None:

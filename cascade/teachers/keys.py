@@ -52,8 +52,16 @@ class KeySource:
         got; a non-ASCII letter was a 500 on every call), never quoting it."""
         if self.file is not None and self.file.exists():
             key, source = self._from_file(self.file), f"the file {self.file}"
+            if key is None:  # emptied while serving: calls went out with no key, unsaid
+                raise UpstreamFailed(f"the upstream key file {self.file} holds no key; write the key in it",
+                                     status=502)
         else:
             key, source = (os.environ.get(self.env, "").strip() if self.env else "") or None, f"${self.env}"
+            if key is None and self.file is not None:  # removed while serving: likewise
+                also = f", and ${self.env} holds none" if self.env else ""
+                raise UpstreamFailed(f"the upstream key file {self.file} is gone{also}; put the key back "
+                                     "there (a rotation replaces the file, never removes it first)",
+                                     status=502)
         if key is not None and not all("!" <= c <= "~" for c in key):
             raise UpstreamFailed(f"the upstream key in {source} holds a character an HTTP header cannot "
                                  "carry (a line break, a space, a non-ASCII letter); write the key alone, "
@@ -62,12 +70,11 @@ class KeySource:
 
     def check(self) -> None:
         """At start: a key file given must exist (a mistyped path fell back to the environment's
-        key, or to none, unsaid), and the key must be one a header carries (``read``)."""
+        key, or to none, unsaid), and hold a key a header carries (``read``)."""
         if self.file is not None and not self.file.exists():
             raise CascadeError(f"the upstream key file {self.file} does not exist; give the file holding "
                                "the key")
-        if self.read() is None and self.file is not None:
-            raise CascadeError(f"the upstream key file {self.file} holds no key; write the key in it")
+        self.read()
 
     def _from_file(self, path: Path) -> str | None:
         try:
@@ -80,9 +87,9 @@ class KeySource:
         except UnicodeDecodeError:
             raise UpstreamFailed(f"the upstream key file {path} is not UTF-8 text; write the key alone, on "
                                  "one line", status=502) from None
-        except OSError as exc:
-            raise CascadeError(f"cannot read the upstream key file {path}: {exc}; give a readable "
-                               "file holding the key") from exc
+        except OSError as exc:  # a folder, or removed since ``exists``
+            raise UpstreamFailed(f"cannot read the upstream key file {path}: {exc}; give a readable "
+                                 "file holding the key", status=502) from None
 
 
 def key_id(authorization: str | None) -> str:
