@@ -358,3 +358,37 @@ def test_calibrate_flags_that_would_be_ignored_are_refused(tmp_path: Path, flags
     result = run("calibrate", "--bundle", str(tmp_path / "b"), "--store", str(tmp_path / "s.sqlite"),
                  "--report", str(tmp_path / "r"), *flags)
     assert_one_clear_line(result, said)
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Python's default ended the process at once: a retrain, promotion or loop stopped by SIGTERM
+    ran none of the clean-up a Ctrl-C runs, and exited 143 saying nothing. The command's own
+    clean-up runs, one line says why it stopped, and the handler before is back after."""
+    import signal
+    import threading
+    import time
+
+    from distill.cli import main, roofline
+
+    cleaned = []
+
+    def long_command(args: object) -> int:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        try:
+            time.sleep(5)
+        finally:
+            cleaned.append(True)
+        return 0
+
+    def ignored(signum: int, frame: object) -> None:  # where main set none, the test runs on
+        pass
+
+    monkeypatch.setattr(roofline, "_cmd_roofline", long_command)
+    earlier = signal.signal(signal.SIGTERM, ignored)
+    try:
+        assert main(["roofline", "--model", "unread.gguf"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is ignored
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
+    assert cleaned == [True] and capsys.readouterr().err.strip() == "terminated (SIGTERM)"

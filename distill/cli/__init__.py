@@ -12,8 +12,12 @@ alone) never imports it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 
 from cascade.errors import CascadeError
 from cascade.private import redact_text
@@ -56,17 +60,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command runs as Ctrl-C is. Why: Python's default ended the
+    process at once and silent (status 143), so a retrain or promotion stopped that way ran none of
+    the clean-up a Ctrl-C runs, and said nothing. Commands that stop on their own terms
+    (``label``'s ``distill.stopping``, ``serve``'s uvicorn) set their own handler over this one."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """``Terminated`` on SIGTERM while a command runs, the handler before restored after (a test
+    calling ``main`` keeps its own); only the main thread can set one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Command = args.run
     try:
-        return run(args)
+        with _sigterm_as_interrupt():
+            return run(args)
     except CascadeError as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a path given that cannot be written or read (a folder, a missing folder)
         print(f"{type(exc).__name__}: {redact_text(str(exc))}; check the paths given", file=sys.stderr)
         return 2
+    except Terminated:
+        print("terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
