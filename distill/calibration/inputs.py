@@ -107,7 +107,7 @@ def audit_inputs(store: LabelStore, questions: Mapping[str, Question], since: fl
                  ) -> tuple[dict[str, dict[str, int]], list[Item], AuditSpan]:
     """The audited items in ``store`` (those audited at or after ``since``, a Unix time, where
     given): the teacher's answers per question, the states in the order audited, and the span."""
-    records = [r for r in store.audits() if since is None or r.at >= since]
+    records = [r for r in store.each_audit() if since is None or r.at >= since]
     if not records:
         after = "" if since is None else f" at or after {_iso(since)}"
         raise CalibrationError(f"label store {store.path} holds no audited items{after}; audit live "

@@ -65,7 +65,7 @@ def _cmd_retrain(args: argparse.Namespace) -> int:
                                 delta=args.delta, calibrate_on=args.calibrate_on,
                                 certificate=args.certificate, run=run_options(args),
                                 teacher_items=args.teacher_items)
-        alarmed = sorted(drift_alarms(serving.manifest, store.audits()))
+        alarmed = sorted(drift_alarms(serving.manifest, store.each_audit()))
     _print(result, args)
     if alarmed:
         print(f"a drift alarm rose on the serving bundle's calibration ({', '.join(alarmed)}): the "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,7 +217,7 @@ def _bundle_audits(manifest: Manifest, path: StoreLocation | str) -> list[AuditR
         return store.audits()
 
 
-def drift_alarms(manifest: Manifest, records: list[AuditRecord]) -> dict[str, AuditRecord]:
+def drift_alarms(manifest: Manifest, records: Iterable[AuditRecord]) -> dict[str, AuditRecord]:
     """Per question, the audit at which its drift alarm rose under this bundle's calibration, as
     the server's watch raises it (``records`` in the store's order): none where no alarm rose."""
     calibration = manifest.calibration

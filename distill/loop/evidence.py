@@ -141,7 +141,7 @@ def gather(store: LabelStore, questions: Mapping[str, Question], corpus: CorpusI
         rows = read_recorded(store, corpus.read(trained_field), corpus.path)
         met += [EvidenceItem(row.id, row.state, origin_of(row.id, "corpus"))
                 for row in rows if row.id in labelled]
-    met += [EvidenceItem(r.item_id, r.state, origin_of(r.item_id), r.inclusion) for r in store.audits()
+    met += [EvidenceItem(r.item_id, r.state, origin_of(r.item_id), r.inclusion) for r in store.each_audit()
             if r.item_id in labelled]
     met += [EvidenceItem(ident, state, "collected", inclusion)
             for ident, (state, inclusion) in _collected(store) if ident in labelled]

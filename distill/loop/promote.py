@@ -240,7 +240,7 @@ def _evidence_after(serving: Bundle, store: LabelStore) -> tuple[float | None, l
     each item was labelled: the last alarm that rose on the serving bundle's calibration in the
     store's audits, or the start its own certificate already kept to (``evidence_after``); None
     (and no times read): every item."""
-    alarms = drift_alarms(serving.manifest, store.audits())
+    alarms = drift_alarms(serving.manifest, store.each_audit())
     own = serving.manifest.calibration.evidence_after
     if not alarms and not own:
         return None, [], {}

@@ -336,19 +336,24 @@ class LabelStore:
     def audits(self) -> list[AuditRecord]:
         """Every audited item, in the store's order, its teacher labels joined back (none in a
         store made before audits existed; a read-only older store in the order written)."""
+        return list(self.each_audit())
+
+    def each_audit(self) -> Iterator[AuditRecord]:
+        """``audits``, read a page at a time: a caller that folds over them (a drift watch
+        replayed by ``promote`` and ``retrain``) holds one page of customer text, not a store's
+        whole history of it."""
         tables = self._db.tables()
         if "audits" not in tables:
-            return []
+            return
         if "seq" not in self._db.columns("audits"):
             rows = self._db.execute("SELECT item_id, state, calibration_version, system, created_at, "
                                     "NULL, NULL FROM audits ORDER BY created_at, item_id").fetchall()
-            return self._records(rows)
-        records: list[AuditRecord] = []
+            yield from self._records(rows)
+            return
         position = 0
         while page := self.audits_after(position):
             position = page[-1][0]
-            records.extend(record for _, record in page)
-        return records
+            yield from (record for _, record in page)
 
     def _records(self, rows: list[tuple]) -> list[AuditRecord]:
         """Audit rows as records, their labels looked up (``distill.store.audit_rows``)."""
