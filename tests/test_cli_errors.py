@@ -392,3 +392,17 @@ def test_sigterm_stops_a_command_as_ctrl_c_does(monkeypatch: pytest.MonkeyPatch,
     finally:
         signal.signal(signal.SIGTERM, earlier)
     assert cleaned == [True] and capsys.readouterr().err.strip() == "terminated (SIGTERM)"
+
+
+def test_serve_flags_given_to_ray_config_before_the_separator_are_named(tmp_path: Path) -> None:
+    """argparse's remainder took them and every ray-config flag after: the one line said "the
+    following arguments are required: --out" to a user who had given --out."""
+    out = tmp_path / "serve.yaml"
+    base = ["ray-config", "--bundle", str(tmp_path), "--teacher", "http://127.0.0.1:9/v1/systemone"]
+    slipped = run(*base, "--api-key-file", "key", "--out", str(out))
+    assert slipped.returncode == 2 and slipped.stderr.splitlines()[-1] == (
+        "cascade: error: unrecognized arguments: --api-key-file; cascade serve's flags for the replicas go "
+        "last, after --")
+    assert_one_clear_line(run(*base, "--out", str(out), "key"), "key is not a flag of cascade ray-config")
+    assert_one_clear_line(run(*base, "--", "--threads", "1"), "give --out FILE")
+    assert not out.exists()

@@ -86,7 +86,10 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's own line, and where the command knows the likely slip (``hint``), it
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{getattr(args, 'hint', '')}")
     run: Command = args.run
     try:
         with _sigterm_as_interrupt():

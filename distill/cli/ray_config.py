@@ -52,7 +52,12 @@ def _cmd_ray_config(args: argparse.Namespace) -> int:
     from distill.rayserve.plan import RayPlan, serve_config
     from distill.rayserve.proxy import START
 
-    flags = args.serve_flags[1:] if args.serve_flags[:1] == ["--"] else args.serve_flags
+    if args.serve_flags[:1] not in ([], ["--"]):  # argparse took the rest, ray-config's own flags too
+        raise CascadeError(f"{args.serve_flags[0]} is not a flag of cascade ray-config: cascade serve's "
+                           "flags for the replicas go last, after --")
+    if args.out is None:
+        raise CascadeError("give --out FILE: where to write the config")
+    flags = args.serve_flags[1:]
     plan = RayPlan(bundle=args.bundle, teacher=args.teacher, serve_flags=flags, host=args.host,
                    port=args.port, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing, replica_cpus=args.replica_cpus,
@@ -103,7 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "not exist")
     p.add_argument("--teacher", type=teacher_argument, required=True, metavar="PATH.gguf|URL",
                    help="a GGUF, served by a teacher deployment of its own, or a System One URL to call")
-    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the config (YAML)")
+    p.add_argument("--out", type=Path, metavar="FILE", help="where to write the config (YAML; required)")
     p.add_argument("--host", default="127.0.0.1",
                    help="where Ray's HTTP proxy listens (default 127.0.0.1; 0.0.0.0 for other machines: "
                    "give --api-key after -- then)")
@@ -131,4 +136,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "--upstream-timeout (default 8), or the replica answers 504 instead")
     p.add_argument("serve_flags", nargs=argparse.REMAINDER, metavar="-- FLAGS",
                    help="flags of cascade serve for every cheap replica (see cascade serve --help)")
-    p.set_defaults(run=_cmd_ray_config)
+    p.set_defaults(run=_cmd_ray_config, hint="; cascade serve's flags for the replicas go last, after --")
