@@ -1,16 +1,21 @@
-"""A client that never reads its answers cannot hold a connection slot (``cascade.serve.deadline``).
+"""A client cannot hold the server's connection slots (``cascade.serve.connections``): not by
+never reading its answers, nor by holding silent sockets open.
 
 Before, uvicorn waited without end to write an answer nobody read (and closing would have waited
 for the buffer to drain): pipelined requests (no key needed, a 401 is an answer too) held a slot
-for as long as the client kept the socket open, and a handful held them all. Served here as
-``cascade serve`` serves (its uvicorn configuration; two slots, this probe taking one), with an
-app whose answer is far past what the socket buffers hold, so that writing pauses for real.
+for as long as the client kept the socket open, and a handful held them all. And its connection
+limit counted idle sockets: 25 silent ones had every other client, ``/health`` too, answered a
+plain-text 503 with no ``Retry-After``. Served here as ``cascade serve`` serves (its uvicorn
+configuration), with an app whose answer is far past what the socket buffers hold, so that
+writing pauses for real, and one that takes its time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -30,6 +35,18 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+async def ping(request: Request) -> Response:
+    return JSONResponse({"pong": True})
+
+
+async def slow(request: Request) -> Response:
+    await asyncio.sleep(3)
+    return JSONResponse({"slow": True})
+
+
+APP = Starlette(routes=[Route("/health", health), Route("/ping", ping), Route("/slow", slow)])
+
+
 async def big(request: Request) -> Response:
     """In one piece: the answer is complete at once, and the head deadline of the next request
     finds it unsent (closing would wait for it)."""
@@ -45,24 +62,29 @@ async def chunks(request: Request) -> Response:
     return StreamingResponse(pieces(), media_type="application/octet-stream")
 
 
-def status(url: str) -> int:
+def status(url: str, path: str = "/ping") -> int:
     try:
-        return httpx.get(f"{url}/health", timeout=5).status_code
+        return httpx.get(f"{url}{path}", timeout=5).status_code
     except httpx.TransportError:
         return 0
 
 
 @pytest.mark.parametrize("path", ["/big", "/chunks"])
 def test_a_client_that_never_reads_its_answer_loses_its_slot_at_the_deadline(path: str) -> None:
-    app = Starlette(routes=[Route("/health", health), Route("/big", big), Route("/chunks", chunks)])
-    with serving(app, wait=False, options=ServeOptions(max_connections=2, receive_timeout=DEADLINE)) as url:
+    app = Starlette(routes=[Route("/health", health), Route("/ping", ping), Route("/big", big),
+                            Route("/chunks", chunks)])
+    with serving(app, wait=False, options=ServeOptions(max_connections=1, receive_timeout=DEADLINE)) as url:
         stuck = socket.socket()
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes nothing
         stuck.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
         try:
             stuck.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            assert status(url) == 503  # it holds the one slot a client has beside this probe
-            until(lambda: status(url) == 200, "the slot freed once the answer stalled past the deadline", 60)
+            if path == "/big":  # its answer done (if unsent), it waits for a head: closed to make room
+                until(lambda: status(url) == 200, "the stuck connection closed for a new one", 2)
+            else:  # its request in flight holds the one slot
+                assert status(url) == 503
+                assert status(url, "/health") == 200  # a probe of a busy server is told it is up
+                until(lambda: status(url) == 200, "the slot freed as its answer stalled", 60)
             stuck.settimeout(30)
             received = 0
             try:
@@ -73,3 +95,36 @@ def test_a_client_that_never_reads_its_answer_loses_its_slot_at_the_deadline(pat
             assert received < BIG  # aborted, its unsent bytes dropped
         finally:
             stuck.close()
+
+
+def test_silent_sockets_cannot_refuse_other_clients() -> None:
+    """Ten sockets that never send a head, past a limit of four: each new connection closes the
+    one waiting longest, so every request is answered, and the silent ones are closed."""
+    with serving(APP, wait=False, options=ServeOptions(max_connections=4, receive_timeout=60)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+        try:
+            assert [status(url) for _ in range(5)] == [200] * 5 and status(url, "/health") == 200
+            for sock in silent[:6]:  # the oldest, closed to make room (well before the 60 s deadline)
+                sock.settimeout(10)
+                assert sock.recv(1) == b""
+        finally:
+            for sock in silent:
+                sock.close()
+
+
+def test_requests_past_the_limit_in_flight_get_a_busy_answer_with_retry_after() -> None:
+    """Two slow requests in flight, a limit of two: a third is told to come back (the usual error
+    body, its request id, Retry-After, the connection closed), /health is answered, and once the
+    slow ones are done the server answers again."""
+    with serving(APP, wait=False, options=ServeOptions(max_connections=2, receive_timeout=10)) as url:
+        with ThreadPoolExecutor(2) as pool:
+            slow_ones = [pool.submit(httpx.get, f"{url}/slow", timeout=30) for _ in range(2)]
+            until(lambda: status(url) == 503, "both slow requests in flight")
+            busy = httpx.get(f"{url}/ping", headers={"X-Request-Id": "busy-1"}, timeout=5)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert busy.headers["x-request-id"] == "busy-1" and busy.headers["connection"] == "close"
+            assert busy.json()["error"]["code"] == "server_busy"
+            assert status(url, "/health") == 200
+            assert [f.result().status_code for f in slow_ones] == [200, 200]
+        assert status(url) == 200

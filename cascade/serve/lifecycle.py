@@ -70,7 +70,7 @@ class ServeOptions:
     ``upstream_price``: what an upstream teacher costs (None: priced by its measured latency).
     ``limits``: the work one request may carry (None: ``cascade.serve.limits``' defaults).
     ``lower_queue``: most requests waiting at a tier below the top. ``max_connections``: open
-    connections and requests in flight past which uvicorn answers 503 at once.
+    connections kept (``cascade.serve.connections``), and requests in flight past which one gets 503.
     ``receive_timeout``: seconds a client has to send a request's head, and again its body,
     before its connection is closed (408 for a body): a slow client cannot hold a slot.
     ``metrics_key``: the Bearer key ``/metrics`` requires instead of the API key (None:
@@ -342,11 +342,11 @@ def server_config(app: Any, options: ServeOptions) -> Any:
     left unread for longer."""
     import uvicorn
 
-    from cascade.serve.deadline import connection_deadlines
+    from cascade.serve.connections import connection_policy
 
     return uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=options.grace, limit_concurrency=options.max_connections,
-                          http=connection_deadlines(options.receive_timeout))
+                          timeout_graceful_shutdown=options.grace,
+                          http=connection_policy(options.receive_timeout, options.max_connections))
 
 
 class _Run:

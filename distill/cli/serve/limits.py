@@ -40,8 +40,9 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                         help="most requests waiting at a tier below the top (default 1024); past it 503 with "
                         "Retry-After (the top tier's queue is bounded by its expected wait, --max-wait)")
     limits.add_argument("--max-connections", type=whole_number(1), default=512, metavar="N",
-                        help="open connections and requests in flight past which a new request gets 503 at "
-                        "once (default 512)")
+                        help="open connections (past it, a new one closes the one waiting longest for a "
+                        "request's head) and requests in flight (past it, 503 server_busy with Retry-After; "
+                        "/health is answered) (default 512)")
     limits.add_argument("--receive-timeout", type=positive_seconds, default=10.0, metavar="S",
                         help="seconds a client has to send a request's head, and again its body, and the "
                         "longest writing to it may stall unread (default 10): a slow head closes the "

@@ -1,4 +1,5 @@
-"""Deadlines on each connection, so that a client cannot hold a slot by being slow either way.
+"""Each connection's deadlines, and the limit on connections: a client cannot hold a slot by
+being slow either way, nor by holding sockets open.
 
 Reading: uvicorn waits for a request's head as long as bytes keep coming, and its keep-alive
 timer is reset by every byte: a client trickling one header byte a second (a slowloris) holds a
@@ -13,30 +14,80 @@ buffer past its high-water mark, and uvicorn waits to write without end; closing
 the buffer to drain, which never comes. So a connection whose writing stays paused for
 ``seconds`` is aborted (its buffered bytes dropped), as is one closed at the head deadline with
 bytes still unsent: either frees its slot at once.
+
+Holding: uvicorn's ``limit_concurrency`` answered every request once that many sockets were open,
+idle ones too, with its own plain-text 503 (no ``Retry-After``, no request id, ``/health``
+included): a client holding 25 silent sockets refused every other client and had a load balancer
+take the server out. Here a connection past ``most`` closes the one that has waited longest for a
+request's head (an idle keep-alive, a silent socket); where every one has a request in flight, a
+request past ``most`` in flight is answered 503 ``server_busy`` with ``Retry-After`` and the
+connection closed, and ``/health`` is answered all the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from cascade.serve.transport import HttpProblem, error_body, request_id
 
-def connection_deadlines(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, each request's head due within ``seconds`` and no answer stalled
-    unread for longer (``Config(http=...)``)."""
+log = logging.getLogger("cascade.serve")
+
+ALWAYS_ANSWERED = frozenset({"/health", "/healthz"})
+"""Answered past the limit too: a probe of a busy server is told it is up."""
+
+
+def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, each request's head due within ``seconds``, no answer stalled
+    unread for longer, and at most ``most`` connections kept (``Config(http=...)``, with no
+    ``limit_concurrency``)."""
     if not seconds > 0:
         raise ValueError(f"a connection's deadline must be > 0 seconds; got {seconds!r}")
+    if most < 1:
+        raise ValueError(f"at least 1 connection must be allowed; got {most!r}")
 
     class Deadlines(H11Protocol):
         _head_due: asyncio.TimerHandle | None = None
         _write_due: asyncio.TimerHandle | None = None
+        _waiting_since = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
+            if len(self.connections) > most:
+                self._make_room()
+            app = self.app
+            self.app = lambda scope, receive, send: self._admitted(app, scope, receive, send)
+
+        def _make_room(self) -> None:
+            """Close the connection that has waited longest for a request's head, this one aside."""
+            waiting = [c for c in self.connections if isinstance(c, Deadlines) and c is not self
+                       and not c._reading_request() and not c.transport.is_closing()]
+            if waiting:
+                min(waiting, key=lambda c: c._waiting_since)._close()
+
+        async def _admitted(self, app: Any, scope: Any, receive: Any, send: Any) -> None:
+            """The app's answer, or past ``most`` requests in flight (this one counted) a 503."""
+            if len(self.tasks) <= most or scope.get("path") in ALWAYS_ANSWERED:
+                await app(scope, receive, send)
+                return
+            given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+            rid = request_id(given or None)
+            problem = HttpProblem(503, "server_busy", f"the server has {most} requests in flight (--max-"
+                                  "connections); retry after 1 s", {"Retry-After": "1"}, kind="server_error")
+            body = json.dumps(error_body(problem)).encode()
+            log.warning(json.dumps({"event": "server_busy", "request_id": rid, "in_flight": len(self.tasks)}))
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"), (b"connection", b"close"), (b"x-request-id", rid.encode("latin-1")),
+                (b"x-typesafe-request-id", rid.encode("latin-1"))]})
+            await send({"type": "http.response.body", "body": body})
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -73,6 +124,7 @@ def connection_deadlines(seconds: float) -> type[H11Protocol]:
 
         def _arm(self) -> None:
             self._disarm()
+            self._waiting_since = self.loop.time()
             if not self.transport.is_closing():
                 self._head_due = self.loop.call_later(seconds, self._overdue)
 
@@ -85,6 +137,11 @@ def connection_deadlines(seconds: float) -> type[H11Protocol]:
             self._head_due = None
             if self._reading_request() or self.transport.is_closing():
                 return
+            self._close()
+
+        def _close(self) -> None:
+            """Close a connection waiting for a head, dropping what it left unsent."""
+            self._disarm()
             with contextlib.suppress(h11.LocalProtocolError):
                 self.conn.send(h11.ConnectionClosed())
             if self.transport.get_write_buffer_size():
