@@ -269,6 +269,29 @@ def test_cli_layout_auto_puts_one_question_options_first_and_the_store_keeps_tha
     assert "layout state-first: 2 prompts per item share the state" in capsys.readouterr().err
 
 
+def test_a_failed_first_import_keeps_the_labels_another_writer_put_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The import dropped the store it had created whatever it held by then: a second import's
+    labels, written while the first checked its 600,000 rows, went with it when the first was
+    stopped. (The interleaving is made here by the import itself: a real one is a race.)"""
+    from distill.labelling import transfer
+
+    questions, store = write_questions(tmp_path / "q.json"), tmp_path / "shared.sqlite"
+    labels = tmp_path / "gold.jsonl"
+    labels.write_text(json.dumps({"id": "e1", "question": "urgent", "answer": True}) + "\n")
+
+    def stopped_after_another_writer(opened: LabelStore, *args: object) -> object:
+        with LabelStore(store, opened.teacher) as other:
+            other.put_item("theirs", {"urgent": {"true": 1.0, "false": 0.0}})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transfer, "import_labels", stopped_after_another_writer)
+    argv = ["label", "--questions", str(questions), "--store", str(store), "--import", str(labels)]
+    assert main([*argv, "--teacher-name", "gold"]) == 130
+    with LabelStore.open_existing(store) as kept:
+        assert set(kept.labels("urgent")) == {"theirs"}
+
+
 def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:
     questions, store = write_questions(tmp_path / "q.json"), str(tmp_path / "gold.sqlite")
     rows = [{"id": "e1", "question": "urgent", "answer": True},

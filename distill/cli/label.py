@@ -244,7 +244,7 @@ def _import(args: argparse.Namespace) -> int:
 
     questions = load_questions(args.questions)
     teacher = _imported_teacher(args, Teacher)
-    with removed_on_failure(args.store):
+    with removed_on_failure(args.store, only_if_empty=True):  # never labels another writer put there
         with LabelStore(args.store, teacher) as store:
             summary = import_labels(store, args.import_path, questions, args.on_error)
         for line, message in summary.errors:
