@@ -148,6 +148,8 @@ def _parse_line(raw: bytes, number: int, field: str, seen: dict[str, int]) -> Co
         row = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, _NotJson) as exc:
         raise _NotJson(_why(exc)) from None
+    except RecursionError:  # a traceback before, --on-error skip or not
+        raise _BadLine("JSON nested too deeply to read") from None
     if not isinstance(row, dict):
         raise _BadLine(f"must be a JSON object like {EXAMPLE_LINE}; got {_kind(row)}")
     item_id = row.get("id")
@@ -243,6 +245,8 @@ def _questions_json(path: Path, text: str) -> dict[str, Any]:
     except _DuplicateKey as exc:
         raise RequestError(f"{path}:{_key_line(text, exc.key, 2)}: duplicate key {exc.key!r}; "
                            "each key may appear once (JSON would silently keep the last)") from None
+    except RecursionError:
+        raise RequestError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(data, dict):
         raise RequestError(f'{path}: must be a JSON object {{"questions": {{id: question}}}}; '
                            f"got {_kind(data)}")

@@ -51,6 +51,8 @@ BAD_LINES = [
     # JSON lets a lone surrogate through; the tokenizer then raised a TypeError that lost the run
     ('{"id": "e2", "text": "refund \\ud800 please"}', r"item 'e2': 'text': a key or text holds a lone"),
     ('{"id": "e\\ud800", "text": "fine"}', r"'id': a key or text holds a lone"),  # a traceback in the store
+    # a RecursionError traceback, --on-error skip or not
+    ('{"id": "e2", "text": ' + "[" * 100_000 + "]" * 100_000 + "}", r"JSON nested too deeply to read"),
 ]
 
 
@@ -157,6 +159,7 @@ def test_questions_file_errors_name_the_file_line_and_field(tmp_path: Path) -> N
     ('["a"]', r"q.json: must be a JSON object"),
     ("{}", r"q.json: missing 'questions'"),
     ('{"questions": {}}', r"q.json:1: questions: is empty"),
+    ('{"questions": ' + "[" * 100_000 + "]" * 100_000 + "}", r"q.json: JSON nested too deeply to read"),
 ])
 def test_questions_file_shape_errors(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "q.json"

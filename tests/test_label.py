@@ -300,11 +300,13 @@ def test_cli_import_then_export_round_trip(tmp_path: Path, capsys) -> None:
             {"id": "e3", "question": "nope", "answer": True},
             {"id": "e\ud800", "question": "urgent", "answer": True}]  # a traceback in SQLite before
     labels = tmp_path / "gold.jsonl"
-    labels.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    deep = '{"id": "e4", "question": "urgent", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    labels.write_text("".join(json.dumps(r) + "\n" for r in rows) + deep)  # a RecursionError before
     argv = ["label", "--questions", str(questions), "--store", store, "--import", str(labels)]
     assert main([*argv, "--on-error", "skip", "--teacher-name", "gold"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("imported 3 of 5 rows, 2 skipped")
+    assert out.startswith("imported 3 of 6 rows, 3 skipped")
+    assert f"skipped {labels}:6: JSON nested too deeply to read" in err
     assert f"skipped {labels}:4: unknown question 'nope'" in err
     assert f"skipped {labels}:5: id: a key or text holds a lone surrogate" in err
 

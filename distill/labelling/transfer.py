@@ -78,6 +78,8 @@ def _parse_row(line: bytes, questions: Mapping[str, Question]) -> tuple[str, str
         raise StoreError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise StoreError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise StoreError("JSON nested too deeply to read") from None
     allowed = ("id", "question", "answer", "probabilities")
     if not isinstance(row, dict) or set(row) - set(allowed):
         raise StoreError(f"a row must be a JSON object with only the fields {allowed}")

@@ -112,7 +112,7 @@ def _done_ids(path: Path) -> set[str]:
     for number, line in enumerate(data.splitlines(), 1):
         try:
             done.add(json.loads(line)["id"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise CascadeError(f"{path}:{number} is not a decision line with an 'id'; --out must be "
                                "a file this command wrote (to resume) or a new path") from None
     return done
