@@ -20,9 +20,15 @@ from distill.cli.common import (
     optional_corpus_input,
     run_options,
 )
-from distill.cli.endpoint import add_endpoint_arguments, key_source, url_argument
+from distill.cli.endpoint import (
+    add_endpoint_arguments,
+    add_timeout_argument,
+    key_source,
+    timeouts,
+    url_argument,
+)
 from distill.cli.serve.upstream import add_upstream_price_argument
-from distill.cli.values import positive_seconds, probability, share, whole_number
+from distill.cli.values import probability, share, whole_number
 
 TEACHER_ITEMS = 16
 """``distill.calibration.options.TEACHER_ITEMS``, repeated so that --help imports no library (a test
@@ -128,7 +134,7 @@ def _teacher(args: argparse.Namespace) -> UpstreamSettings | None:
     from cascade.teachers.settings import UpstreamSettings
 
     return UpstreamSettings(args.teacher, model=args.upstream_model, key=key_source(args),
-                            read_timeout=args.upstream_timeout, deadline=2 * args.upstream_timeout)
+                            **timeouts(args))
 
 
 def _print_table(result: CalibrationResult) -> None:
@@ -242,8 +248,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      "latency from here; its answers must state the labels' identity (default: not "
                      "called, priced on the roofline as the 4B decision model)")
     add_endpoint_arguments(url, "endpoint")
-    url.add_argument("--upstream-timeout", type=positive_seconds, default=60.0, metavar="S",
-                     help="seconds to wait for one answer (default 60); a call with its retries gets twice")
+    add_timeout_argument(url)
     p.add_argument("--accept-degenerate-teacher", action="store_true",
                    help="certify even where the teacher check finds the labels degenerate (one answer "
                    "on >= 95%% of items, answers that do not move with the input, little probability on "

@@ -22,7 +22,7 @@ from distill.cli.common import (
     placement_of,
     teacher_argument,
 )
-from distill.cli.endpoint import add_endpoint_arguments, key_source
+from distill.cli.endpoint import add_endpoint_arguments, add_timeout_argument, key_source, timeouts
 from distill.cli.escalations import add_escalation_arguments, check_escalations, escalation_store
 from distill.cli.values import output_file
 
@@ -101,7 +101,7 @@ def _teacher(args: argparse.Namespace) -> Teacher | None:
         return args.teacher
     from cascade.teachers.settings import UpstreamSettings
 
-    return UpstreamSettings(args.teacher, model=args.upstream_model, key=key_source(args))
+    return UpstreamSettings(args.teacher, model=args.upstream_model, key=key_source(args), **timeouts(args))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -130,5 +130,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "has it, and each answer's usage.x_cascade.ran_on says which it got)")
     add_audit_arguments(p)
     add_escalation_arguments(p, "the decided items (by id: a rerun keeps the same ones)")
-    add_endpoint_arguments(p.add_argument_group("a URL teacher (--teacher http://host:port/v1/systemone)"))
+    url = p.add_argument_group("a URL teacher (--teacher http://host:port/v1/systemone)")
+    add_endpoint_arguments(url)
+    add_timeout_argument(url)
     p.set_defaults(run=_cmd_decide)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
+
+from distill.cli.values import positive_seconds
 
 if TYPE_CHECKING:
     from cascade.teachers.keys import KeySource
@@ -24,6 +26,23 @@ def add_endpoint_arguments(group: argparse._ArgumentGroup, what: str = "upstream
     group.add_argument("--upstream-key-file", type=Path, metavar="PATH",
                        help=f"file holding the {what}'s key, re-read when it changes (wins over the "
                        "variable)")
+
+
+def add_timeout_argument(group: argparse._ArgumentGroup) -> None:
+    """--upstream-timeout of an offline command: a teacher behind a URL may be a 4B model on a
+    busy card, so one answer may take far longer than a server's callers wait (8 s)."""
+    group.add_argument("--upstream-timeout", type=positive_seconds, default=60.0, metavar="S",
+                       help="seconds to wait for one answer (default 60); a call with its retries gets twice")
+
+
+class Timeouts(TypedDict):
+    read_timeout: float
+    deadline: float
+
+
+def timeouts(args: argparse.Namespace) -> Timeouts:
+    """The ``UpstreamSettings`` timeouts ``--upstream-timeout`` gives."""
+    return {"read_timeout": args.upstream_timeout, "deadline": 2 * args.upstream_timeout}
 
 
 def key_source(args: argparse.Namespace) -> KeySource:

@@ -15,8 +15,8 @@ from distill.cli.common import (
     add_text_field_argument,
     teacher_argument,
 )
-from distill.cli.endpoint import add_endpoint_arguments, key_source
-from distill.cli.values import output_file, positive_number, positive_seconds, sha256_hex, whole_number
+from distill.cli.endpoint import add_endpoint_arguments, add_timeout_argument, key_source, timeouts
+from distill.cli.values import output_file, positive_number, sha256_hex, whole_number
 
 if TYPE_CHECKING:
     from cascade.questions import Question
@@ -202,8 +202,7 @@ def _label_endpoint(args: argparse.Namespace, questions: dict[str, Question],
         args.parser.error(f"{local[0]} does not apply to a URL teacher, which reads states its own way")
     concurrency = args.concurrency or DEFAULT_CONCURRENCY
     settings = UpstreamSettings(args.teacher, model=args.upstream_model, max_in_flight=concurrency,
-                                key=key_source(args),
-                                read_timeout=args.upstream_timeout, deadline=2 * args.upstream_timeout)
+                                key=key_source(args), **timeouts(args))
     run = EndpointRun(concurrency=concurrency, rate=args.rate, text_field=args.text_field,
                       on_error=args.on_error, only=only)
     with StopRequest("the calls in flight") as stop:
@@ -386,8 +385,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     url.add_argument("--rate", type=positive_number, metavar="R",
                      help="at most R calls a second, > 0 (default: no limit)")
     add_endpoint_arguments(url, "endpoint")
-    url.add_argument("--upstream-timeout", type=positive_seconds, default=60.0, metavar="S",
-                     help="seconds to wait for one answer (default 60); a call with its retries gets twice")
+    add_timeout_argument(url)
     ray = p.add_argument_group("labelling on a Ray cluster (pip install -e '.[ray]')")
     ray.add_argument("--ray", metavar="ADDRESS",
                      help="label on Ray actors: a cluster's address (HEAD_IP:6379, auto) or 'local' to "
