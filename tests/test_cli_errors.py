@@ -406,3 +406,26 @@ def test_serve_flags_given_to_ray_config_before_the_separator_are_named(tmp_path
     assert_one_clear_line(run(*base, "--out", str(out), "key"), "key is not a flag of cascade ray-config")
     assert_one_clear_line(run(*base, "--", "--threads", "1"), "give --out FILE")
     assert not out.exists()
+
+
+def test_ray_config_refuses_an_empty_teacher_and_an_out_it_cannot_write(tmp_path: Path) -> None:
+    """``--teacher ''`` wrote ``--teacher .`` and said "the teacher on CPU"; an --out that is a
+    folder, or in a missing one, was an OSError naming a temporary file."""
+    base = ["ray-config", "--bundle", str(tmp_path)]
+    for teacher, out, said in (("", str(tmp_path / "s.yaml"), "argument --teacher: is empty"),
+                               ("http://127.0.0.1:9/v1/systemone", str(tmp_path), "is a folder"),
+                               ("http://127.0.0.1:9/v1/systemone", str(tmp_path / "no" / "s.yaml"),
+                                "does not exist; create it first")):
+        result = run(*base, "--teacher", teacher, "--out", out)
+        assert result.returncode == 2 and said in result.stderr and ".tmp" not in result.stderr, result.stderr
+
+
+def test_a_bad_teacher_identity_says_what_is_wrong(tmp_path: Path) -> None:
+    """The line said only "1 validation error for EndpointIdentity"."""
+    questions = tmp_path / "q.json"
+    questions.write_text(json.dumps({"questions": {"u": QUESTIONS_JSON["urgent"]}}))
+    labels = tmp_path / "l.jsonl"
+    labels.write_text(json.dumps({"id": "a", "question": "u", "answer": True}) + "\n")
+    result = run("label", "--questions", str(questions), "--store", str(tmp_path / "s.sqlite"), "--import",
+                 str(labels), "--teacher-identity", "{bad")
+    assert result.returncode == 2 and "Invalid JSON: key must be a string" in result.stderr.splitlines()[-1]

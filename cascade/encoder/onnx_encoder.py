@@ -116,7 +116,7 @@ def resolve_providers(device: Device) -> list[str]:
             "device='cuda' but this onnxruntime has no CUDAExecutionProvider "
             f"(available: {', '.join(available)}); on a CUDA machine install the gpu extra's onnxruntime-gpu "
             "in place of the cpu one (`pip uninstall -y onnxruntime onnxruntime-gpu && pip install "
-            "'onnxruntime-gpu>=1.17'`: docs/placement.md), or use device='cpu'"
+            "'onnxruntime-gpu>=1.17'`: docs/placement.md), or use --device cpu / device='cpu'"
         )
     if device == "cpu":
         return [CPU]
@@ -395,7 +395,7 @@ def _load_session(path: Path, providers: list[str], threads: int | None,
             return session
         raise ModelError(
             f"CUDAExecutionProvider failed to start for {path} (check the CUDA and cuDNN "
-            "libraries onnxruntime-gpu needs), or use device='cpu'"
+            "libraries onnxruntime-gpu needs), or use --device cpu / device='cpu'"
         )
     return session
 

@@ -230,6 +230,8 @@ def teacher_argument(text: str) -> str | Path:
     from cascade.errors import CascadeError
     from cascade.teachers.settings import url_or_path
 
+    if not text.strip():  # a Path("") is "."; ray-config wrote --teacher . and said "on CPU"
+        raise argparse.ArgumentTypeError("is empty; give a GGUF's path or an http(s)://.../v1/systemone URL")
     try:
         return url_or_path(text)
     except CascadeError as exc:

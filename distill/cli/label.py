@@ -264,8 +264,10 @@ def _imported_teacher(args: argparse.Namespace, teacher: Any) -> Any:
         try:
             identity = EndpointIdentity.model_validate_json(args.teacher_identity)
         except ValueError as exc:
+            lines = [line.strip() for line in str(exc).splitlines()[1:]  # the first: how many errors
+                     if not line.strip().startswith("For further information")]
             args.parser.error('--teacher-identity must be JSON like {"model": ..., "model_hash": ...}: '
-                              f"{str(exc).splitlines()[0]}")
+                              f"{' '.join(lines[:2])}")
         return teacher.of_endpoint(identity)
     if args.teacher_sha256 is not None:
         if args.teacher_prompt_version is None:

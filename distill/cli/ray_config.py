@@ -10,7 +10,7 @@ from pathlib import Path
 from cascade.errors import CascadeError
 from cascade.teachers.admission import TEACHER_MAX_WAIT
 from distill.cli.common import teacher_argument
-from distill.cli.values import positive_number, positive_seconds, whole_number
+from distill.cli.values import output_file, positive_number, positive_seconds, whole_number
 
 DESCRIPTION = """\
 Write the Ray Serve config that runs a bundle's cascade on a Ray cluster: the same System One API
@@ -108,7 +108,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "not exist")
     p.add_argument("--teacher", type=teacher_argument, required=True, metavar="PATH.gguf|URL",
                    help="a GGUF, served by a teacher deployment of its own, or a System One URL to call")
-    p.add_argument("--out", type=Path, metavar="FILE", help="where to write the config (YAML; required)")
+    p.add_argument("--out", type=output_file, metavar="FILE",
+                   help="where to write the config (YAML; required)")
     p.add_argument("--host", default="127.0.0.1",
                    help="where Ray's HTTP proxy listens (default 127.0.0.1; 0.0.0.0 for other machines: "
                    "give --api-key after -- then)")

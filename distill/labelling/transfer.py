@@ -30,7 +30,7 @@ class ImportSummary(BaseModel):
     def _fail(self, path: Path, line: int, message: str, on_error: str, rows: int = 1) -> None:
         """Raise with file and line in stop mode; count and remember the row in skip mode."""
         if on_error == "stop":
-            raise StoreError(f"{path}:{line}: {message} (or import with on_error='skip')")
+            raise StoreError(f"{path}:{line}: {message} (or import with --on-error skip / on_error='skip')")
         self.skipped += rows
         self.errors.append((line, message))
 
