@@ -10,6 +10,7 @@ tolerance is 1e-4 and any mapping or state-copy error shows.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -222,8 +223,18 @@ def test_over_long_input_is_refused_with_token_counts(gemma_path: Path) -> None:
         with pytest.raises(InputTooLongError, match=too_long):
             scorer.score(request(2, long_state))
         response = scorer.score(request(2, long_state), excerpt=HeadTailExcerpt(120))
+        with pytest.raises(InputTooLongError, match=r"head_tail:(\d+)") as advised:
+            scorer.score(request(2, long_state + " " + long_state))
+        fits = int(re.search(r"head_tail:(\d+)", str(advised.value)).group(1))  # type: ignore[union-attr]
+        assert scorer.score(request(2, long_state), excerpt=HeadTailExcerpt(fits)).answers  # the advice works
     finally:
         scorer.close()
+    tiny = Scorer(gemma_path, n_ctx=32, max_branches=4)  # the prompt alone fills it: no excerpt can help
+    try:
+        with pytest.raises(InputTooLongError, match=r"no excerpt of the state fits: raise the context"):
+            tiny.score(request(2, STATE), excerpt=HeadTailExcerpt(8))
+    finally:
+        tiny.close()
     for answer in response.answers.values():
         assert answer.readout.excerpt == "head_tail:120"
         assert sum(answer.probabilities.values()) == pytest.approx(1.0)

@@ -47,6 +47,9 @@ from cascade.readout.turns import one_at_a_time
 DecodePath = Literal["fanout", "serial", "fresh"]
 PATHS: tuple[DecodePath, ...] = ("fanout", "serial", "fresh")
 _EXCERPT_MARK = "\n[...]\n"
+_EXCERPT_SLACK = 8
+"""Tokens left spare where a refusal suggests an excerpt's length: the excerpt's mark, and tokens
+merged otherwise where the state meets the prompt."""
 MAX_BRANCHES = 64
 
 
@@ -287,7 +290,7 @@ class Scorer:
             if _longest(branches + probes) <= self.ctx.config.n_ctx:
                 return branches, probes, None, state_text
             if excerpt is None:
-                raise self._too_long(branches + probes, state_text)
+                raise self._too_long(branches + probes, state_text, state_text)
         elif excerpt is None:
             raise InputTooLongError(
                 f"the prompt needs more than {alone} tokens (the state alone {alone}) but the context holds "
@@ -295,7 +298,7 @@ class Scorer:
         cut_text = self._cut(state_text, excerpt.max_tokens)
         branches, probes = self._render(request, cut_text, permutations)
         if _longest(branches + probes) > self.ctx.config.n_ctx:
-            raise self._too_long(branches + probes, state_text)
+            raise self._too_long(branches + probes, state_text, cut_text)
         return branches, probes, excerpt.label, cut_text
 
     def _render(self, request: DecisionRequest, state_text: str, k: int
@@ -360,15 +363,26 @@ class Scorer:
     @property
     def _remedy(self) -> str:
         half = max(2, self.ctx.config.n_ctx // 2)
-        return (f"raise n_ctx, or choose an excerpt policy such as head_tail:{half} to score a "
-                "head-and-tail excerpt of the state")
+        return self._excerpt_remedy(half)
 
-    def _too_long(self, branches: list[_Branch], state_text: str) -> InputTooLongError:
-        state_tokens = len(self.model.tokenize(state_text))
+    @staticmethod
+    def _excerpt_remedy(tokens: int) -> str:
+        return (f"raise the context (--n-ctx / n_ctx), or score a head-and-tail excerpt of the state "
+                f"(--excerpt / excerpt) such as head_tail:{tokens}")
+
+    def _too_long(self, branches: list[_Branch], state_text: str, rendered: str) -> InputTooLongError:
+        """The refusal, with a remedy that can work: the prompt around the state (``rendered``:
+        the state or its excerpt, as ``branches`` hold it) may alone fill the context, and no
+        excerpt then fits (it advised one all the same)."""
+        n_ctx, longest = self.ctx.config.n_ctx, _longest(branches)
+        around = longest - len(self.model.tokenize(rendered))
+        room = n_ctx - around - _EXCERPT_SLACK
+        remedy = self._excerpt_remedy(room) if room >= 2 else (
+            f"the prompt around the state alone takes about {around} tokens, so no excerpt of the state "
+            "fits: raise the context (--n-ctx / n_ctx) above that")
         return InputTooLongError(
-            f"the prompt needs {_longest(branches)} tokens (the state alone {state_tokens}) but the "
-            f"context holds {self.ctx.config.n_ctx}; {self._remedy}"
-        )
+            f"the prompt needs {longest} tokens (the state alone {len(self.model.tokenize(state_text))}) but "
+            f"the context holds {n_ctx}; {remedy}")
 
     def _read(self, branches: list[_Branch], shared: int, path: DecodePath, readings: _Readings | None = None,
               prefilled: bool = False) -> _Readings:
