@@ -17,7 +17,14 @@ calibration's delta), the target, and the alarm. The alarm is a bet against "agr
 it rises when that bet's wealth reaches 1/delta, not when the lower bound dips below the target
 (on a quiet stream the bound may sit under the target for long without evidence of drift). Only
 audits made under the bundle's current calibration count, each audited state once. Writes the
-agreement and its lower bound over the audited items as a PNG."""
+agreement and its lower bound over the audited items as a PNG.
+
+Exit status: 0 where every alarm is quiet, 3 where one rose (a cron job or a CI step can act on
+it), 1 where the store holds no audit of this calibration (nothing was watched), 2 on an error."""
+
+ALARM_STATUS = 3
+"""``cascade audit``'s exit status where a drift alarm rose: it exited 0 then, as on a quiet
+stream, and a script watching for drift could not tell."""
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
@@ -55,7 +62,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     plot = args.plot or (args.store.with_suffix(".audit.png") if isinstance(args.store, Path)
                          else Path(f"{args.store.database}.audit.png"))
     print(f"plot: {plot_audit(rows, target, plot)}")
-    return 0
+    return ALARM_STATUS if any(row.monitor.alarm for row in rows) else 0
 
 
 def png_path(value: str) -> Path:
