@@ -32,6 +32,10 @@ def test_a_price_is_parsed_with_its_unit_and_refused_with_what_to_give() -> None
     for bad in ("request", "per=1", "request=-1", "request=x"):
         with pytest.raises(CascadeError, match="--upstream-price"):
             UpstreamPrice.parse(bad)
+    with pytest.raises(CascadeError, match="request is given twice"):  # the second silently won
+        UpstreamPrice.parse("request=1,request=2,unit=USD")
+    with pytest.raises(CascadeError, match="unit= is empty"):  # printed "12  spent"
+        UpstreamPrice.parse("request=1,unit=")
 
 
 def test_the_ledger_prices_what_went_up_against_forwarding_every_request_whole() -> None:

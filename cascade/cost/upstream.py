@@ -40,7 +40,13 @@ class UpstreamPrice:
             if not sep or key.strip() not in ("request", "question", "unit"):
                 raise CascadeError(f"--upstream-price: {part!r} is not request=X, question=X or unit=NAME; "
                                    "give e.g. request=0.002,question=0.0005,unit=USD")
-            parts[key.strip()] = value.strip()
+            key, value = key.strip(), value.strip()
+            if key in parts:  # the second silently won
+                raise CascadeError(f"--upstream-price: {key} is given twice in {text!r}; give it once")
+            if not value:  # an empty unit printed "12  spent"
+                example = "USD" if key == "unit" else "0.002"
+                raise CascadeError(f"--upstream-price: {key}= is empty; give e.g. {key}={example}")
+            parts[key] = value
         try:
             price = cls(float(parts.get("request", 0)), float(parts.get("question", 0)),
                         parts.get("unit", "USD"))
