@@ -38,7 +38,7 @@ from servers import free_port, serving, until
 
 from cascade.collect.collector import Collector, size_of
 from cascade.collect.record import CollectedItem, collected_item
-from cascade.errors import UpstreamError
+from cascade.errors import CascadeError, UpstreamError
 from cascade.private import HIDDEN, redact_text, redact_url, url_secrets
 from cascade.questions import parse_request
 from cascade.serve.edge import add_wire
@@ -471,3 +471,44 @@ def test_a_ray_config_holding_a_key_or_a_password_is_its_owners_alone(
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     assert TEACHER_PW in out.read_text() and API_KEY in out.read_text()  # the replicas need them
     assert _leaks(*capsys.readouterr()) == []
+
+
+def test_a_ray_config_keys_the_teacher_route_as_it_keys_the_cascade(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The teacher application shares the proxy's port: with --host 0.0.0.0 -- --api-key K it took
+    any caller (the key went to the cheap application alone), and with $CASCADE_API_KEY set on the
+    nodes (KubeRay's manifest) it checked the key and refused the cheap replicas' escalations, which
+    sent none. Each replica is also told the open host, so that one started with no key refuses."""
+    pytest.importorskip("yaml", reason="the ray-serve extra brings PyYAML")
+    import yaml
+
+    from cascade.serve.lifecycle import check_auth
+    from distill.cli import main
+    from distill.cli.serve.command import options_of
+    from distill.cli.serve.replicas import serve_args
+
+    monkeypatch.delenv("CASCADE_API_KEY", raising=False)
+    gguf, out = tmp_path / "t.gguf", tmp_path / "serve.yaml"
+    gguf.write_bytes(b"")
+    base = ["ray-config", "--bundle", str(tmp_path / "b"), "--teacher", str(gguf), "--out", str(out),
+            "--host", "0.0.0.0"]
+
+    def written() -> dict[str, dict]:
+        return {app["name"]: app for app in yaml.safe_load(out.read_text())["applications"]}
+
+    assert main([*base, "--", "--api-key", API_KEY]) == 0
+    apps = written()
+    teacher = serve_args(apps["teacher"]["args"]["argv"])
+    assert (teacher.api_key, teacher.host) == (API_KEY, "0.0.0.0")
+    cheap = apps["cascade"]["deployments"][0]["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert cheap == {"CASCADE_UPSTREAM_KEY": API_KEY}  # what the cheap replicas send the teacher
+    monkeypatch.setenv("CASCADE_API_KEY", API_KEY)  # the KubeRay way: the key in every node's environment
+    assert main(base) == 0
+    assert "set it on every Ray node" in capsys.readouterr().err
+    apps = written()
+    assert serve_args(apps["cascade"]["args"]["argv"]).upstream_key_env == "CASCADE_API_KEY"
+    monkeypatch.delenv("CASCADE_API_KEY")  # a node without it: each replica refuses to start
+    for app in apps.values():
+        replica = serve_args(app["args"]["argv"])
+        with pytest.raises(CascadeError, match="opens the port to other machines"):
+            check_auth(options_of(replica), False, forwardable=False)

@@ -32,6 +32,8 @@ REJECT_FOR = 10.0
 """Seconds a key the upstream refused (401, 403) is refused here without asking it again."""
 MAX_KEYS = 10_000
 """Most keys each table holds."""
+UPSTREAM_KEY_VARIABLE = "CASCADE_UPSTREAM_KEY"
+"""Where a command's upstream key is read from unless ``--upstream-key-env`` names another."""
 
 
 @dataclass

@@ -7,12 +7,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from cascade.teachers.keys import UPSTREAM_KEY_VARIABLE
 from distill.cli.values import positive_seconds
 
 if TYPE_CHECKING:
     from cascade.teachers.keys import KeySource
 
-UPSTREAM_KEY_ENV = "CASCADE_UPSTREAM_KEY"
 
 
 def add_endpoint_arguments(group: argparse._ArgumentGroup, what: str = "upstream") -> None:
@@ -21,8 +21,9 @@ def add_endpoint_arguments(group: argparse._ArgumentGroup, what: str = "upstream
     group.add_argument("--upstream-model", metavar="NAME",
                        help=f"the model name each request to the {what} carries, where it requires one "
                        "(default: none)")
-    group.add_argument("--upstream-key-env", default=UPSTREAM_KEY_ENV, metavar="VAR",
-                       help=f"environment variable holding the {what}'s key (default {UPSTREAM_KEY_ENV})")
+    group.add_argument("--upstream-key-env", default=UPSTREAM_KEY_VARIABLE, metavar="VAR",
+                       help=f"environment variable holding the {what}'s key (default "
+                       f"{UPSTREAM_KEY_VARIABLE})")
     group.add_argument("--upstream-key-file", type=Path, metavar="PATH",
                        help=f"file holding the {what}'s key, re-read when it changes (wins over the "
                        "variable)")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cascade.errors import CascadeError
 from cascade.teachers.admission import TEACHER_MAX_WAIT
+from cascade.teachers.keys import UPSTREAM_KEY_VARIABLE
 from distill.cli.common import teacher_argument
 from distill.cli.values import output_file, positive_number, positive_seconds, whole_number
 
@@ -46,7 +47,7 @@ distill.rayserve.proxy:middlewares
 
 def _cmd_ray_config(args: argparse.Namespace) -> int:
     from cascade.private import redact_url
-    from cascade.serve.lifecycle import check_auth
+    from cascade.serve.lifecycle import API_KEY_VARIABLE, check_auth
     from distill.cli.serve.command import options_of
     from distill.cli.serve.replicas import serve_args
     from distill.rayserve.plan import RayPlan, serve_config
@@ -58,20 +59,28 @@ def _cmd_ray_config(args: argparse.Namespace) -> int:
     if args.out is None:
         raise CascadeError("give --out FILE: where to write the config")
     flags = args.serve_flags[1:]
+    given = serve_args(["--bundle", str(args.bundle), "--teacher", "http://127.0.0.1/v1/systemone", *flags])
     plan = RayPlan(bundle=args.bundle, teacher=args.teacher, serve_flags=flags, host=args.host,
                    port=args.port, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing, replica_cpus=args.replica_cpus,
                    teacher_replicas=args.teacher_replicas, teacher_gpus=args.teacher_gpus,
-                   teacher_cpus=args.teacher_cpus, teacher_max_wait=args.teacher_max_wait)
+                   teacher_cpus=args.teacher_cpus, teacher_max_wait=args.teacher_max_wait,
+                   api_key=given.api_key, open_on_purpose=given.insecure_no_auth,
+                   sends_own_key=not (given.forward_auth or given.upstream_key_file is not None
+                                      or given.upstream_key_env != UPSTREAM_KEY_VARIABLE))
     replica = serve_args(plan.cascade_argv())  # refused now, as the replicas would refuse them
-    check_auth(replace(options_of(replica), host=args.host), replica.forward_auth, forwardable=True)
-    if plan.local_teacher:
-        serve_args(plan.teacher_argv())
+    auth = check_auth(replace(options_of(replica), host=args.host), replica.forward_auth, forwardable=True)
+    if plan.local_teacher:  # its route is on the same proxy: refused open as the cheap one is
+        check_auth(replace(options_of(serve_args(plan.teacher_argv())), host=args.host), False, False)
     _write(serve_config(plan), args.out)
     teacher = f"the teacher on {args.teacher_gpus:g} GPU(s) per replica" if args.teacher_gpus else \
         "the teacher on CPU" if plan.local_teacher else f"the teacher at {redact_url(args.teacher)}"
     print(f"wrote {args.out}: {args.min_replicas}-{args.max_replicas} cheap replicas, {teacher}; "
           f"start it with: {START} serve run {args.out}", file=sys.stderr)
+    if auth.key is not None and not given.api_key:
+        print(f"the replicas check the key in ${API_KEY_VARIABLE}, which is not in the config: set it on "
+              "every Ray node (a replica started without it on an open --host refuses to start)",
+              file=sys.stderr)
     return 0
 
 

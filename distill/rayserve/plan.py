@@ -11,6 +11,14 @@ runs ``cascade serve`` with ``serve_flags``, so every flag of that command (``--
 ``--max-wait``, ``--api-key`` ...) means here what it means there. Ray lets a replica hold four
 times its autoscaling target in flight, and a teacher replica 256, so that overload meets the
 apps' own admission (503 with ``Retry-After``, by expected wait) rather than a queue in Ray.
+
+The teacher application checks the key the cheap one checks, and the cheap replicas send it
+there: a key given as ``--api-key K`` goes to the teacher's flags and, as the upstream key, to
+the cheap replicas' environment; a key in ``$CASCADE_API_KEY`` on the nodes is read by both, the
+cheap replicas sending it upstream. (Before, the teacher route on a ``--host 0.0.0.0`` proxy took
+any caller, and with the variable set, as on KubeRay, refused the cheap replicas' escalations.)
+Both get ``--host`` where it is not loopback, so that a replica started where no key is set
+refuses to start, as ``cascade serve`` does, rather than serve open.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from cascade.errors import CascadeError
+from cascade.serve.lifecycle import API_KEY_VARIABLE
 from cascade.teachers.admission import TEACHER_MAX_WAIT
+from cascade.teachers.keys import UPSTREAM_KEY_VARIABLE, is_loopback
 
 TEACHER_PREFIX = "/teacher"
 
@@ -44,6 +54,14 @@ class RayPlan:
     teacher_gpus: float = 0.0
     teacher_cpus: float = 1.0
     teacher_max_wait: float = TEACHER_MAX_WAIT
+    api_key: str | None = field(default=None, repr=False)
+    """The ``--api-key`` among ``serve_flags``: the teacher checks it too, and the cheap replicas
+    send it there."""
+    open_on_purpose: bool = False
+    """``--insecure-no-auth`` among ``serve_flags``: the teacher is served open as well."""
+    sends_own_key: bool = True
+    """Whether the cheap replicas send a key of ray-config's choosing to the teacher: not with
+    ``--forward-auth`` (the caller's goes), nor where ``--upstream-key-env`` or ``-file`` is given."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -65,12 +83,31 @@ class RayPlan:
         return f"http://127.0.0.1:{self.port}{TEACHER_PREFIX}/v1/systemone"
 
     def cascade_argv(self) -> list[str]:
-        return ["--bundle", str(self.bundle), "--teacher", self.teacher_url(), *self.serve_flags]
+        own = ["--upstream-key-env", API_KEY_VARIABLE] if self._keyed_by_variable() else []
+        return ["--bundle", str(self.bundle), "--teacher", self.teacher_url(), *self._host(), *own,
+                *self.serve_flags]
 
     def teacher_argv(self) -> list[str]:
         placed = ["--gpu-layers", "999"] if self.teacher_gpus > 0 else []
         threads = ["--threads", str(max(1, int(self.teacher_cpus)))]
-        return ["--teacher", str(self.teacher), *placed, *threads, "--max-wait", f"{self.teacher_max_wait:g}"]
+        auth = ["--api-key", self.api_key] if self.api_key else []
+        auth += ["--insecure-no-auth"] if self.open_on_purpose else []
+        return ["--teacher", str(self.teacher), *placed, *threads, "--max-wait", f"{self.teacher_max_wait:g}",
+                *self._host(), *auth]
+
+    def cascade_env(self) -> dict[str, str]:
+        """The cheap replicas' environment: the teacher's key as their upstream key, where it was
+        given as ``--api-key`` (the default ``--upstream-key-env`` reads it)."""
+        if self.local_teacher and self.sends_own_key and self.api_key:
+            return {UPSTREAM_KEY_VARIABLE: self.api_key}
+        return {}
+
+    def _keyed_by_variable(self) -> bool:
+        """The cheap replicas send ``$CASCADE_API_KEY`` (the teacher's key, where set) upstream."""
+        return self.local_teacher and self.sends_own_key and not self.api_key
+
+    def _host(self) -> list[str]:
+        return [] if is_loopback(self.host) else ["--host", self.host]
 
 
 def serve_config(plan: RayPlan) -> dict[str, Any]:
@@ -90,7 +127,12 @@ def _cascade_app(plan: RayPlan) -> dict[str, Any]:
                              "autoscaling_config": {"min_replicas": plan.min_replicas,
                                                     "max_replicas": plan.max_replicas,
                                                     "target_ongoing_requests": plan.target_ongoing_requests},
-                             "ray_actor_options": {"num_cpus": plan.replica_cpus}}]}
+                             "ray_actor_options": _with_env({"num_cpus": plan.replica_cpus},
+                                                            plan.cascade_env())}]}
+
+
+def _with_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    return {**options, "runtime_env": {"env_vars": env}} if env else options
 
 
 def _teacher_app(plan: RayPlan) -> dict[str, Any]:
