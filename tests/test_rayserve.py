@@ -454,6 +454,32 @@ def test_a_promoted_bundle_that_fails_to_load_leaves_the_old_replicas_serving(
     assert post(deployed.url, body).status_code == 200
 
 
+def test_a_keyed_deployment_keys_the_teacher_route_and_its_escalations_pass(
+        deployed: Deployed, bundle_dir: Path) -> None:
+    """With ``-- --api-key K`` the teacher's route, on the same proxy, took any caller; keyed as the
+    cascade is, its escalations pass only because the cheap replicas send it the key (from the
+    environment the config gives them)."""
+    key = "ray-test-key-5f1c"
+    old = replicas("cascade")
+    deployed.deploy(bundle_dir, "--api-key", key)
+    deployed.rolled(old)
+    wait_ready(f"{deployed.url}/teacher/health")
+    keyed = {"Authorization": f"Bearer {key}"}
+    body = {"state": STATE, "questions": {ESCALATED: QUESTIONS_JSON[ESCALATED]}}
+    for path in ("/v1/systemone", "/teacher/v1/systemone"):
+        assert httpx.post(f"{deployed.url}{path}", json=body, timeout=60).status_code == 401, path
+    for _ in range(30):
+        reply = httpx.post(f"{deployed.url}/v1/systemone", json=body, headers=keyed, timeout=300)
+        if reply.status_code != 503:
+            break
+        time.sleep(int(reply.headers["retry-after"]))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["answers"][ESCALATED]["x_routing"]["tier"] == "teacher"
+    old = replicas("cascade")
+    deployed.deploy(bundle_dir)  # as the tests before left it
+    deployed.rolled(old)
+
+
 # --- the KubeRay manifest (checked here against Ray's schema; kubectl needs a cluster: not run) ---
 
 MANIFEST = Path(__file__).resolve().parents[1] / "deploy" / "kuberay" / "rayservice.yaml"
