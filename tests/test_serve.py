@@ -321,6 +321,8 @@ def test_a_full_teacher_queue_refuses_with_retry_after_or_keeps_the_answer_below
         refused = [r for r in replies if r.status_code == 503]
         assert refused and all(int(r.headers["retry-after"]) >= 1 for r in refused)
         assert {error(r, 503, "queue_full")["error"]["code"] for r in refused} == {"queue_full"}
+        # the encoder answered each: a budget, or --overload keep, would keep it below
+        assert all("--overload keep" in r.json()["error"]["message"] for r in refused)
     else:
         assert codes == [200] * 10
         routes = [r.json()["answers"][ESCALATED]["x_routing"] for r in replies]

@@ -203,15 +203,21 @@ class Cascade:
         """Give up the top tier for ``run`` (it is overloaded): every question queued there that
         a lower tier answered keeps that answer, marked budget-limited and uncertified; False,
         changing nothing, when some queued question has no lower answer to keep."""
+        if not self.can_keep_below_top(run):
+            return False
         top = len(self.tiers) - 1
         queued = [(i, qid) for i, qids in enumerate(run.queued[top]) for qid in qids]
-        if any(qid not in run.picks[i] for i, qid in queued):
-            return False
         for i, qid in queued:
             pick = run.picks[i][qid]
             pick.budget_limited = pick.overloaded = True
         run.queued[top] = [[] for _ in run.items]
         return True
+
+    def can_keep_below_top(self, run: Run) -> bool:
+        """Whether every question of ``run`` queued at the top tier has a lower tier's answer to
+        keep (``keep_below_top``); none has for a state routing sends up whatever the budget."""
+        top = len(self.tiers) - 1
+        return all(qid in run.picks[i] for i, qids in enumerate(run.queued[top]) for qid in qids)
 
     def sends_every_item_up(self, qid: str, budget: Budget) -> bool:
         """Whether routing sends question ``qid`` to the top tier whatever the item: no cheap tier

@@ -516,5 +516,9 @@ class Engine:
         if keep:
             self._forward(job)
             return
-        self._fail(job, type(exc)(f"{exc}; or send a budget (x_budget) that keeps answers below, "
-                                  "or start the server with --overload keep", retry_after=exc.retry_after))
+        below = not job.matched.foreign and job.run is not None and self.cascade.can_keep_below_top(job.run)
+        advice = ("or send a budget (x_budget) that keeps answers below, or start the server with --overload "
+                  "keep") if below else ("no budget keeps this request below the teacher: its state or "
+                                         "questions need it (an unfamiliar state, a question the bundle does "
+                                         "not hold)")
+        self._fail(job, type(exc)(f"{exc}; {advice}", retry_after=exc.retry_after))
