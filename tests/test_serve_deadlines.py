@@ -44,7 +44,8 @@ async def slow(request: Request) -> Response:
     return JSONResponse({"slow": True})
 
 
-APP = Starlette(routes=[Route("/health", health), Route("/ping", ping), Route("/slow", slow)])
+APP = Starlette(routes=[Route("/health", health), Route("/ping", ping, methods=["GET", "POST"]),
+                        Route("/slow", slow)])
 
 
 async def big(request: Request) -> Response:
@@ -128,3 +129,20 @@ def test_requests_past_the_limit_in_flight_get_a_busy_answer_with_retry_after() 
             assert status(url, "/health") == 200
             assert [f.result().status_code for f in slow_ones] == [200, 200]
         assert status(url) == 200
+
+
+def test_a_request_framed_two_ways_is_answered_and_its_connection_closed() -> None:
+    """Transfer-Encoding and Content-Length both: the body is read chunked, and the request
+    pipelined after it was answered too on the same connection (RFC 9112 6.1: the server must
+    close it, or a proxy in front that framed the body by its length is smuggled a request)."""
+    with serving(APP, wait=False, options=ServeOptions(max_connections=4, receive_timeout=10)) as url:
+        sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10)
+        try:
+            sock.sendall(b"POST /ping HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                         b"Content-Length: 5\r\n\r\n0\r\n\r\nGET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        finally:
+            sock.close()
+    assert reply.count(b"HTTP/1.1 ") == 1, reply  # and closed: the read above ended

@@ -74,6 +74,11 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
 
         async def _admitted(self, app: Any, scope: Any, receive: Any, send: Any) -> None:
             """The app's answer, or past ``most`` requests in flight (this one counted) a 503."""
+            names = {name for name, _ in scope.get("headers") or []}
+            if {b"transfer-encoding", b"content-length"} <= names and self.cycle is not None:
+                # framed two ways (RFC 9112 6.1): answered, then the connection closed, so that a
+                # proxy in front that read the other framing cannot slip a request past it
+                self.cycle.keep_alive = False
             if len(self.tasks) <= most or scope.get("path") in ALWAYS_ANSWERED:
                 await app(scope, receive, send)
                 return
