@@ -13,7 +13,7 @@ import httpx
 from fastapi import FastAPI, Request
 from servers import serving
 
-from distill.rayserve.proxy import ResendWhenReplicaDies
+from distill.rayserve.proxy import MAX_HELD, ResendWhenReplicaDies
 
 TIMEOUT = 1.0
 
@@ -78,3 +78,36 @@ def test_a_body_sent_in_pieces_in_time_reaches_the_app_once_and_whole() -> None:
             reply = read_all(conn)
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     assert seen == [body]
+
+
+def test_a_body_past_what_the_proxy_holds_is_refused_unread_with_its_request_id() -> None:
+    """It was passed on as it came, and Ray's proxy took 600 MB of it into memory while no replica
+    was ready; a 3 GB Content-Length was held for the whole receive timeout, then a 408 without the
+    client's request id."""
+    app, seen = echoing()
+    with serving(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nX-Request-Id: big-1\r\n"
+                         b"Content-Length: 3000000000\r\n\r\n{")
+            started = time.monotonic()
+            reply = read_all(conn)
+            assert time.monotonic() - started < TIMEOUT  # at once, not at the receive timeout
+        chunks = (b"x" * 65536 for _ in range(MAX_HELD // 65536 + 1))  # in pieces, no length: just past
+        sent = httpx.post(f"{url}/v1/systemone", content=chunks, headers={"X-Request-Id": "big-2"},
+                          timeout=30)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"x-request-id: big-1" in head.lower(), reply[:300]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert (sent.status_code, sent.headers["x-request-id"]) == (413, "big-2") and seen == []
+
+
+def test_the_408_names_the_request() -> None:
+    app, _ = echoing()
+    with serving(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nX-Request-Id: slow-1\r\n"
+                         b"Content-Length: 10\r\n\r\n{")
+            reply = read_all(conn)
+    assert reply.startswith(b"HTTP/1.1 408") and b"x-request-id: slow-1" in reply.lower(), reply[:300]

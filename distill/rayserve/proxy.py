@@ -10,8 +10,14 @@ read it), so the replica answers 408 once its receive timeout passes; since the 
 whole here before Ray gets it, a 408 can only mean that, and the request is sent again too. A decision only
 reads, so sending it again changes no answer; the replica that died sent nothing, so the client
 gets one answer. Ray applies this where its environment names it, on every node:
-``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=distill.rayserve.proxy:middlewares``. A body past
-``MAX_HELD`` bytes is not held, and is passed through as it comes, not sent again.
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=distill.rayserve.proxy:middlewares``.
+
+A body past ``MAX_HELD`` bytes, or one whose ``Content-Length`` says so, is answered 413 here, the
+rest unread: it was passed on as it came, and while no replica was ready (one restarting, say)
+Ray's proxy took all of it into memory (600 MB sent took the proxy from 228 MB to 802 MB), and a
+3 GB Content-Length was held for the whole receive timeout before a 408. A replica's own
+``--max-body`` (2 MiB by default) refuses far less than this; one set above ``MAX_HELD`` does not
+apply behind Ray.
 
 Holding a body is bounded in time as ``cascade serve`` bounds reading one: a body that has not
 arrived whole within ``RECEIVE_TIMEOUT`` seconds is answered 408 here, with the System One error
@@ -27,7 +33,7 @@ import json
 from typing import Any
 
 from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT
-from cascade.serve.transport import error_body, slow_body
+from cascade.serve.transport import HttpProblem, error_body, request_id, slow_body
 
 TRIES = 3
 VARIABLE = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -58,13 +64,18 @@ class ResendWhenReplicaDies:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > MAX_HELD:
+            await _refuse(send, _too_large(), headers)
+            return
         try:
             body, whole = await asyncio.wait_for(_held_body(receive), self.receive_timeout)
         except asyncio.TimeoutError:
-            await _refuse_slow(send, self.receive_timeout)
+            await _refuse(send, slow_body(self.receive_timeout), headers)
             return
-        if not whole:  # too large to hold: passed through once, as it comes
-            await self.app(scope, _replaying(body, receive, more=True), send)
+        if not whole:
+            await _refuse(send, _too_large(), headers)
             return
         for attempt in range(1, TRIES + 1):
             answer = _Answer(send, last=attempt == TRIES)
@@ -76,7 +87,7 @@ class ResendWhenReplicaDies:
 
 
 async def _held_body(receive: Any) -> tuple[bytes, bool]:
-    """The request's body, and whether it is whole (False: past ``MAX_HELD``, more to come)."""
+    """The request's body, and whether it is whole (False: past ``MAX_HELD``, the rest unread)."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -85,32 +96,41 @@ async def _held_body(receive: Any) -> tuple[bytes, bool]:
             return b"".join(chunks), True  # the client went: the app finds out at its next receive
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
+        if size > MAX_HELD:  # whole or not: past what is held
+            return b"".join(chunks), False
         if not message.get("more_body", False):
             return b"".join(chunks), True
-        if size > MAX_HELD:
-            return b"".join(chunks), False
 
 
-async def _refuse_slow(send: Any, timeout: float) -> None:
-    """408 as ``cascade serve`` answers a body that did not arrive in time."""
-    problem = slow_body(timeout)
+def _too_large() -> HttpProblem:
+    """413, the connection closed: the rest of the body is never read."""
+    return HttpProblem(413, "request_too_large", f"request body over {MAX_HELD} bytes, the most Ray's "
+                       "proxy holds for a request; send fewer or shorter states per request",
+                       {"Connection": "close"})
+
+
+async def _refuse(send: Any, problem: HttpProblem, request_headers: dict[bytes, bytes]) -> None:
+    """``problem`` answered as ``cascade serve`` answers it, with the request's id (the client's
+    ``X-Request-Id``, or a new one): the proxy's own 408 carried none."""
+    rid = request_id(request_headers.get(b"x-request-id", b"").decode("latin-1") or None).encode("latin-1")
     content = json.dumps(error_body(problem)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
-               *((name.lower().encode(), value.encode()) for name, value in problem.headers.items())]
+               *((name.lower().encode(), value.encode()) for name, value in problem.headers.items()),
+               (b"x-request-id", rid), (b"x-typesafe-request-id", rid)]
     await send({"type": "http.response.start", "status": problem.status, "headers": headers})
     await send({"type": "http.response.body", "body": content})
 
 
-def _replaying(body: bytes, receive: Any, more: bool = False) -> Any:
-    """A ``receive`` that gives ``body`` first (``more``: the rest still to come from ``receive``),
-    then whatever ``receive`` gives (the client's disconnect)."""
+def _replaying(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that gives ``body`` first, then whatever ``receive`` gives (the client's
+    disconnect)."""
     given = False
 
     async def replay() -> Any:
         nonlocal given
         if not given:
             given = True
-            return {"type": "http.request", "body": body, "more_body": more}
+            return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
     return replay
