@@ -40,6 +40,10 @@ class CascadeError(Exception):
     """Base of every error this package raises for a user to fix."""
 
 
+class OpenPortError(CascadeError):
+    """A server would listen beyond this machine with no key checked."""
+
+
 class StoreUnavailable(CascadeError):
     """A store that cannot be reached now (a database server restarting, a session it ended, a
     lock held past the wait): what was being written is whole and may be written again, since the

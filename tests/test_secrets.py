@@ -38,7 +38,7 @@ from servers import free_port, serving, until
 
 from cascade.collect.collector import Collector, size_of
 from cascade.collect.record import CollectedItem, collected_item
-from cascade.errors import CascadeError, UpstreamError
+from cascade.errors import OpenPortError, UpstreamError
 from cascade.private import HIDDEN, redact_text, redact_url, url_secrets
 from cascade.questions import parse_request
 from cascade.serve.edge import add_wire
@@ -450,35 +450,48 @@ def test_a_collector_stopping_on_a_store_that_stalls_returns_after_its_drain(
     assert (size_of(b"abc"), size_of("\u00e9"), size_of({"a": 1})) == (3, 2, len('{"a": 1}'))
 
 
-def test_a_ray_config_holding_a_key_or_a_password_is_its_owners_alone(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The replicas' flags go into the config as given (an --api-key, a URL's password): it was
-    written 0644, for any user of the machine to read."""
+def test_a_ray_config_refuses_secrets_and_is_its_owners_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The replicas' flags went into the config as given (an --api-key, a URL's password), and Ray
+    copies them into its logs (mode 0644) and its dashboard's API, for any user of a node to read:
+    they are refused, saying where the secret goes instead. The config itself is written 0644 by a
+    plain write: it is its owner's alone."""
     pytest.importorskip("yaml", reason="the ray-serve extra brings PyYAML")
     from distill.cli import main
 
+    monkeypatch.delenv("CASCADE_API_KEY", raising=False)
     out = tmp_path / "serve.yaml"
-    base = ["ray-config", "--bundle", str(tmp_path / "b"), "--out", str(out),
-            "--teacher", f"http://user:{TEACHER_PW}@gpu:9000/v1/systemone"]
+    base = ["ray-config", "--bundle", str(tmp_path / "b"), "--out", str(out)]
+    teacher = ["--teacher", "http://gpu:9000/v1/systemone"]
     with pytest.raises(SystemExit):
-        main([*base, "--port", "70000"])
+        main([*base, *teacher, "--port", "70000"])
     assert "argument --port: must be at most 65535; got 70000" in capsys.readouterr().err
+    secret_url = f"http://user:{TEACHER_PW}@gpu:9000/v1/systemone"
+    store = f"postgresql://u:{TEACHER_PW}@db/labels"
+    for flags, said in (([*teacher, "--", "--api-key", API_KEY], "set $CASCADE_API_KEY on every Ray node"),
+                        ([*teacher, "--", "--metrics-key=" + API_KEY], "$CASCADE_METRICS_KEY"),
+                        (["--teacher", secret_url], "holds a password"),
+                        ([*teacher, "--", "--audit-store", store], "PGPASSWORD")):
+        assert main([*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert said in err and _leaks("", err) == [], err
+    assert not out.exists()
+    monkeypatch.setenv("CASCADE_API_KEY", API_KEY)
     old = os.umask(0o022)  # the usual umask: a plain write gives 0644
     try:
-        assert main([*base, "--host", "0.0.0.0", "--", "--api-key", API_KEY]) == 0
+        assert main([*base, *teacher, "--host", "0.0.0.0"]) == 0
     finally:
         os.umask(old)
-    assert stat.S_IMODE(out.stat().st_mode) == 0o600
-    assert TEACHER_PW in out.read_text() and API_KEY in out.read_text()  # the replicas need them
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600 and API_KEY not in out.read_text()
     assert _leaks(*capsys.readouterr()) == []
 
 
 def test_a_ray_config_keys_the_teacher_route_as_it_keys_the_cascade(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The teacher application shares the proxy's port: with --host 0.0.0.0 -- --api-key K it took
-    any caller (the key went to the cheap application alone), and with $CASCADE_API_KEY set on the
-    nodes (KubeRay's manifest) it checked the key and refused the cheap replicas' escalations, which
-    sent none. Each replica is also told the open host, so that one started with no key refuses."""
+    """The teacher application shares the proxy's port: it took any caller (the key's flags went to
+    the cheap application alone), and with $CASCADE_API_KEY set on the nodes (KubeRay's manifest) it
+    checked the key and refused the cheap replicas' escalations, which sent none. Each replica is
+    also told the open host, so that one started where no key is set refuses to start."""
     pytest.importorskip("yaml", reason="the ray-serve extra brings PyYAML")
     import yaml
 
@@ -487,28 +500,22 @@ def test_a_ray_config_keys_the_teacher_route_as_it_keys_the_cascade(
     from distill.cli.serve.command import options_of
     from distill.cli.serve.replicas import serve_args
 
-    monkeypatch.delenv("CASCADE_API_KEY", raising=False)
     gguf, out = tmp_path / "t.gguf", tmp_path / "serve.yaml"
     gguf.write_bytes(b"")
     base = ["ray-config", "--bundle", str(tmp_path / "b"), "--teacher", str(gguf), "--out", str(out),
             "--host", "0.0.0.0"]
-
-    def written() -> dict[str, dict]:
-        return {app["name"]: app for app in yaml.safe_load(out.read_text())["applications"]}
-
-    assert main([*base, "--", "--api-key", API_KEY]) == 0
-    apps = written()
-    teacher = serve_args(apps["teacher"]["args"]["argv"])
-    assert (teacher.api_key, teacher.host) == (API_KEY, "0.0.0.0")
-    cheap = apps["cascade"]["deployments"][0]["ray_actor_options"]["runtime_env"]["env_vars"]
-    assert cheap == {"CASCADE_UPSTREAM_KEY": API_KEY}  # what the cheap replicas send the teacher
-    monkeypatch.setenv("CASCADE_API_KEY", API_KEY)  # the KubeRay way: the key in every node's environment
+    monkeypatch.delenv("CASCADE_API_KEY", raising=False)
+    assert main(base) == 2
+    assert "set $CASCADE_API_KEY here and on every Ray node" in capsys.readouterr().err
+    monkeypatch.setenv("CASCADE_API_KEY", API_KEY)  # the KubeRay way: in every node's environment
     assert main(base) == 0
     assert "set it on every Ray node" in capsys.readouterr().err
-    apps = written()
-    assert serve_args(apps["cascade"]["args"]["argv"]).upstream_key_env == "CASCADE_API_KEY"
+    written = yaml.safe_load(out.read_text())["applications"]
+    apps = {app["name"]: serve_args(app["args"]["argv"]) for app in written}
+    assert apps["cascade"].upstream_key_env == "CASCADE_API_KEY"  # what the cheap replicas send the teacher
+    for replica in apps.values():
+        assert check_auth(options_of(replica), False, forwardable=False).key == API_KEY
     monkeypatch.delenv("CASCADE_API_KEY")  # a node without it: each replica refuses to start
-    for app in apps.values():
-        replica = serve_args(app["args"]["argv"])
-        with pytest.raises(CascadeError, match="opens the port to other machines"):
+    for replica in apps.values():
+        with pytest.raises(OpenPortError, match="opens the port to other machines"):
             check_auth(options_of(replica), False, forwardable=False)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, OpenPortError
 
 if TYPE_CHECKING:
     from cascade.audit.auditor import Auditor
@@ -308,7 +308,7 @@ def check_auth(options: ServeOptions, forward_auth: bool, forwardable: bool) -> 
         return Auth(key, metrics_key)
     forward = ", or --forward-auth to have the upstream check each caller's key" if forwardable else ""
     if not options.insecure_no_auth:
-        raise CascadeError(f"--host {options.host} opens the port to other machines and no key would be "
+        raise OpenPortError(f"--host {options.host} opens the port to other machines and no key would be "
                            f"checked: give --api-key KEY (or ${API_KEY_VARIABLE}){forward}; or "
                            "--insecure-no-auth to serve it open on purpose")
     return Auth(key, metrics_key, f"WARNING: --insecure-no-auth: serving on {options.host} with no key "

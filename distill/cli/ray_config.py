@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from cascade.errors import CascadeError
+from cascade.errors import CascadeError, OpenPortError
 from cascade.teachers.admission import TEACHER_MAX_WAIT
 from cascade.teachers.keys import UPSTREAM_KEY_VARIABLE
 from distill.cli.common import teacher_argument
-from distill.cli.values import output_file, positive_number, positive_seconds, whole_number
+from distill.cli.values import number_between, output_file, positive_number, positive_seconds, whole_number
 
 DESCRIPTION = """\
 Write the Ray Serve config that runs a bundle's cascade on a Ray cluster: the same System One API
@@ -34,7 +34,10 @@ URL there is no teacher deployment: the replicas call the URL. The bundle's path
 node (a shared volume, or the image). To roll out a promoted bundle, give --bundle the pointer
 or link that `cascade promote` replaces (each replica follows it), or write the config again with
 the new bundle and `serve deploy` it: Ray replaces the replicas one by one, each taking traffic
-only once its models have loaded. Needs the ray-serve extra: pip install -e '.[ray-serve]'."""
+only once its models have loaded. No secret goes after --: Ray copies the replicas' flags into
+its logs and its dashboard's API, so the key is $CASCADE_API_KEY on every node (the teacher's
+route checks it too), a store's password PGPASSWORD. Needs the ray-serve extra: pip install -e
+'.[ray-serve]'."""
 EPILOG = """\
 examples:
   cascade ray-config --bundle models/support-v1 --teacher qwen3.5-4b-q4_k_m.gguf --teacher-gpus 1 \\
@@ -59,29 +62,62 @@ def _cmd_ray_config(args: argparse.Namespace) -> int:
     if args.out is None:
         raise CascadeError("give --out FILE: where to write the config")
     flags = args.serve_flags[1:]
-    given = serve_args(["--bundle", str(args.bundle), "--teacher", "http://127.0.0.1/v1/systemone", *flags])
+    given = _given_flags(flags, args.teacher)
     plan = RayPlan(bundle=args.bundle, teacher=args.teacher, serve_flags=flags, host=args.host,
                    port=args.port, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                    target_ongoing_requests=args.target_ongoing, replica_cpus=args.replica_cpus,
                    teacher_replicas=args.teacher_replicas, teacher_gpus=args.teacher_gpus,
                    teacher_cpus=args.teacher_cpus, teacher_max_wait=args.teacher_max_wait,
-                   api_key=given.api_key, open_on_purpose=given.insecure_no_auth,
+                   open_on_purpose=given.insecure_no_auth,
                    sends_own_key=not (given.forward_auth or given.upstream_key_file is not None
                                       or given.upstream_key_env != UPSTREAM_KEY_VARIABLE))
     replica = serve_args(plan.cascade_argv())  # refused now, as the replicas would refuse them
-    auth = check_auth(replace(options_of(replica), host=args.host), replica.forward_auth, forwardable=True)
-    if plan.local_teacher:  # its route is on the same proxy: refused open as the cheap one is
-        check_auth(replace(options_of(serve_args(plan.teacher_argv())), host=args.host), False, False)
+    try:
+        auth = check_auth(options_of(replica), replica.forward_auth, forwardable=True)
+        if plan.local_teacher:  # its route is on the same proxy: refused open as the cheap one is
+            check_auth(options_of(serve_args(plan.teacher_argv())), False, False)
+    except OpenPortError:
+        raise OpenPortError(f"--host {args.host} opens Ray's proxy to other machines and no key would be "
+                           f"checked: set ${API_KEY_VARIABLE} here and on every Ray node (or give "
+                           "--forward-auth after -- to have a URL teacher check each caller's key); or "
+                           "--insecure-no-auth after -- to serve it open on purpose") from None
     _write(serve_config(plan), args.out)
     teacher = f"the teacher on {args.teacher_gpus:g} GPU(s) per replica" if args.teacher_gpus else \
         "the teacher on CPU" if plan.local_teacher else f"the teacher at {redact_url(args.teacher)}"
     print(f"wrote {args.out}: {args.min_replicas}-{args.max_replicas} cheap replicas, {teacher}; "
           f"start it with: {START} serve run {args.out}", file=sys.stderr)
-    if auth.key is not None and not given.api_key:
+    if auth.key is not None:
         print(f"the replicas check the key in ${API_KEY_VARIABLE}, which is not in the config: set it on "
               "every Ray node (a replica started without it on an open --host refuses to start)",
               file=sys.stderr)
     return 0
+
+
+def _given_flags(flags: list[str], teacher: Path | str) -> argparse.Namespace:
+    """The replicas' flags as ``cascade serve`` reads them, refused in one line where they set what
+    is ray-config's (``--bundle=/etc`` and abbreviations slipped past a check of the raw words, and
+    the replicas would have served it) or hold a secret: Ray copies the replicas' flags into its
+    logs (mode 0644) and its dashboard's API, which any user of a node reads."""
+    from cascade.private import redact_url
+    from distill.cli.serve.replicas import serve_args
+
+    given, defaults = serve_args(flags), serve_args([])
+    ours = [f"--{name}" for name in ("bundle", "teacher", "host", "port")
+            if getattr(given, name) != getattr(defaults, name)]
+    if ours:
+        raise CascadeError(f"{ours[0]} is ray-config's to set (the replicas' comes from it); give it to "
+                           "ray-config itself, not after --")
+    for flag, variable in (("api-key", "CASCADE_API_KEY"), ("metrics-key", "CASCADE_METRICS_KEY")):
+        if getattr(given, flag.replace("-", "_")):
+            raise CascadeError(f"--{flag} after -- would be copied by Ray into its logs and its "
+                               f"dashboard's API, readable by any user of a node: set ${variable} on "
+                               "every Ray node instead (the replicas read it there)")
+    for value in [*flags, str(teacher)]:
+        if "://" in value and urlsplit(value).password:
+            raise CascadeError(f"{redact_url(value)} holds a password, which Ray would copy into its logs "
+                               "and its dashboard's API: give a store's in PGPASSWORD on every Ray node, "
+                               "and an upstream's key by --upstream-key-env")
+    return given
 
 
 def _write(config: dict[str, object], out: Path) -> None:
@@ -92,7 +128,7 @@ def _write(config: dict[str, object], out: Path) -> None:
                            "'.[ray-serve]'") from None
     from cascade.atomic import write_atomically
 
-    # whole, and 0600: the replicas' flags may hold a key (--api-key) or a URL's password
+    # whole, and 0600: it names stores and paths (the secrets themselves are refused above)
     write_atomically(out, yaml.safe_dump(config, sort_keys=False))
 
 
@@ -121,14 +157,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="where to write the config (YAML; required)")
     p.add_argument("--host", default="127.0.0.1",
                    help="where Ray's HTTP proxy listens (default 127.0.0.1; 0.0.0.0 for other machines: "
-                   "give --api-key after -- then)")
+                   "set $CASCADE_API_KEY here and on every Ray node then)")
     p.add_argument("--port", type=whole_number(1, 65535), default=8000,
                    help="the proxy's port (default 8000)")
     p.add_argument("--min-replicas", type=whole_number(1), default=1, metavar="N",
                    help="fewest cheap-tier replicas (default 1)")
     p.add_argument("--max-replicas", type=whole_number(1), default=4, metavar="N",
                    help="most cheap-tier replicas (default 4)")
-    p.add_argument("--target-ongoing", type=positive_number, default=16.0, metavar="N",
+    p.add_argument("--target-ongoing", type=number_between(0.25, 10_000.0), default=16.0, metavar="N",
                    help="requests in flight per cheap replica that Ray's autoscaler aims at (default 16): "
                    "more per replica adds replicas, fewer removes them")
     p.add_argument("--replica-cpus", type=positive_number, default=1.0, metavar="N",

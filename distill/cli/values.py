@@ -93,6 +93,17 @@ def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], in
 
 
 
+def number_between(minimum: float, maximum: float) -> Callable[[str], float]:
+    """A finite number in [minimum, maximum]: a target Ray turns into a whole count (0.1 wrote a
+    count of 0, which Ray then refused; 1e308 overflowed)."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be between {minimum:g} and {maximum:g}; got {text!r}")
+        return value
+    return parse
+
+
 def output_file(text: str) -> Path:
     """A file a command writes: refused at once where it is a folder or its folder is missing,
     rather than when it is written, after the work (an evaluation's minutes, say)."""

@@ -12,13 +12,12 @@ runs ``cascade serve`` with ``serve_flags``, so every flag of that command (``--
 times its autoscaling target in flight, and a teacher replica 256, so that overload meets the
 apps' own admission (503 with ``Retry-After``, by expected wait) rather than a queue in Ray.
 
-The teacher application checks the key the cheap one checks, and the cheap replicas send it
-there: a key given as ``--api-key K`` goes to the teacher's flags and, as the upstream key, to
-the cheap replicas' environment; a key in ``$CASCADE_API_KEY`` on the nodes is read by both, the
-cheap replicas sending it upstream. (Before, the teacher route on a ``--host 0.0.0.0`` proxy took
-any caller, and with the variable set, as on KubeRay, refused the cheap replicas' escalations.)
-Both get ``--host`` where it is not loopback, so that a replica started where no key is set
-refuses to start, as ``cascade serve`` does, rather than serve open.
+The teacher application checks the key the cheap one checks, ``$CASCADE_API_KEY`` on the nodes
+(a key on the command line is refused: Ray copies the replicas' flags into its logs and its
+dashboard's API), and the cheap replicas send it there (``--upstream-key-env``). Before, the
+teacher's route took any caller, and with the variable set, as on KubeRay, refused the cheap
+replicas' escalations. Both get ``--host`` where it is not loopback, so that a replica started
+where no key is set refuses to start, as ``cascade serve`` does, rather than serve open.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any
 from cascade.errors import CascadeError
 from cascade.serve.lifecycle import API_KEY_VARIABLE
 from cascade.teachers.admission import TEACHER_MAX_WAIT
-from cascade.teachers.keys import UPSTREAM_KEY_VARIABLE, is_loopback
+from cascade.teachers.keys import is_loopback
 
 TEACHER_PREFIX = "/teacher"
 
@@ -39,7 +38,8 @@ TEACHER_PREFIX = "/teacher"
 class RayPlan:
     """What runs where. ``bundle``: the bundle folder (or the link or pointer file that
     ``cascade promote`` replaces) as every node sees it; ``teacher``: a GGUF path, or a System
-    One URL; ``serve_flags``: more flags of ``cascade serve`` for every cheap replica."""
+    One URL; ``serve_flags``: more flags of ``cascade serve`` for every cheap replica (none that sets
+    what the plan sets, nor a secret: ``cascade ray-config`` checks them as a replica parses them)."""
 
     bundle: Path
     teacher: Path | str
@@ -54,9 +54,6 @@ class RayPlan:
     teacher_gpus: float = 0.0
     teacher_cpus: float = 1.0
     teacher_max_wait: float = TEACHER_MAX_WAIT
-    api_key: str | None = field(default=None, repr=False)
-    """The ``--api-key`` among ``serve_flags``: the teacher checks it too, and the cheap replicas
-    send it there."""
     open_on_purpose: bool = False
     """``--insecure-no-auth`` among ``serve_flags``: the teacher is served open as well."""
     sends_own_key: bool = True
@@ -67,10 +64,6 @@ class RayPlan:
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise CascadeError(f"replicas: need 1 <= --min-replicas <= --max-replicas; got "
                                f"{self.min_replicas} and {self.max_replicas}")
-        for flag in ("--bundle", "--teacher", "--host", "--port"):
-            if flag in self.serve_flags:
-                raise CascadeError(f"{flag} is ray-config's to set (the replicas' {flag} comes from it); "
-                                   "give it to ray-config itself, not after --")
 
     @property
     def local_teacher(self) -> bool:
@@ -83,28 +76,16 @@ class RayPlan:
         return f"http://127.0.0.1:{self.port}{TEACHER_PREFIX}/v1/systemone"
 
     def cascade_argv(self) -> list[str]:
-        own = ["--upstream-key-env", API_KEY_VARIABLE] if self._keyed_by_variable() else []
+        own = ["--upstream-key-env", API_KEY_VARIABLE] if self.local_teacher and self.sends_own_key else []
         return ["--bundle", str(self.bundle), "--teacher", self.teacher_url(), *self._host(), *own,
                 *self.serve_flags]
 
     def teacher_argv(self) -> list[str]:
         placed = ["--gpu-layers", "999"] if self.teacher_gpus > 0 else []
         threads = ["--threads", str(max(1, int(self.teacher_cpus)))]
-        auth = ["--api-key", self.api_key] if self.api_key else []
-        auth += ["--insecure-no-auth"] if self.open_on_purpose else []
+        auth = ["--insecure-no-auth"] if self.open_on_purpose else []
         return ["--teacher", str(self.teacher), *placed, *threads, "--max-wait", f"{self.teacher_max_wait:g}",
                 *self._host(), *auth]
-
-    def cascade_env(self) -> dict[str, str]:
-        """The cheap replicas' environment: the teacher's key as their upstream key, where it was
-        given as ``--api-key`` (the default ``--upstream-key-env`` reads it)."""
-        if self.local_teacher and self.sends_own_key and self.api_key:
-            return {UPSTREAM_KEY_VARIABLE: self.api_key}
-        return {}
-
-    def _keyed_by_variable(self) -> bool:
-        """The cheap replicas send ``$CASCADE_API_KEY`` (the teacher's key, where set) upstream."""
-        return self.local_teacher and self.sends_own_key and not self.api_key
 
     def _host(self) -> list[str]:
         return [] if is_loopback(self.host) else ["--host", self.host]
@@ -127,12 +108,7 @@ def _cascade_app(plan: RayPlan) -> dict[str, Any]:
                              "autoscaling_config": {"min_replicas": plan.min_replicas,
                                                     "max_replicas": plan.max_replicas,
                                                     "target_ongoing_requests": plan.target_ongoing_requests},
-                             "ray_actor_options": _with_env({"num_cpus": plan.replica_cpus},
-                                                            plan.cascade_env())}]}
-
-
-def _with_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    return {**options, "runtime_env": {"env_vars": env}} if env else options
+                             "ray_actor_options": {"num_cpus": plan.replica_cpus}}]}
 
 
 def _teacher_app(plan: RayPlan) -> dict[str, Any]:
