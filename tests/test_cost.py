@@ -225,6 +225,36 @@ def test_shape_is_the_one_gguf_reader_gives(gguf_file: Path, reference: GGUFRead
     assert ModelShape.from_gguf(gguf_file) == expected
 
 
+@pytest.mark.parametrize("damage", ["block_count as text", "a tensor named blk", "weights of no size",
+                                    "head_count as text"])
+def test_metadata_that_describes_no_model_is_a_model_error(gguf_file: Path, reference: GGUFReader,
+                                                          damage: str) -> None:
+    """Each was a ValueError, IndexError or ZeroDivisionError traceback out of `cascade roofline`."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Tensor:
+        name: str
+        shape: tuple[int, ...]
+        n_elements: int
+        n_bytes: int
+
+    meta = reader_metadata(reference)
+    arch = meta["general.architecture"]
+    tensors = [Tensor(t.name, tuple(int(d) for d in t.shape), int(t.n_elements), int(t.n_bytes))
+               for t in reference.tensors]
+    if damage == "block_count as text":
+        meta[f"{arch}.block_count"] = "eighteen"
+    elif damage == "a tensor named blk":
+        tensors.append(Tensor("blk", (1,), 1, 1))
+    elif damage == "weights of no size":
+        tensors = [Tensor(t.name, t.shape, 0, 0) for t in tensors]
+    else:
+        meta[f"{arch}.attention.head_count"] = "many"
+    with pytest.raises(ModelError, match=re.escape(str(gguf_file))):
+        ModelShape.from_tables(gguf_file, meta, tensors)
+
+
 def test_header_holds_gguf_readers_metadata_and_tensor_table(gguf_file: Path,
                                                              reference: GGUFReader) -> None:
     header = read_header(gguf_file)

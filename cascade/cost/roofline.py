@@ -79,7 +79,24 @@ class ModelShape:
     def from_tables(cls, path: Path, meta: dict[str, Any], tensors: Sequence[Any]) -> ModelShape:
         """The shape from a GGUF's metadata and its tensor table (objects with ``name``,
         ``shape`` as stored, ``n_elements`` and ``n_bytes``), however they were read: the tests
-        and bench/load_time.py feed it GGUFReader's too, to check both readers agree."""
+        and bench/load_time.py feed it GGUFReader's too, to check both readers agree. Values of
+        the wrong type, a tensor named ``blk`` alone, or weights of no size are a ``ModelError``
+        (they were a ValueError, IndexError or ZeroDivisionError traceback)."""
+        try:
+            shape = cls._read_tables(path, meta, tensors)
+        except ModelError:
+            raise
+        except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, OverflowError) as exc:
+            raise ModelError(f"{path}: its GGUF metadata or tensor table does not describe a model "
+                             f"({type(exc).__name__}: {exc}); the file is damaged, or not one llama.cpp "
+                             "loads") from None
+        if shape.n_params_matmul <= 0 or shape.weight_bytes <= 0:
+            raise ModelError(f"{path}: its tensor table holds no weights of any size; the file is damaged, "
+                             "or not one llama.cpp loads")
+        return shape
+
+    @classmethod
+    def _read_tables(cls, path: Path, meta: dict[str, Any], tensors: Sequence[Any]) -> ModelShape:
         arch = str(_required(meta, "general.architecture", path))
         n_layers = int(_required(meta, f"{arch}.block_count", path))
         n_layers -= int(meta.get(f"{arch}.nextn_predict_layers", 0))
