@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -47,12 +48,19 @@ def bundle_dir(trained_bundle: Bundle, gemma_path: Path, tmp_path_factory: pytes
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[str]:
     """A local Ray cluster owned by this process; its address lets ``serve run`` in. Its proxy
     sends again a request whose replica died (``distill.rayserve.proxy``), as docs/ray-serve.md
-    says to start a cluster."""
+    says to start a cluster, and its workers have the store's password in PGPASSWORD, as the docs
+    say to give it (ray-config refuses one in a URL: Ray copies the flags into its logs)."""
     import ray
 
+    try:
+        password = urlsplit(request.getfixturevalue("postgres_server")).password
+    except pytest.skip.Exception:  # no PostgreSQL here: the tests that need one skip on their own
+        password = None
+    if password:
+        os.environ["PGPASSWORD"] = password
     os.environ[VARIABLE] = IMPORT_PATH  # the raylet's environment, so its workers'
     ray.init(num_cpus=4, include_dashboard=False)
     try:
@@ -63,6 +71,14 @@ def cluster() -> Iterator[str]:
         serve.shutdown()
         ray.shutdown()
         del os.environ[VARIABLE]
+        os.environ.pop("PGPASSWORD", None)
+
+
+def passwordless(url: str) -> str:
+    """A store's URL as a replica's flags give it: its password is the workers' PGPASSWORD."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}@{host}" if parts.username else host))
 
 
 TEACHER_MAX_WAIT = "2"
@@ -365,7 +381,8 @@ def test_a_drift_seen_on_one_replica_demotes_the_question_on_all(
     gemma on "urgent" about half the time): the drift watch of each reads the other's audits, so
     the question is demoted on both, whichever replica the alarm was raised on."""
     old = replicas("cascade")
-    deployed.deploy(bundle_dir, "--audit-store", postgres_url, "--audit-share", "1", "--audit-poll", "0.25")
+    deployed.deploy(bundle_dir, "--audit-store", passwordless(postgres_url), "--audit-share", "1",
+                    "--audit-poll", "0.25")
     deployed.rolled(old)
     names = {name.rsplit("#", 1)[1] for name in replicas("cascade")}
     body = {"questions": {KEPT: QUESTIONS_JSON[KEPT]}}
@@ -393,7 +410,7 @@ def test_escalations_from_every_replica_are_kept_in_the_one_store(
     from distill.store import LabelStore
 
     old = replicas("cascade")
-    deployed.deploy(bundle_dir, "--audit-store", postgres_url, "--audit-share", "0",
+    deployed.deploy(bundle_dir, "--audit-store", passwordless(postgres_url), "--audit-share", "0",
                     "--escalation-share", "1")
     deployed.rolled(old)
     answered_by: dict[str, str] = {}

@@ -148,6 +148,38 @@ def test_put_item_rejects_non_distributions(store: LabelStore) -> None:
     assert len(store) == 0
 
 
+@pytest.mark.parametrize("stored", ["[1, 2]", "null", "{not json", "{}", '{"true": NaN, "false": 1.0}'])
+def test_a_label_changed_outside_cascade_is_named_as_damage(place: Place, stored: str) -> None:
+    """Export, evaluate and training read it: a ValidationError, KeyError or JSONDecodeError
+    traceback, an empty max(), or a NaN written into the export."""
+    location = place("labels.db")
+    with LabelStore(location, GGUF) as store:
+        store.put_item("e1", {"urgent": {"true": 0.25, "false": 0.75}})
+    sql(location, "UPDATE labels SET probabilities = ?", (stored,))
+    with LabelStore.open_existing(location) as opened:
+        with pytest.raises(StoreError, match=r"the label of 'e1' for 'urgent' in .* is damaged"):
+            opened.labels("urgent")
+        with pytest.raises(StoreError, match="changed outside cascade"):
+            list(opened.iter_labels())
+
+
+def test_a_collected_request_changed_outside_cascade_is_named_as_damage(place: Place) -> None:
+    """One bad row made the whole store unreadable by ``cascade collected``: a traceback."""
+    from cascade.collect.record import CollectedItem
+    from cascade.teachers.identity import EndpointIdentity
+
+    location = place("labels.db")
+    with LabelStore(location, GGUF) as store:
+        store.put_traffic(CollectedItem(request_id="r1", state="help", identity=EndpointIdentity(), at=1.0,
+                                        questions={"u": {"type": "noul", "instructions": "Is it?"}},
+                                        answers={"u": {"true": 1.0, "false": 0.0}}))
+    for column, value in (("state", "{bad"), ("questions", "[1]"), ("inclusion", -5)):
+        sql(location, f"UPDATE traffic SET {column} = ?", (value,))
+        with LabelStore.open_existing(location) as opened, \
+                pytest.raises(StoreError, match=r"the collected request 'r1' in .* is damaged"):
+            opened.traffic_after(0)
+
+
 def test_import_hard_and_soft_rows_of_each_type(store: LabelStore, tmp_path: Path) -> None:
     rows = [
         {"id": "e1", "question": "urgent", "answer": True},

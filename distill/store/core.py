@@ -49,6 +49,7 @@ from distill.store.records import (
     check_version,
     conflict_message,
     policy_of,
+    stored_probabilities,
 )
 from distill.store.texts import add_column, record_hashes, stored_hashes
 from distill.store.traffic import TRAFFIC_PAGE, put_traffic, traffic_after, traffic_count
@@ -423,7 +424,8 @@ class LabelStore:
     def labels(self, question_id: str) -> dict[str, dict[str, float]]:
         """item_id -> probabilities for one question (empty if the store has none)."""
         sql = "SELECT item_id, probabilities FROM labels WHERE question_id = ? ORDER BY item_id"
-        return {item: json.loads(text) for item, text in self._db.execute(sql, (question_id,))}
+        return {item: stored_probabilities(text, item, question_id, self.path)
+                for item, text in self._db.execute(sql, (question_id,))}
 
     def letter_masses(self, question_id: str) -> dict[str, float]:
         """item_id -> the letter mass of its readout for one question, where it was recorded."""
@@ -437,7 +439,8 @@ class LabelStore:
         rows = self._db.execute("SELECT item_id, question_id, probabilities, prompt_hash, created_at "
                                 "FROM labels ORDER BY item_id, question_id")
         for item, qid, text, phash, created in rows:
-            yield Label(item_id=item, question_id=qid, probabilities=json.loads(text),
+            yield Label(item_id=item, question_id=qid,
+                        probabilities=stored_probabilities(text, item, qid, self.path),
                         prompt_hash=phash, created_at=created)
 
     def text_hashes(self) -> dict[str, str]:

@@ -3,6 +3,7 @@ the errors, and the check every distribution passes before it is stored. Shared 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -118,6 +119,21 @@ def check_probabilities(probs: Any, where: str) -> dict[str, float]:
     if abs(total - 1.0) > SUM_TOLERANCE:
         raise StoreError(f"{where} must sum to 1 (within {SUM_TOLERANCE}), sums to {total!r}")
     return {str(k): float(p) / total for k, p in probs.items()}
+
+
+def stored_probabilities(text: str, item_id: str, question_id: str, store: object) -> dict[str, float]:
+    """A stored label read back, as it was stored (not renormalised again); a row changed outside
+    cascade (``[1, 2]``, ``null``, ``{}``, NaN) is refused as damage naming it: it was a
+    ValidationError, KeyError or ValueError traceback in export, evaluate and training, or a NaN
+    written into an export."""
+    try:
+        probs = json.loads(text)
+        check_probabilities(probs, "probabilities")
+    except (ValueError, TypeError) as exc:  # JSONDecodeError and StoreError among them
+        raise StoreError(f"the label of {item_id!r} for {question_id!r} in {store} is damaged ({exc}); "
+                         "it was changed outside cascade: restore the store from a copy, or relabel "
+                         "that item into a new one") from None
+    return {str(k): float(p) for k, p in probs.items()}
 
 
 def conflict_message(item_id: str, question_ids: list[str]) -> str:

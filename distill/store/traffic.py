@@ -12,11 +12,13 @@ first write, as every appended table is (``distill.store.appended``).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from cascade.collect.record import CollectedItem
 from cascade.teachers.identity import EndpointIdentity
 from distill.store.appended import AppendedTable
 from distill.store.backend import Backend
+from distill.store.records import StoreError
 
 TABLE = AppendedTable("traffic", (
     ("request_id", "TEXT NOT NULL"),
@@ -40,12 +42,21 @@ def put_traffic(db: Backend, item: CollectedItem, made: bool) -> None:
 def traffic_after(db: Backend, position: int, limit: int = TRAFFIC_PAGE) -> list[tuple[int, CollectedItem]]:
     """Up to ``limit`` items past ``position``, in order, each with its number (none in a store
     without the table)."""
-    rows = TABLE.after(db, position, limit)
-    return [(seq, CollectedItem(request_id=rid, state=json.loads(state), questions=json.loads(questions),
-                                answers=json.loads(answers),
-                                identity=EndpointIdentity.model_validate_json(identity), at=at,
-                                inclusion=inclusion))
-            for seq, rid, state, questions, answers, identity, at, inclusion in rows]
+    return [(row[0], _item(row[1:], db)) for row in TABLE.after(db, position, limit)]
+
+
+def _item(row: tuple[Any, ...], db: Backend) -> CollectedItem:
+    """One row as a collected item; a row changed outside cascade is refused as damage naming it
+    (one bad row was a JSONDecodeError or ValidationError traceback, the store unreadable)."""
+    rid, state, questions, answers, identity, at, inclusion = row
+    try:
+        return CollectedItem(request_id=rid, state=json.loads(state), questions=json.loads(questions),
+                             answers=json.loads(answers), at=at, inclusion=inclusion,
+                             identity=EndpointIdentity.model_validate_json(identity))
+    except (ValueError, TypeError) as exc:  # JSONDecodeError and ValidationError among them
+        why = " ".join(str(exc).split())[:200]
+        raise StoreError(f"the collected request {rid!r} in {db.location} is damaged ({type(exc).__name__}: "
+                         f"{why}); it was changed outside cascade: restore the store from a copy") from None
 
 
 def traffic_count(db: Backend) -> int:
