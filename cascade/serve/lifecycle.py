@@ -137,7 +137,8 @@ def serve(bundle: Path, options: ServeOptions | None = None, parts: BundleParts 
         f"takes {bundle} again on SIGHUP"
     run.serve(app, f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
               f"(auth {'forwarded' if options.forward_auth else 'on' if auth.key else 'off'}; {follows}; "
-              "models loading, /health says when ready)", hangup=lambda: _poke(app))
+              "models loading, /health says when ready)", keyed=bool(auth.key or options.forward_auth),
+              hangup=lambda: _poke(app))
 
 
 def bundle_app(bundle: Path, options: ServeOptions, parts: BundleParts | None = None,
@@ -219,7 +220,7 @@ def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
     _Run(options, "the pass-through").serve(
         app, f"passing requests through to {upstream.shown} at http://{options.host}:{options.port}"
         f"/v1/systemone (auth {auth}; admits while the expected wait is at most "
-        f"{_wait(options):g} s{what})")
+        f"{_wait(options):g} s{what})", keyed=bool(key or upstream.forward_auth))
 
 
 def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placement: Placements = None,
@@ -234,7 +235,8 @@ def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placeme
     app, auth = teacher_app(teacher, options, placement=placement, layout=layout, on_failure=run.failed)
     run.serve(app, f"serving the readout of {Path(teacher).name} at http://{options.host}:{options.port}"
               f"/v1/systemone (auth {'on' if auth.key else 'off'}; admits while the expected wait is at "
-              f"most {_wait(options, alone=True):g} s; model loading, /health says when ready)")
+              f"most {_wait(options, alone=True):g} s; model loading, /health says when ready)",
+              keyed=auth.key is not None)
 
 
 def teacher_app(teacher: Path, options: ServeOptions, *, placement: Placements = None,
@@ -362,10 +364,17 @@ class _Run:
         if self.server is not None:
             self.server.should_exit = True
 
-    def serve(self, app: Any, banner: str, hangup: Callable[[], None] | None = None) -> None:
+    def serve(self, app: Any, banner: str, keyed: bool, hangup: Callable[[], None] | None = None) -> None:
+        """Run ``app`` until a stop; ``keyed``: whether it checks callers' keys (itself, or by the
+        upstream): one on loopback that does not answers this machine's programs only."""
         import uvicorn
 
+        from cascade.serve.origin import LoopbackOnly
+        from cascade.teachers.keys import is_loopback
+
         options = self.options
+        if not keyed and is_loopback(options.host):
+            app = LoopbackOnly(app)
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per upstream call
         self.server = uvicorn.Server(server_config(app, options))
