@@ -70,7 +70,7 @@ def child(bundle: Path, swaps: int, versions: int, trim: bool) -> list[float]:
     from cascade.routing.router import Cascade
     from cascade.serve import memory
     from cascade.serve.app import BundleSource, ServeConfig, create_app
-    from cascade.serve.engine import EngineSettings
+    from cascade.serve.engine_settings import EngineSettings
     from distill.labelling.teachers import teacher_path
 
     memory.TRIM = trim

@@ -30,7 +30,7 @@ from cascade.bundle.manifest import Bundle, Manifest
 from cascade.errors import CascadeError
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig, _model_entry
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 from cascade.tiers.base import Item
 from distill.cli import main
 from distill.loop.auditing import StoreSink, auditor_for, bundle_teacher, stored_audits

@@ -20,7 +20,7 @@ from servers import running, serving_bundle
 from cascade.bundle.manifest import Bundle
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 
 ARGUED = {
     "score.map-rejected": "avrik-sdk's score() sends a mapping of level labels as it is given",

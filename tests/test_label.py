@@ -18,8 +18,9 @@ from tinymodels import tiny_llama_path
 
 from cascade.errors import CorpusError, InputTooLongError
 from cascade.questions import parse_request
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.prompts import PROMPT_VERSION
-from cascade.readout.scorer import HeadTailExcerpt, Scorer
+from cascade.readout.scorer import Scorer
 from distill.cli import main
 from distill.labelling.gguf import label_corpus, open_teacher, teacher_of
 from distill.store import LabelStore, StoreMismatchError, Teacher

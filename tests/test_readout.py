@@ -21,9 +21,10 @@ from cascade.answers import DecisionResponse
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.questions import parse_request
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.orders import balanced_orders
 from cascade.readout.prompts import PROMPT_VERSION, PromptTemplate
-from cascade.readout.scorer import HeadTailExcerpt, Scorer
+from cascade.readout.scorer import Scorer
 from distill.cli import main
 
 PATH_TOLERANCE = 0.15

@@ -29,9 +29,9 @@ from cascade.cost.roofline import ModelShape, decision_flops
 from cascade.errors import ModelError, RequestError, RouterError, TemperatureError
 from cascade.hashing import file_sha256
 from cascade.questions import DecisionRequest
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.placement import Placement
 from cascade.readout.prompts import OPTIONS_FIRST_VERSION, PROMPT_VERSION, PromptTemplate
-from cascade.readout.scorer import HeadTailExcerpt
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.thresholds import apply_temperature, threshold_score

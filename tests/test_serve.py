@@ -32,7 +32,7 @@ from cascade.answers import DecisionResponse
 from cascade.bundle.manifest import Bundle
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 
 STATE = corpus_items()[5].text  # like the training messages, so that the encoder's gate lets it in
 SCORE = {"type": "score", "instructions": "How severe is the problem?",

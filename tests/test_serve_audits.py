@@ -37,7 +37,7 @@ from cascade.questions import parse_request
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
 from cascade.serve.audit_pool import AuditPool
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 from distill.loop.auditing import StoreSink, auditor_for, stored_audits

@@ -27,7 +27,8 @@ from cascade.errors import CascadeError
 from cascade.routing.budget import Budget
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
-from cascade.serve.engine import Engine, EngineSettings
+from cascade.serve.engine import Engine
+from cascade.serve.engine_settings import EngineSettings
 from distill.cli import main
 from distill.loop.auditing import auditor_for, bundle_teacher
 from distill.loop.escalations import StoreEscalations, escalations

@@ -30,7 +30,7 @@ from cascade.collect.escalation import EscalationRecord
 from cascade.readout.prompts import render_state, state_size
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 from cascade.serve.lifecycle import ServeOptions
 from cascade.serve.limits import RequestLimits
 

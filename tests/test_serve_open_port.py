@@ -36,7 +36,7 @@ from cascade.errors import CascadeError
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig, create_app
 from cascade.serve.auth import MAX_KEY_CHECKS
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 from cascade.serve.lifecycle import ServeOptions, check_auth
 from cascade.serve.proxy import ProxyConfig, create_proxy_app
 from cascade.teachers.client import UpstreamClient

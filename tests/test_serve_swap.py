@@ -33,7 +33,7 @@ from bench.swap_memory import recalibrated
 from cascade.bundle.manifest import Bundle
 from cascade.routing.router import Cascade
 from cascade.serve.app import BundleSource, ServeConfig, create_app
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 from distill.loop.auditing import StoreAudits, auditor_for
 
 pytest_plugins = ("pgfixtures",)  # halting_postgres

@@ -38,7 +38,7 @@ from cascade.bundle.manifest import Bundle
 from cascade.collect.collector import Collector
 from cascade.routing.router import Cascade
 from cascade.serve.app import ServeConfig
-from cascade.serve.engine import EngineSettings
+from cascade.serve.engine_settings import EngineSettings
 from cascade.teachers.settings import UpstreamSettings
 from distill.loop.auditing import bundle_teacher
 from distill.loop.escalations import StoreEscalations

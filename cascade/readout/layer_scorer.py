@@ -23,10 +23,11 @@ from cascade.answers import DecisionResponse, Usage
 from cascade.errors import ModelError, RequestError
 from cascade.heads import SoftmaxHead
 from cascade.questions import OPTION_LETTERS, DecisionRequest, Question
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.layer_tap import LayerTap
 from cascade.readout.llama import ContextConfig, LlamaContext
 from cascade.readout.placement import ExtraBuffers, Placement
-from cascade.readout.scorer import DecodePath, HeadTailExcerpt, Scorer, _Branch, _shared_prefix
+from cascade.readout.scorer import DecodePath, Scorer, _Branch, _shared_prefix
 from cascade.readout.turns import one_at_a_time
 
 

@@ -26,6 +26,7 @@ from cascade.checks import is_int
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.questions import OPTION_LETTERS, DecisionRequest, Question
+from cascade.readout.excerpt import HeadTailExcerpt, excerpt_remedy, fitting_remedy
 from cascade.readout.llama import ContextConfig, LlamaContext, LlamaModel
 from cascade.readout.orders import Order, balanced_orders, unpermute
 from cascade.readout.placement import ExtraBuffers, Placement, say_once
@@ -46,10 +47,6 @@ from cascade.readout.turns import one_at_a_time
 
 DecodePath = Literal["fanout", "serial", "fresh"]
 PATHS: tuple[DecodePath, ...] = ("fanout", "serial", "fresh")
-_EXCERPT_MARK = "\n[...]\n"
-_EXCERPT_SLACK = 8
-"""Tokens left spare where a refusal suggests an excerpt's length: the excerpt's mark, and tokens
-merged otherwise where the state meets the prompt."""
 MAX_BRANCHES = 64
 
 
@@ -60,24 +57,6 @@ def branch_slots(questions: int, permutations: int = 1) -> int:
     moves the numbers: a threshold certifies only answers read in the groups it was read in.
     """
     return max(1, min(MAX_BRANCHES, questions * permutations))
-
-
-@dataclass(frozen=True)
-class HeadTailExcerpt:
-    """Keep the state's first and last tokens within ``max_tokens`` when the prompt is too long."""
-
-    max_tokens: int
-
-    @property
-    def label(self) -> str:
-        return f"head_tail:{self.max_tokens}"
-
-    @classmethod
-    def parse(cls, text: str) -> HeadTailExcerpt:
-        kind, _, size = text.partition(":")
-        if kind != "head_tail" or not size.isdigit() or int(size) < 2:
-            raise RequestError(f"excerpt policy must look like 'head_tail:1024'; got {text!r}")
-        return cls(int(size))
 
 
 @dataclass
@@ -295,7 +274,7 @@ class Scorer:
             raise InputTooLongError(
                 f"the prompt needs more than {alone} tokens (the state alone {alone}) but the context holds "
                 f"{self.ctx.config.n_ctx}; {self._remedy}")
-        cut_text = self._cut(state_text, excerpt.max_tokens)
+        cut_text = excerpt.cut(self.model, state_text)
         branches, probes = self._render(request, cut_text, permutations)
         if _longest(branches + probes) > self.ctx.config.n_ctx:
             raise self._too_long(branches + probes, state_text, cut_text)
@@ -338,18 +317,6 @@ class Scorer:
                              "tokens the first round shared; a tokenizer merged across the heading")
         return finals
 
-    def _cut(self, state_text: str, max_tokens: int) -> str:
-        tokens = self.model.tokenize(state_text)
-        if len(tokens) <= max_tokens:
-            return state_text
-        head = max_tokens // 2
-        tail = max_tokens - head
-        return (
-            self.model.detokenize(tokens[:head])
-            + _EXCERPT_MARK
-            + self.model.detokenize(tokens[-tail:])
-        )
-
     def _past_context(self, state_text: str) -> int | None:
         """The state's tokens where they alone fill the context, else None: a state that cannot
         fit is refused (or cut) before a prompt is built around it for every question. A token
@@ -362,24 +329,13 @@ class Scorer:
 
     @property
     def _remedy(self) -> str:
-        half = max(2, self.ctx.config.n_ctx // 2)
-        return self._excerpt_remedy(half)
-
-    @staticmethod
-    def _excerpt_remedy(tokens: int) -> str:
-        return (f"raise the context (--n-ctx / n_ctx), or score a head-and-tail excerpt of the state "
-                f"(--excerpt / excerpt) such as head_tail:{tokens}")
+        return excerpt_remedy(max(2, self.ctx.config.n_ctx // 2))
 
     def _too_long(self, branches: list[_Branch], state_text: str, rendered: str) -> InputTooLongError:
-        """The refusal, with a remedy that can work: the prompt around the state (``rendered``:
-        the state or its excerpt, as ``branches`` hold it) may alone fill the context, and no
-        excerpt then fits (it advised one all the same)."""
+        """The refusal, with a remedy that can work (``fitting_remedy``; ``rendered``: the state or
+        its excerpt, as ``branches`` hold it)."""
         n_ctx, longest = self.ctx.config.n_ctx, _longest(branches)
-        around = longest - len(self.model.tokenize(rendered))
-        room = n_ctx - around - _EXCERPT_SLACK
-        remedy = self._excerpt_remedy(room) if room >= 2 else (
-            f"the prompt around the state alone takes about {around} tokens, so no excerpt of the state "
-            "fits: raise the context (--n-ctx / n_ctx) above that")
+        remedy = fitting_remedy(n_ctx, longest - len(self.model.tokenize(rendered)))
         return InputTooLongError(
             f"the prompt needs {longest} tokens (the state alone {len(self.model.tokenize(state_text))}) but "
             f"the context holds {n_ctx}; {remedy}")

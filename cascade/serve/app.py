@@ -56,7 +56,8 @@ from cascade.serve.edge import (
     still_loading,
     unprocessable,
 )
-from cascade.serve.engine import Engine, EngineSettings, Retired
+from cascade.serve.engine import Engine, Retired
+from cascade.serve.engine_settings import EngineSettings
 from cascade.serve.gone import unless_gone
 from cascade.serve.limits import RequestLimits, bounded_request
 from cascade.serve.matching import Matched, QuestionIndex

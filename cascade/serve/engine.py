@@ -52,7 +52,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Literal
 
 from cascade.answers import DecisionResponse
 from cascade.audit.auditor import Auditor, Known
@@ -68,6 +67,7 @@ from cascade.routing.budget import Budget, Run
 from cascade.routing.escalations import escalation_of, sent_up_whatever
 from cascade.routing.router import Cascade
 from cascade.serve.audit_pool import AuditPool
+from cascade.serve.engine_settings import EngineSettings
 from cascade.serve.forward import PoolWorker, Sent, forward
 from cascade.serve.matching import Matched
 from cascade.serve.responses import Foreign, answer_foreign, assemble
@@ -78,35 +78,10 @@ from cascade.tiers.base import Item
 from cascade.tiers.upstream import UpstreamTier
 
 log = logging.getLogger("cascade.serve")
-Overload = Literal["refuse", "keep"]
 _BUSY = (429, 503)  # what an upstream answers when an audit should wait
-DEFAULT_MAX_WAIT = 8.0
-"""Seconds a request may expect to wait for the top tier: below the 10 s System One SDKs wait."""
 WRITE_DRAIN = 5.0
 """Seconds a stopping engine waits for its audits' store writes (a store that stalls may not end)."""
 DRIFT_WHY = "a drift alarm on audited traffic: agreement with the teacher fell below the target"
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """``batch``: route the requests waiting at the encoder together (False: one at a time).
-    ``max_batch``: most requests in one encoder batch. ``max_wait``: the expected wait past which
-    the top tier's queue refuses a job. ``overload``: what a refused job gets (see the module).
-    ``audit_queue``: most audits waiting for the top tier, and for the store (there at least
-    ``max_batch``); past it one is dropped at random (and counted). ``audit_in_flight``: most
-    audits at an upstream teacher at once.
-    ``forward_auth``: callers' keys are the upstream's to check (see the module).
-    ``lower_queue``: most requests waiting at a tier below the top; past it 503 with Retry-After
-    (the top tier's queue is bounded by its expected wait instead)."""
-
-    batch: bool = True
-    max_batch: int = 64
-    max_wait: float = DEFAULT_MAX_WAIT
-    overload: Overload = "refuse"
-    audit_queue: int = 64
-    audit_in_flight: int = 4
-    forward_auth: bool = False
-    lower_queue: int = 1024
 
 
 class Retired(Exception):

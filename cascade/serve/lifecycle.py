@@ -149,7 +149,7 @@ def bundle_app(bundle: Path, options: ServeOptions, parts: BundleParts | None = 
         import uvicorn  # noqa: F401  (the serve extra: refused here, before the bundle loads)
 
         from cascade.serve.app import BundleSource, ServeConfig, create_app
-        from cascade.serve.engine import EngineSettings
+        from cascade.serve.engine_settings import EngineSettings
         from cascade.serve.limits import RequestLimits
         from cascade.serve.swap import resolve
         from cascade.serve.transport import DEFAULT_MAX_BODY
@@ -268,7 +268,7 @@ def teacher_app(teacher: Path, options: ServeOptions, *, placement: Placements =
 def _wait(options: ServeOptions, alone: bool = False) -> float:
     """The expected wait the top tier's queue admits: ``options.max_wait``, or the default of a
     cascade (or pass-through) or of a teacher served alone (``alone``), whose clients read for less."""
-    from cascade.serve.engine import DEFAULT_MAX_WAIT
+    from cascade.serve.engine_settings import DEFAULT_MAX_WAIT
     from cascade.teachers.admission import TEACHER_MAX_WAIT
 
     if options.max_wait is not None:

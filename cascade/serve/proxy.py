@@ -43,7 +43,7 @@ from cascade.questions import load_json, parse_request
 from cascade.readout.prompts import read_chars
 from cascade.serve.auth import BOTH_KEYS, KeyChecks, app_options, check_caller, check_metrics
 from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT, add_wire, lifespan_of, request_body, unprocessable
-from cascade.serve.engine import DEFAULT_MAX_WAIT
+from cascade.serve.engine_settings import DEFAULT_MAX_WAIT
 from cascade.serve.gone import unless_gone
 from cascade.serve.limits import RequestLimits, read_request
 from cascade.serve.metrics import CONTENT_TYPE, Total

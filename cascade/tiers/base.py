@@ -27,9 +27,10 @@ from cascade.errors import BundleError, ModelError
 from cascade.heads import SoftmaxHead, load_heads
 from cascade.pins import BundleFile, ModelFile
 from cascade.questions import Question, State
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.placement import Placement, Placements, for_tier
 from cascade.readout.prompts import Layout
-from cascade.readout.scorer import HeadTailExcerpt, Scorer
+from cascade.readout.scorer import Scorer
 from cascade.teachers.identity import EndpointIdentity
 from cascade.teachers.settings import UpstreamSettings
 

@@ -19,9 +19,10 @@ from cascade.errors import InputTooLongError, RouterError
 from cascade.hashing import file_sha256
 from cascade.pins import ModelFile
 from cascade.questions import DecisionRequest, Question
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.placement import Placement
 from cascade.readout.prompts import Layout
-from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
+from cascade.readout.scorer import Scorer, branch_slots
 from cascade.tiers.base import (
     Answers,
     Asked,

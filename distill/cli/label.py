@@ -20,7 +20,7 @@ from distill.cli.values import output_file, positive_number, sha256_hex, whole_n
 
 if TYPE_CHECKING:
     from cascade.questions import Question
-    from cascade.readout.scorer import HeadTailExcerpt
+    from cascade.readout.excerpt import HeadTailExcerpt
     from distill.labelling.gguf import LabelSummary
     from distill.labelling.transfer import ImportSummary
     from distill.store import LabelStore
@@ -97,7 +97,7 @@ def _cmd_label(args: argparse.Namespace) -> int:
 
 def _label(args: argparse.Namespace) -> int:
     from cascade.corpus import load_questions
-    from cascade.readout.scorer import HeadTailExcerpt
+    from cascade.readout.excerpt import HeadTailExcerpt
 
     ray_only = [flag for flag in ("actors", "batch_size") if getattr(args, flag) is not None]
     if ray_only and not args.ray:

@@ -12,7 +12,8 @@ from distill.cli.values import whole_number
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
-    from cascade.readout.scorer import HeadTailExcerpt, Scorer
+    from cascade.readout.excerpt import HeadTailExcerpt
+    from cascade.readout.scorer import Scorer
 
     request = read_request(args.request)
     if args.model is None:

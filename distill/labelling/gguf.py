@@ -23,9 +23,10 @@ from cascade.corpus import BadLine, CorpusItem, OnError, check_on_error, count_a
 from cascade.errors import InputTooLongError, ModelError, RequestError
 from cascade.hashing import file_sha256
 from cascade.questions import DecisionRequest, Question
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.placement import ExtraBuffers
 from cascade.readout.prompts import Layout, prompt_version
-from cascade.readout.scorer import HeadTailExcerpt, Scorer, branch_slots
+from cascade.readout.scorer import Scorer, branch_slots
 from distill.labelling.texts import check_texts
 from distill.stopping import StopRequest
 from distill.store import LabelStore, StoreMismatchError, Teacher

@@ -27,9 +27,9 @@ from cascade.checks import is_int
 from cascade.corpus import BadLine, CorpusItem, OnError, read_corpus
 from cascade.errors import CascadeError
 from cascade.questions import Question
+from cascade.readout.excerpt import HeadTailExcerpt
 from cascade.readout.placement import Placement
 from cascade.readout.prompts import Layout
-from cascade.readout.scorer import HeadTailExcerpt
 from distill.labelling.gguf import (
     LabelSummary,
     check_label_options,
