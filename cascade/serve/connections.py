@@ -35,7 +35,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cascade.serve.transport import HttpProblem, error_body, request_id
+from cascade.serve.transport import HttpProblem, send_problem
 
 log = logging.getLogger("cascade.serve")
 
@@ -82,17 +82,11 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
             if len(self.tasks) <= most or scope.get("path") in ALWAYS_ANSWERED:
                 await app(scope, receive, send)
                 return
-            given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-            rid = request_id(given or None)
-            problem = HttpProblem(503, "server_busy", f"the server has {most} requests in flight (--max-"
-                                  "connections); retry after 1 s", {"Retry-After": "1"}, kind="server_error")
-            body = json.dumps(error_body(problem)).encode()
-            log.warning(json.dumps({"event": "server_busy", "request_id": rid, "in_flight": len(self.tasks)}))
-            await send({"type": "http.response.start", "status": 503, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"retry-after", b"1"), (b"connection", b"close"), (b"x-request-id", rid.encode("latin-1")),
-                (b"x-typesafe-request-id", rid.encode("latin-1"))]})
-            await send({"type": "http.response.body", "body": body})
+            problem = HttpProblem(503, "server_busy", f"the server has {most} requests in flight "
+                                  "(--max-connections); retry after 1 s",
+                                  {"Retry-After": "1", "Connection": "close"}, kind="server_error")
+            log.warning(json.dumps({"event": "server_busy", "in_flight": len(self.tasks)}))
+            await send_problem(send, problem, scope)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -12,11 +12,10 @@ none of this: a page cannot send the key.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 from urllib.parse import urlsplit
 
-from cascade.serve.transport import HttpProblem, error_body, request_id
+from cascade.serve.transport import HttpProblem, send_problem
 from cascade.teachers.keys import is_loopback
 
 
@@ -38,16 +37,10 @@ class LoopbackOnly:
         if (not host or _local(f"//{host}")) and (origin is None or _local(origin.decode("latin-1"))):
             await self.app(scope, receive, send)
             return
-        rid = request_id(headers.get(b"x-request-id", b"").decode("latin-1") or None).encode("latin-1")
-        problem = HttpProblem(403, "cross_origin", "this server listens on loopback with no key, so it "
-                              "answers only requests from this machine's own programs (a loopback Host, "
-                              "no Origin of another site); to serve others, give it a key (--api-key)",
-                              kind="permission_error")
-        body = json.dumps(error_body(problem)).encode()
-        await send({"type": "http.response.start", "status": 403, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", rid), (b"x-typesafe-request-id", rid)]})
-        await send({"type": "http.response.body", "body": body})
+        await send_problem(send, HttpProblem(
+            403, "cross_origin", "this server listens on loopback with no key, so it answers only requests "
+            "from this machine's own programs (a loopback Host, no Origin of another site); to serve "
+            "others, give it a key (--api-key)", kind="permission_error"), scope)
 
 
 def _local(address: str) -> bool:

@@ -12,6 +12,7 @@ after inflating too, so a small compressed body cannot unpack into gigabytes.
 
 from __future__ import annotations
 
+import json
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -157,3 +158,17 @@ def request_id(given: str | None) -> str:
     if given and given.isprintable() and len(given) <= 200:
         return given
     return f"req_{uuid.uuid4().hex}"
+
+
+async def send_problem(send: Any, problem: HttpProblem, scope: Any) -> None:
+    """``problem`` answered on a raw ASGI ``send``, as the app answers it (its error body, its
+    headers, the request's id): for a refusal made before the app, by a connection's limit, an
+    origin check or Ray's proxy."""
+    given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+    rid = request_id(given or None).encode("latin-1")
+    body = json.dumps(error_body(problem)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((name.lower().encode(), value.encode()) for name, value in problem.headers.items()),
+               (b"x-request-id", rid), (b"x-typesafe-request-id", rid)]
+    await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

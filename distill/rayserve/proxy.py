@@ -29,11 +29,10 @@ limits would refuse or time out too.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from cascade.serve.edge import DEFAULT_RECEIVE_TIMEOUT
-from cascade.serve.transport import HttpProblem, error_body, request_id, slow_body
+from cascade.serve.transport import HttpProblem, send_problem, slow_body
 
 TRIES = 3
 VARIABLE = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -64,18 +63,17 @@ class ResendWhenReplicaDies:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length", b"")
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > MAX_HELD:
-            await _refuse(send, _too_large(), headers)
+            await send_problem(send, _too_large(), scope)
             return
         try:
             body, whole = await asyncio.wait_for(_held_body(receive), self.receive_timeout)
         except asyncio.TimeoutError:
-            await _refuse(send, slow_body(self.receive_timeout), headers)
+            await send_problem(send, slow_body(self.receive_timeout), scope)
             return
         if not whole:
-            await _refuse(send, _too_large(), headers)
+            await send_problem(send, _too_large(), scope)
             return
         for attempt in range(1, TRIES + 1):
             answer = _Answer(send, last=attempt == TRIES)
@@ -107,18 +105,6 @@ def _too_large() -> HttpProblem:
     return HttpProblem(413, "request_too_large", f"request body over {MAX_HELD} bytes, the most Ray's "
                        "proxy holds for a request; send fewer or shorter states per request",
                        {"Connection": "close"})
-
-
-async def _refuse(send: Any, problem: HttpProblem, request_headers: dict[bytes, bytes]) -> None:
-    """``problem`` answered as ``cascade serve`` answers it, with the request's id (the client's
-    ``X-Request-Id``, or a new one): the proxy's own 408 carried none."""
-    rid = request_id(request_headers.get(b"x-request-id", b"").decode("latin-1") or None).encode("latin-1")
-    content = json.dumps(error_body(problem)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
-               *((name.lower().encode(), value.encode()) for name, value in problem.headers.items()),
-               (b"x-request-id", rid), (b"x-typesafe-request-id", rid)]
-    await send({"type": "http.response.start", "status": problem.status, "headers": headers})
-    await send({"type": "http.response.body", "body": content})
 
 
 def _replaying(body: bytes, receive: Any) -> Any:
