@@ -48,7 +48,7 @@ def test_a_slow_body_gets_the_408_cascade_serve_gives_and_others_are_answered_me
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
             conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 1000\r\n\r\n{\"state\": ")
+                         b"X-Request-Id: slow-1\r\nContent-Length: 1000\r\n\r\n{\"state\": ")
             started = time.monotonic()
             answered = 0
             while time.monotonic() - started < TIMEOUT / 2:
@@ -56,7 +56,7 @@ def test_a_slow_body_gets_the_408_cascade_serve_gives_and_others_are_answered_me
             reply = read_all(conn)  # sent nothing more: the hold's deadline passes, then it closes
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), reply[:200]
-    assert b"connection: close" in head.lower()
+    assert b"connection: close" in head.lower() and b"x-request-id: slow-1" in head.lower()  # it had none
     error = json.loads(body)["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "request_timeout")
     assert f"within {TIMEOUT:g} s" in error["message"]
@@ -90,9 +90,7 @@ def test_a_body_past_what_the_proxy_holds_is_refused_unread_with_its_request_id(
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
             conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nX-Request-Id: big-1\r\n"
                          b"Content-Length: 3000000000\r\n\r\n{")
-            started = time.monotonic()
-            reply = read_all(conn)
-            assert time.monotonic() - started < TIMEOUT  # at once, not at the receive timeout
+            reply = read_all(conn)  # a 413, not the 408 of a body held until the receive timeout
         chunks = (b"x" * 65536 for _ in range(MAX_HELD // 65536 + 1))  # in pieces, no length: just past
         sent = httpx.post(f"{url}/v1/systemone", content=chunks, headers={"X-Request-Id": "big-2"},
                           timeout=30)
@@ -100,14 +98,3 @@ def test_a_body_past_what_the_proxy_holds_is_refused_unread_with_its_request_id(
     assert head.startswith(b"HTTP/1.1 413") and b"x-request-id: big-1" in head.lower(), reply[:300]
     assert json.loads(body)["error"]["code"] == "request_too_large"
     assert (sent.status_code, sent.headers["x-request-id"]) == (413, "big-2") and seen == []
-
-
-def test_the_408_names_the_request() -> None:
-    app, _ = echoing()
-    with serving(app) as url:
-        port = int(url.rsplit(":", 1)[1])
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-            conn.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nX-Request-Id: slow-1\r\n"
-                         b"Content-Length: 10\r\n\r\n{")
-            reply = read_all(conn)
-    assert reply.startswith(b"HTTP/1.1 408") and b"x-request-id: slow-1" in reply.lower(), reply[:300]
