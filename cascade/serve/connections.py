@@ -52,7 +52,7 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
     if most < 1:
         raise ValueError(f"at least 1 connection must be allowed; got {most!r}")
 
-    class Deadlines(H11Protocol):
+    class Policed(H11Protocol):
         _head_due: asyncio.TimerHandle | None = None
         _write_due: asyncio.TimerHandle | None = None
         _waiting_since = 0.0
@@ -67,7 +67,7 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
 
         def _make_room(self) -> None:
             """Close the connection that has waited longest for a request's head, this one aside."""
-            waiting = [c for c in self.connections if isinstance(c, Deadlines) and c is not self
+            waiting = [c for c in self.connections if isinstance(c, Policed) and c is not self
                        and not c._reading_request() and not c.transport.is_closing()]
             if waiting:
                 min(waiting, key=lambda c: c._waiting_since)._close()
@@ -148,4 +148,4 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
             else:
                 self.transport.close()
 
-    return Deadlines
+    return Policed
