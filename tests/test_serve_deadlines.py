@@ -13,7 +13,9 @@ writing pauses for real, and one that takes its time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -146,3 +148,27 @@ def test_a_request_framed_two_ways_is_answered_and_its_connection_closed() -> No
         finally:
             sock.close()
     assert reply.count(b"HTTP/1.1 ") == 1, reply  # and closed: the read above ended
+
+
+def test_headers_past_the_limit_are_refused_however_they_arrive() -> None:
+    """A 20 KB header was read when it came in one write and refused (400) in pieces: a client's
+    big cookie was taken or not by how TCP split it."""
+    with serving(APP, wait=False, options=ServeOptions(max_connections=4, receive_timeout=10)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"y" * 20_000 + b"\r\n\r\n"
+        statuses = []
+        for pieces in (1, 20):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            try:
+                with contextlib.suppress(OSError):  # refused midway: the rest is not wanted
+                    for k in range(pieces):
+                        sock.sendall(head[k * len(head) // pieces:(k + 1) * len(head) // pieces])
+                        time.sleep(0.01)
+                try:
+                    statuses.append(sock.recv(64).split(b" ")[1])
+                except ConnectionResetError:  # h11's 400 may be lost to the reset of what it left unread
+                    statuses.append(b"400")
+            finally:
+                sock.close()
+        small = httpx.get(f"{url}/ping", headers={"X-Pad": "y" * 10_000}, timeout=10)
+    assert statuses == [b"431", b"400"] and small.status_code == 200

@@ -39,6 +39,10 @@ from cascade.serve.transport import HttpProblem, send_problem
 
 log = logging.getLogger("cascade.serve")
 
+MAX_HEAD = 16 * 1024
+"""Bytes of headers a request may carry: h11's bound on a head that arrives in pieces (a plain 400
+past it), kept for one that arrives whole too (read whatever its size, up to about 64 KiB, so a
+client's big cookie was taken or refused by how TCP split it); past it, 431."""
 ALWAYS_ANSWERED = frozenset({"/health", "/healthz"})
 """Answered past the limit too: a probe of a busy server is told it is up."""
 
@@ -79,6 +83,11 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
                 # framed two ways (RFC 9112 6.1): answered, then the connection closed, so that a
                 # proxy in front that read the other framing cannot slip a request past it
                 self.cycle.keep_alive = False
+            if sum(len(name) + len(value) + 4 for name, value in scope.get("headers") or []) > MAX_HEAD:
+                await send_problem(send, HttpProblem(
+                    431, "headers_too_large", f"the request's headers are over {MAX_HEAD} bytes; send "
+                    "fewer or shorter ones", {"Connection": "close"}), scope)
+                return
             if len(self.tasks) <= most or scope.get("path") in ALWAYS_ANSWERED:
                 await app(scope, receive, send)
                 return
