@@ -117,8 +117,17 @@ def redact_logs(*names: str) -> None:
 
 def private_text(path: Path) -> TextIO:
     """``path`` opened to write text (truncated), readable and writable by its owner alone (0600,
-    whatever the umask or the mode it had): for files that hold customer text."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
+    whatever the umask or the mode it had): for files that hold customer text. Never through a
+    symbolic link: one planted at ``path`` sent the text to wherever it pointed."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+                             PRIVATE_MODE)
+    except OSError as exc:
+        if not path.is_symlink():
+            raise
+        # an OSError (errors.py imports this module): the commands print it as one line
+        raise PermissionError(f"{path} is a symbolic link; customer text is not written through one: "
+                              "remove it, or give another path") from exc
     os.fchmod(descriptor, PRIVATE_MODE)
     return os.fdopen(descriptor, "w", encoding="utf-8")
 

@@ -519,3 +519,19 @@ def test_a_ray_config_keys_the_teacher_route_as_it_keys_the_cascade(
     for replica in apps.values():
         with pytest.raises(OpenPortError, match="opens the port to other machines"):
             check_auth(options_of(replica), False, forwardable=False)
+
+
+def test_customer_text_is_never_written_through_a_planted_link(tmp_path: Path) -> None:
+    """``collected --out DIR`` wrote the states through a link planted at DIR/corpus.jsonl, to
+    wherever it pointed."""
+    from cascade.private import private_text
+
+    elsewhere, planted = tmp_path / "elsewhere.txt", tmp_path / "corpus.jsonl"
+    elsewhere.write_text("theirs\n")
+    planted.symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match="is a symbolic link"):
+        private_text(planted)
+    assert elsewhere.read_text() == "theirs\n"
+    with private_text(tmp_path / "fine.jsonl") as handle:
+        handle.write("ours\n")
+    assert stat.S_IMODE((tmp_path / "fine.jsonl").stat().st_mode) == 0o600
