@@ -58,20 +58,26 @@ def decide_corpus(cascade: Cascade, corpus: CorpusInput, out: Path, budget: Budg
     done = _done_ids(out)
     decided = Decided(already=len(done))
     total = count_items(corpus.path)
-    with out.open("a", encoding="utf-8") as sink, \
-            tqdm(total=total, initial=len(done), unit="item", disable=not run.progress) as bar:
-        batch: list[Item] = []
-        for row in corpus.read(cascade.manifest.training.text_field):
-            if row.id in done:
-                continue
-            batch.append(Item(row.id, row.state))
-            if len(batch) == batch_size:
+    created = not out.exists()
+    try:
+        with out.open("a", encoding="utf-8") as sink, \
+                tqdm(total=total, initial=len(done), unit="item", disable=not run.progress) as bar:
+            batch: list[Item] = []
+            for row in corpus.read(cascade.manifest.training.text_field):
+                if row.id in done:
+                    continue
+                batch.append(Item(row.id, row.state))
+                if len(batch) == batch_size:
+                    _write(cascade, batch, budget, sink, decided, auditor, escalations)
+                    bar.update(len(batch))
+                    batch = []
+            if batch:
                 _write(cascade, batch, budget, sink, decided, auditor, escalations)
                 bar.update(len(batch))
-                batch = []
-        if batch:
-            _write(cascade, batch, budget, sink, decided, auditor, escalations)
-            bar.update(len(batch))
+    except BaseException:  # a corpus refused (empty, not JSONL) or a run stopped before any line
+        if created and out.is_file() and out.stat().st_size == 0:
+            out.unlink()  # no empty --out left behind, which a rerun would take for a started one
+        raise
     return decided
 
 
