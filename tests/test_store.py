@@ -103,6 +103,11 @@ def test_gguf_teacher_needs_sha256_and_prompt_version() -> None:
 def test_missing_and_foreign_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no label store"):
         LabelStore.open_existing(tmp_path / "absent.db")
+    (tmp_path / "dir.sqlite").mkdir()  # said "no label store ... label a corpus first"
+    for opening in (lambda: LabelStore.open_existing(tmp_path / "dir.sqlite"),
+                    lambda: LabelStore(tmp_path / "dir.sqlite", GGUF)):
+        with pytest.raises(StoreError, match="is a folder, not a label store file"):
+            opening()
     (tmp_path / "text.db").write_text("not a database at all, just some text" * 100)
     sqlite3.connect(tmp_path / "other.db").execute("CREATE TABLE t (x)")
     for name in ("text.db", "other.db"):

@@ -58,6 +58,8 @@ class SqliteBackend(Backend):
 
     def __init__(self, path: Path, read_only: bool, any_thread: bool) -> None:
         self.location, self.read_only = Path(path), read_only
+        if self.location.is_dir():  # said "no label store ... label a corpus first", or sqlite's words
+            raise StoreError(f"{path} is a folder, not a label store file: give --store the store's path")
         if read_only and not self.location.is_file():
             raise StoreError(f"no label store at {path}: check --store, or label a corpus first")
         uri = f"{self.location.resolve().as_uri()}?mode={'ro' if read_only else 'rwc'}"
