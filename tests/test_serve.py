@@ -307,6 +307,19 @@ def test_an_encoder_answer_never_waits_behind_the_teachers_queue(url: str) -> No
         assert [f.result().status_code for f in hard] == [200] * 6
 
 
+def test_a_refusal_no_budget_could_avoid_does_not_advise_one(bundle_dir: Path, gemma_path: Path) -> None:
+    """A question the bundle does not hold goes to the teacher whatever the budget: the refusal
+    advised a budget (x_budget) or --overload keep all the same."""
+    config = ServeConfig(engine=EngineSettings(max_wait=0.5))
+    foreign = {"type": "noul", "instructions": "Does this message mention a refund of exactly 41 euros?"}
+    bodies = [{**body, "questions": {"refund41": foreign}} for body in escalating(10)]
+    with running(loader(bundle_dir, gemma_path), config) as base, ThreadPoolExecutor(10) as pool:
+        replies = list(pool.map(lambda body: post(base, body), bodies))
+    refused = [r for r in replies if r.status_code == 503]
+    assert refused and all("no budget keeps this request below the teacher" in r.json()["error"]["message"]
+                           and "--overload keep" not in r.json()["error"]["message"] for r in refused)
+
+
 @pytest.mark.parametrize("overload", ["refuse", "keep"])
 def test_a_full_teacher_queue_refuses_with_retry_after_or_keeps_the_answer_below(
     bundle_dir: Path, gemma_path: Path, overload: str
