@@ -432,3 +432,10 @@ def test_a_bad_teacher_identity_says_what_is_wrong(tmp_path: Path) -> None:
     result = run("label", "--questions", str(questions), "--store", str(tmp_path / "s.sqlite"), "--import",
                  str(labels), "--teacher-identity", "{bad")
     assert result.returncode == 2 and "Invalid JSON: key must be a string" in result.stderr.splitlines()[-1]
+
+
+def test_a_decide_out_nested_past_the_parser_is_one_line(corpus_command: Callable[[str], list[str]]) -> None:
+    """Resuming read each --out line as JSON: one nested 100,000 deep was a RecursionError."""
+    argv = corpus_command("decide")
+    Path(argv[argv.index("--out") + 1]).write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert_one_clear_line(run(*argv), "CascadeError", "is not a decision line with an 'id'")
