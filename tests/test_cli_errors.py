@@ -269,7 +269,10 @@ def test_a_bad_corpus_line_is_refused_with_advice_the_command_takes(
     result = run(*argv)
     assert_one_clear_line(result, "CorpusError", "corpus.jsonl:2: not valid JSON", "--on-error skip")
     if name == "decide":  # an empty --out was left, which a rerun took for a started one
-        assert not Path(argv[argv.index("--out") + 1]).exists()
+        out = Path(argv[argv.index("--out") + 1])
+        assert not out.exists()
+        out.symlink_to(out.with_name("elsewhere.jsonl"))  # the user's link, to nothing yet: kept
+        assert run(*argv).returncode == 2 and out.is_symlink()
 
 
 @pytest.mark.parametrize(("name", "done"), [

@@ -471,7 +471,10 @@ def test_a_ray_config_refuses_secrets_and_is_its_owners_alone(
     for flags, said in (([*teacher, "--", "--api-key", API_KEY], "set $CASCADE_API_KEY on every Ray node"),
                         ([*teacher, "--", "--metrics-key=" + API_KEY], "$CASCADE_METRICS_KEY"),
                         (["--teacher", secret_url], "holds a password"),
-                        ([*teacher, "--", "--audit-store", store], "PGPASSWORD")):
+                        ([*teacher, "--", "--audit-store", store], "PGPASSWORD"),
+                        ([*teacher, "--", f"--collect={store}"], "PGPASSWORD"),  # its value unread
+                        ([*teacher, "--", "--audit-store", f"postgresql:///labels?password={TEACHER_PW}"],
+                         "PGPASSWORD")):
         assert main([*base, *flags]) == 2
         err = capsys.readouterr().err
         assert said in err and _leaks("", err) == [], err

@@ -171,4 +171,26 @@ def test_headers_past_the_limit_are_refused_however_they_arrive() -> None:
             finally:
                 sock.close()
         small = httpx.get(f"{url}/ping", headers={"X-Pad": "y" * 10_000}, timeout=10)
-    assert statuses == [b"431", b"400"] and small.status_code == 200
+        long_address = httpx.get(f"{url}/ping?q={'y' * 20_000}", timeout=10)
+    assert statuses == [b"431", b"400"] and small.status_code == 200 and long_address.status_code == 431
+
+
+def test_a_slow_clients_head_on_its_way_is_not_the_one_closed_for_room() -> None:
+    """The one waiting longest for a head was closed, a slow client halfway through sending its
+    own before a silent socket opened after it: one that has sent nothing goes first."""
+    with serving(APP, wait=False, options=ServeOptions(max_connections=2, receive_timeout=30)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        silent = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            slow.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n")  # the rest of its head to come
+            time.sleep(0.5)  # the server has read it (the order, not a time, is what is tested)
+            assert status(url) == 200  # a third connection: room made by closing one of the two
+            slow.sendall(b"\r\n")
+            reply = slow.recv(64)
+            silent.settimeout(10)
+            closed = silent.recv(1)
+        finally:
+            slow.close()
+            silent.close()
+    assert reply.startswith(b"HTTP/1.1 200") and closed == b""

@@ -35,8 +35,11 @@ def test_only_this_machines_programs_are_answered() -> None:
         port = url.rsplit(":", 1)[1]
         post = lambda **headers: httpx.post(f"{url}/v1/systemone", content=b"{}",  # noqa: E731
                                             headers=headers, timeout=10)
-        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", "api.localhost"):
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", "api.localhost", "localhost.",
+                     "[::ffff:127.0.0.1]"):
             assert post(Host=host).status_code == 200, host
+        for host in ("evil.example@localhost", "localhost/evil"):  # no Host a browser sends
+            assert post(Host=host).status_code == 403, host
         assert post(Origin=f"http://localhost:{port}").status_code == 200  # a page served here
         refused = post(Host=f"attacker.example:{port}", **{"X-Request-Id": "r-1"})  # a re-bound domain
         assert refused.status_code == 403 and refused.json()["error"]["code"] == "cross_origin"

@@ -60,6 +60,7 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
         _head_due: asyncio.TimerHandle | None = None
         _write_due: asyncio.TimerHandle | None = None
         _waiting_since = 0.0
+        _heard = False  # bytes came since it last waited for a head
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -73,8 +74,12 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
             """Close the connection that has waited longest for a request's head, this one aside."""
             waiting = [c for c in self.connections if isinstance(c, Policed) and c is not self
                        and not c._reading_request() and not c.transport.is_closing()]
-            if waiting:
-                min(waiting, key=lambda c: c._waiting_since)._close()
+            if waiting:  # one that sent nothing of its head first: a slow client's head may be on its way
+                min(waiting, key=lambda c: (c._heard, c._waiting_since))._close()
+
+        def data_received(self, data: bytes) -> None:
+            self._heard = True
+            super().data_received(data)
 
         async def _admitted(self, app: Any, scope: Any, receive: Any, send: Any) -> None:
             """The app's answer, or past ``most`` requests in flight (this one counted) a 503."""
@@ -83,10 +88,12 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
                 # framed two ways (RFC 9112 6.1): answered, then the connection closed, so that a
                 # proxy in front that read the other framing cannot slip a request past it
                 self.cycle.keep_alive = False
-            if sum(len(name) + len(value) + 4 for name, value in scope.get("headers") or []) > MAX_HEAD:
+            head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+            head += sum(len(name) + len(value) + 4 for name, value in scope.get("headers") or [])
+            if head > MAX_HEAD:
                 await send_problem(send, HttpProblem(
-                    431, "headers_too_large", f"the request's headers are over {MAX_HEAD} bytes; send "
-                    "fewer or shorter ones", {"Connection": "close"}), scope)
+                    431, "headers_too_large", f"the request's line and headers are over {MAX_HEAD} bytes; "
+                    "send a shorter address, or fewer or shorter headers", {"Connection": "close"}), scope)
                 return
             if len(self.tasks) <= most or scope.get("path") in ALWAYS_ANSWERED:
                 await app(scope, receive, send)
@@ -132,7 +139,7 @@ def connection_policy(seconds: float, most: int) -> type[H11Protocol]:
 
         def _arm(self) -> None:
             self._disarm()
-            self._waiting_since = self.loop.time()
+            self._waiting_since, self._heard = self.loop.time(), False
             if not self.transport.is_closing():
                 self._head_due = self.loop.call_later(seconds, self._overdue)
 

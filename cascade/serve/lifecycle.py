@@ -137,7 +137,7 @@ def serve(bundle: Path, options: ServeOptions | None = None, parts: BundleParts 
         f"takes {bundle} again on SIGHUP"
     run.serve(app, f"serving {bundle} at http://{options.host}:{options.port}/v1/systemone "
               f"(auth {'forwarded' if options.forward_auth else 'on' if auth.key else 'off'}; {follows}; "
-              "models loading, /health says when ready)", keyed=bool(auth.key or options.forward_auth),
+              "models loading, /health says when ready)", keyed=auth.key is not None,
               hangup=lambda: _poke(app))
 
 
@@ -220,7 +220,7 @@ def serve_proxy(upstream: UpstreamSettings, options: ServeOptions | None = None,
     _Run(options, "the pass-through").serve(
         app, f"passing requests through to {upstream.shown} at http://{options.host}:{options.port}"
         f"/v1/systemone (auth {auth}; admits while the expected wait is at most "
-        f"{_wait(options):g} s{what})", keyed=bool(key or upstream.forward_auth))
+        f"{_wait(options):g} s{what})", keyed=key is not None)
 
 
 def serve_teacher(teacher: Path, options: ServeOptions | None = None, *, placement: Placements = None,
@@ -365,8 +365,9 @@ class _Run:
             self.server.should_exit = True
 
     def serve(self, app: Any, banner: str, keyed: bool, hangup: Callable[[], None] | None = None) -> None:
-        """Run ``app`` until a stop; ``keyed``: whether it checks callers' keys (itself, or by the
-        upstream): one on loopback that does not answers this machine's programs only."""
+        """Run ``app`` until a stop; ``keyed``: whether it checks a key of its own. One on loopback
+        that does not answers this machine's programs only (with forwarded auth too: an upstream
+        that takes callers with no key would answer a page as well)."""
         import uvicorn
 
         from cascade.serve.origin import LoopbackOnly

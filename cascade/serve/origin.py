@@ -45,9 +45,14 @@ class LoopbackOnly:
 
 def _local(address: str) -> bool:
     """Whether a ``Host`` (given as ``//host:port``) or an ``Origin`` names this machine (an Origin
-    of ``null``, a sandboxed page's, names none)."""
+    of ``null``, a sandboxed page's, names none; a Host holding a user part or a path is no Host a
+    browser sends, and is refused). ``localhost.`` and ``::ffff:127.0.0.1`` are loopback too."""
     try:
-        name = urlsplit(address).hostname
+        parts = urlsplit(address)
+        name = parts.hostname
     except ValueError:  # a port that is not a number, brackets left open
         return False
-    return name is not None and is_loopback(name)
+    if name is None or "@" in parts.netloc or parts.path or parts.query or parts.fragment:
+        return False
+    name = name.rstrip(".")
+    return is_loopback(name.removeprefix("::ffff:") if name.startswith("::ffff:") else name)

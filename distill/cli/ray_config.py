@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from cascade.errors import CascadeError, OpenPortError
 from cascade.teachers.admission import TEACHER_MAX_WAIT
@@ -112,8 +111,9 @@ def _given_flags(flags: list[str], teacher: Path | str) -> argparse.Namespace:
             raise CascadeError(f"--{flag} after -- would be copied by Ray into its logs and its "
                                f"dashboard's API, readable by any user of a node: set ${variable} on "
                                "every Ray node instead (the replicas read it there)")
-    for value in [*flags, str(teacher)]:
-        if "://" in value and urlsplit(value).password:
+    words = [*flags, str(teacher)]
+    for value in words + [word.split("=", 1)[1] for word in words if word.startswith("--") and "=" in word]:
+        if redact_url(value) != value:  # a URL's password or token, a ?password= (as libpq reads it)
             raise CascadeError(f"{redact_url(value)} holds a password, which Ray would copy into its logs "
                                "and its dashboard's API: give a store's in PGPASSWORD on every Ray node, "
                                "and an upstream's key by --upstream-key-env")

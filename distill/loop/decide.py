@@ -10,6 +10,7 @@ the batch's lines are written.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ def decide_corpus(cascade: Cascade, corpus: CorpusInput, out: Path, budget: Budg
     done = _done_ids(out)
     decided = Decided(already=len(done))
     total = count_items(corpus.path)
-    created = not out.exists()
+    created = not os.path.lexists(out)  # a link given as --out, even one to nothing, is the user's
     try:
         with out.open("a", encoding="utf-8") as sink, \
                 tqdm(total=total, initial=len(done), unit="item", disable=not run.progress) as bar:
