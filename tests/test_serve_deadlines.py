@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,8 +42,14 @@ async def ping(request: Request) -> Response:
     return JSONResponse({"pong": True})
 
 
+SLOW_STARTED: list[int] = []
+SLOW_RELEASE = threading.Event()
+"""The slow route's requests that have begun, and what lets them end: the test, not a clock."""
+
+
 async def slow(request: Request) -> Response:
-    await asyncio.sleep(3)
+    SLOW_STARTED.append(1)
+    await asyncio.to_thread(SLOW_RELEASE.wait, 60)
     return JSONResponse({"slow": True})
 
 
@@ -120,16 +127,21 @@ def test_requests_past_the_limit_in_flight_get_a_busy_answer_with_retry_after() 
     """Two slow requests in flight, a limit of two: a third is told to come back (the usual error
     body, its request id, Retry-After, the connection closed), /health is answered, and once the
     slow ones are done the server answers again."""
+    SLOW_STARTED.clear()
+    SLOW_RELEASE.clear()
     with serving(APP, wait=False, options=ServeOptions(max_connections=2, receive_timeout=10)) as url:
         with ThreadPoolExecutor(2) as pool:
-            slow_ones = [pool.submit(httpx.get, f"{url}/slow", timeout=30) for _ in range(2)]
-            until(lambda: status(url) == 503, "both slow requests in flight")
-            busy = httpx.get(f"{url}/ping", headers={"X-Request-Id": "busy-1"}, timeout=5)
-            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
-            assert busy.headers["x-request-id"] == "busy-1" and busy.headers["connection"] == "close"
-            assert busy.json()["error"]["code"] == "server_busy"
-            assert status(url, "/health") == 200
+            slow_ones = [pool.submit(httpx.get, f"{url}/slow", timeout=60) for _ in range(2)]
+            try:  # probing before both were in flight could close a slow one's new connection for room
+                until(lambda: len(SLOW_STARTED) == 2, "both slow requests in flight")
+                busy = httpx.get(f"{url}/ping", headers={"X-Request-Id": "busy-1"}, timeout=5)
+                health = status(url, "/health")
+            finally:
+                SLOW_RELEASE.set()
             assert [f.result().status_code for f in slow_ones] == [200, 200]
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1" and health == 200
+        assert busy.headers["x-request-id"] == "busy-1" and busy.headers["connection"] == "close"
+        assert busy.json()["error"]["code"] == "server_busy"
         assert status(url) == 200
 
 
